@@ -1,0 +1,3 @@
+from distrib.cli import entry
+
+entry()

@@ -1,0 +1,79 @@
+"""argv in, exit code out: the only place that turns user errors into one-line messages.
+
+    distrib train [--config FILE] [--set section.key=value ...] [--nproc-per-node N]
+    distrib launch [torchrun options] SCRIPT|-m MODULE [args ...]
+    distrib doctor
+    distrib plot RUN_DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from distrib.errors import UserError
+
+EXIT_USER_ERROR = 2
+
+
+def _train(args: argparse.Namespace) -> int:
+    from distrib.config import load_config
+
+    config = load_config(args.config, args.set)  # fail on a bad config before starting any worker
+    if args.nproc_per_node is not None:
+        from distrib.launcher import launch_trainer
+
+        return launch_trainer(args.nproc_per_node, args.argv)
+    from distrib.worker import run
+
+    run(config)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="distrib", description="Data-parallel training for PyTorch.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser("train", help="train a model (one process, or N workers with --nproc-per-node)")
+    train.add_argument("--config", help="TOML file; the built-in defaults train the seed Network on Fashion-MNIST")
+    train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                       help="override one config value; repeatable")
+    train.add_argument("--nproc-per-node", type=int, default=None,
+                       help="launch this many workers on this node (a shorthand for distrib launch)")
+    train.set_defaults(func=_train)
+    return parser
+
+
+def _launch_trainer_argv(argv: Sequence[str]) -> list[str]:
+    """The train command line a launched worker runs: the user's, less --nproc-per-node."""
+    out, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+        elif item == "--nproc-per-node":
+            skip = True
+        elif not item.startswith("--nproc-per-node="):
+            out.append(item)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    args.argv = _launch_trainer_argv(argv)
+    try:
+        return args.func(args)
+    except UserError as e:
+        print(f"distrib: error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+def entry() -> None:
+    """The console script and `python -m distrib`: ends without interpreter teardown (see runtime.hard_exit)."""
+    from distrib.runtime import hard_exit
+
+    try:
+        code = main()
+    except SystemExit as e:  # argparse's own errors and --help
+        code = e.code if isinstance(e.code, int) else 1
+    hard_exit(code)

@@ -1,0 +1,256 @@
+"""The run's configuration: typed, frozen sections validated on construction, loaded from TOML plus dotted overrides.
+
+Imports nothing heavy (no torch): the CLI and the launcher read configs before any worker exists."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import re
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from distrib.errors import ConfigError
+
+_FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+def _fail(section: str, key: str, value, why: str, fix: str) -> typing.NoReturn:
+    raise ConfigError(f"{section}.{key} = {value!r}: {why}; {fix}")
+
+
+def _choice(section: str, obj, key: str, allowed: tuple[str, ...]) -> None:
+    value = getattr(obj, key)
+    if value not in allowed:
+        _fail(section, key, value, f"must be one of {', '.join(allowed)}",
+              f"e.g. --set {section}.{key}={allowed[0]}")
+
+
+def _at_least(section: str, obj, key: str, low: float) -> None:
+    value = getattr(obj, key)
+    if not (math.isfinite(value) and value >= low):
+        _fail(section, key, value, f"must be a finite number >= {low}", f"set {section}.{key} to {low} or more")
+
+
+def _positive(section: str, obj, key: str, example) -> None:
+    value = getattr(obj, key)
+    if not (math.isfinite(value) and value > 0):
+        _fail(section, key, value, "must be a finite number > 0", f"e.g. --set {section}.{key}={example}")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class DataConfig:
+    name: str = "fashion-mnist"  # fashion-mnist | synthetic
+    root: str = "data"  # where datasets are found, unpacked or downloaded
+    loader: str = "auto"  # auto (device-resident when it fits) | device | dataloader
+    num_workers: int = 0  # DataLoader worker processes (dataloader path only)
+    eval_batch_size: int = 1000
+    synthetic_train_size: int = 8192
+    synthetic_test_size: int = 1000
+
+    def __post_init__(self):
+        _choice("data", self, "name", ("fashion-mnist", "synthetic"))
+        _choice("data", self, "loader", ("auto", "device", "dataloader"))
+        if not self.root:
+            _fail("data", "root", self.root, "must not be empty", "e.g. --set data.root=data")
+        _at_least("data", self, "num_workers", 0)
+        for key in ("eval_batch_size", "synthetic_train_size", "synthetic_test_size"):
+            _at_least("data", self, key, 1)
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class ModelConfig:
+    name: str = "network"  # network: the seed Fashion-MNIST CNN
+    factory: str = ""  # package.module:function returning any nn.Module; overrides name
+
+    def __post_init__(self):
+        if self.factory:
+            if not _FACTORY.match(self.factory):
+                _fail("model", "factory", self.factory, "must look like package.module:function",
+                      "e.g. --set model.factory=mypkg.models:build")
+        else:
+            _choice("model", self, "name", ("network",))
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class TrainConfig:
+    epochs: int = 12  # 0 = bounded by max_steps only
+    max_steps: int = 0  # optimizer steps; 0 = no limit
+    global_batch_size: int = 128  # samples per optimizer step, summed over ranks and micro-steps
+    grad_accum_steps: int = 1
+    lr: float = 0.05
+    optimizer: str = "sgd"  # sgd | adam | adamw
+    momentum: float = 0.9  # sgd only
+    weight_decay: float = 0.0
+    schedule: str = "cosine"  # constant | cosine (with linear warm-up)
+    warmup_steps: int = 100
+    grad_clip: float = 0.0  # max global grad norm; 0 = off
+    seed: int = 0
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 uses a GradScaler)
+    log_every: int = 50  # optimizer steps between log lines (each log line syncs with the host)
+    eval_every_epochs: int = 1  # 0 = evaluate only at the end
+
+    def __post_init__(self):
+        for key in ("epochs", "max_steps", "warmup_steps", "seed", "eval_every_epochs"):
+            _at_least("train", self, key, 0)
+        for key in ("global_batch_size", "grad_accum_steps", "log_every"):
+            _at_least("train", self, key, 1)
+        if self.epochs == 0 and self.max_steps == 0:
+            _fail("train", "epochs", 0, "and train.max_steps = 0 leave the run unbounded",
+                  "set --set train.epochs=1 or --set train.max_steps=100")
+        _positive("train", self, "lr", 0.01)
+        _choice("train", self, "optimizer", ("sgd", "adam", "adamw"))
+        _choice("train", self, "schedule", ("constant", "cosine"))
+        _choice("train", self, "precision", ("fp32", "bf16", "fp16"))
+        _at_least("train", self, "weight_decay", 0.0)
+        _at_least("train", self, "grad_clip", 0.0)
+        if not (0.0 <= self.momentum < 1.0):
+            _fail("train", "momentum", self.momentum, "must be in [0, 1)", "e.g. --set train.momentum=0.9")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class RunConfig:
+    dir: str = "runs/default"  # config, metrics, summary and model are written here
+    progress: bool = True  # tqdm progress bar on rank 0
+
+    def __post_init__(self):
+        if not self.dir:
+            _fail("run", "dir", self.dir, "must not be empty", "e.g. --set run.dir=runs/exp1")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class DistConfig:
+    device: str = "auto"  # auto (cuda when available, else cpu) | cpu | cuda
+    timeout_s: float = 300.0  # a collective that waits longer fails instead of hanging
+
+    def __post_init__(self):
+        _choice("dist", self, "device", ("auto", "cpu", "cuda"))
+        _positive("dist", self, "timeout_s", 300)
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class CheckpointConfig:
+    dir: str = ""  # "" = RUN_DIR/checkpoints
+    every_steps: int = 0  # 0 = only at the end
+    resume: str = "auto"  # auto | never | a checkpoint path
+    keep_last: int = 2
+
+    def __post_init__(self):
+        _at_least("checkpoint", self, "every_steps", 0)
+        if self.keep_last < 2:
+            _fail("checkpoint", "keep_last", self.keep_last, "must be >= 2 so a good checkpoint always survives",
+                  "e.g. --set checkpoint.keep_last=2")
+        if not self.resume:
+            _fail("checkpoint", "resume", self.resume, "must be auto, never or a path",
+                  "e.g. --set checkpoint.resume=auto")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+def _sections() -> dict[str, type]:
+    return {f.name: f.default_factory for f in dataclasses.fields(Config)}
+
+
+def _suggest(word: str, options) -> str:
+    close = difflib.get_close_matches(word, list(options), n=1)
+    return f"did you mean {close[0]!r}?" if close else f"allowed: {', '.join(options)}"
+
+
+def _coerce(section: str, key: str, value, kind: type, raw: str | None):
+    """Turns a TOML or CLI value into the field's type, or fails naming the key."""
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is str and raw is not None and not isinstance(value, str):
+        return raw  # --set data.root=123 means the string "123"
+    if kind is int and isinstance(value, bool) or not isinstance(value, kind):
+        _fail(section, key, value, f"must be of type {kind.__name__}", f"give {section}.{key} a {kind.__name__}")
+    return value
+
+
+def _build_section(name: str, values: dict, raws: dict):
+    cls = _sections()[name]
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in values.items():
+        if key not in hints:
+            raise ConfigError(f"{name}.{key}: unknown key; {_suggest(key, hints)}")
+        kwargs[key] = _coerce(name, key, value, hints[key], raws.get(key))
+    return cls(**kwargs)
+
+
+def _parse_value(text: str):
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _apply_override(tree: dict, raws: dict, item: str) -> None:
+    key, sep, text = item.partition("=")
+    section, dot, name = key.strip().partition(".")
+    if not sep or not dot or not name:
+        raise ConfigError(f"--set {item!r}: expected section.key=value; e.g. --set train.lr=0.01")
+    if section not in _sections():
+        raise ConfigError(f"--set {item!r}: unknown section {section!r}; {_suggest(section, _sections())}")
+    tree.setdefault(section, {})[name] = _parse_value(text.strip())
+    raws.setdefault(section, {})[name] = text.strip()
+
+
+def _read_toml(path: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path!r}: no such file; give the path of a TOML file such as configs/debug_cpu.toml")
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config {path!r}: not valid TOML ({e}); fix the file") from None
+
+
+def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Built-in defaults, then the TOML file, then each --set section.key=value in order."""
+    tree = _read_toml(path) if path else {}
+    raws: dict[str, dict] = {}
+    for item in overrides:
+        _apply_override(tree, raws, item)
+    sections = {}
+    for name, values in tree.items():
+        if name not in _sections():
+            raise ConfigError(f"[{name}]: unknown section; {_suggest(name, _sections())}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"{name} = {values!r}: must be a [{name}] table; fix the config file")
+        sections[name] = _build_section(name, values, raws.get(name, {}))
+    return Config(**sections)
+
+
+def to_dict(config: Config) -> dict:
+    return dataclasses.asdict(config)
+
+
+def to_toml(config: Config) -> str:
+    """The resolved config as TOML that load_config reads back unchanged."""
+    lines = []
+    for section, values in to_dict(config).items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            text = str(value).lower() if isinstance(value, bool) else json.dumps(value)
+            lines.append(f"{key} = {text}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_resolved(config: Config, run_dir: Path) -> Path:
+    path = Path(run_dir) / "config.toml"
+    path.write_text(to_toml(config))
+    return path

@@ -1,0 +1,15 @@
+"""User-facing errors: mistakes the user can fix, reported as one line without a traceback.
+
+The CLI is the only place that turns these into messages and exit codes."""
+
+
+class UserError(Exception):
+    """A mistake in the user's input or environment; the message says what, the value, and the fix."""
+
+
+class ConfigError(UserError):
+    """A config key or value that is not allowed."""
+
+
+class DeviceMismatchError(UserError):
+    """Tensors that are not on the worker's device; the message lists each one."""

@@ -1,0 +1,98 @@
+"""Model placement and data parallelism: .to(device) with device-mismatch diagnostics, then DDP; unwrap; grad sync.
+
+A mismatch error names every parameter, buffer or batch tensor that is off the worker's device, and where it is."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distrib.errors import DeviceMismatchError
+from distrib.runtime import Runtime
+
+_MISMATCH_PHRASES = ("Expected all tensors to be on the same device", "is not on the expected device")
+_MAX_LISTED = 10
+
+
+def _same_device(tensor: torch.Tensor, device: torch.device) -> bool:
+    return tensor.device.type == device.type and (device.index is None or tensor.device.index == device.index)
+
+
+def misplaced_tensors(model: nn.Module, device: torch.device,
+                      batch: dict[str, torch.Tensor] | None = None) -> list[str]:
+    """'parameter conv1.weight is on meta' for every model or batch tensor not on `device`."""
+    named = [("parameter", n, t) for n, t in model.named_parameters()]
+    named += [("buffer", n, t) for n, t in model.named_buffers()]
+    named += [("batch tensor", n, t) for n, t in (batch or {}).items()]
+    return [f"{kind} {name} is on {t.device}" for kind, name, t in named if not _same_device(t, device)]
+
+
+def _mismatch(found: list[str], device: torch.device, fix: str) -> DeviceMismatchError:
+    listed = "; ".join(found[:_MAX_LISTED]) + (f"; and {len(found) - _MAX_LISTED} more" if len(found) > _MAX_LISTED else "")
+    return DeviceMismatchError(f"device mismatch, expected {device} (this worker's device): {listed}; fix: {fix}")
+
+
+def place_model(model: nn.Module, device: torch.device) -> nn.Module:
+    """Moves the model to the worker's device and proves that every parameter and buffer arrived."""
+    on_meta = [m for m in misplaced_tensors(model, device) if m.endswith(" is on meta")]
+    if on_meta:  # .to() cannot move a meta tensor: it has no data
+        raise _mismatch(on_meta, device, "materialise meta tensors in the model factory "
+                                         "(module.to_empty(device=...) then initialise) before returning the model")
+    model.to(device)
+    found = misplaced_tensors(model, device)
+    if found:
+        raise _mismatch(found, device, "register these tensors with nn.Parameter or register_buffer so that "
+                                       "model.to(device) moves them, and do not pin them to a device")
+    return model
+
+
+def check_batch(batch: dict[str, torch.Tensor], device: torch.device) -> None:
+    found = misplaced_tensors(nn.Module(), device, batch)
+    if found:
+        raise _mismatch(found, device, "move each batch tensor with .to(device) before the forward pass")
+
+
+@contextlib.contextmanager
+def explain_device_errors(model: nn.Module, device: torch.device, batch: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Re-raises PyTorch's 'Expected all tensors to be on the same device' with the names of the culprits."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not any(phrase in str(e) for phrase in _MISMATCH_PHRASES):
+            raise
+        found = misplaced_tensors(unwrap(model), device, batch)
+        if not found:
+            found = ["every parameter, buffer and batch tensor is on the right device, so forward() made a tensor "
+                     "elsewhere"]
+        first_line = str(e).splitlines()[0]
+        raise _mismatch(found, device, f"create tensors inside forward() with device=input.device "
+                                       f"(PyTorch said: {first_line})") from e
+
+
+def wrap_ddp(model: nn.Module, runtime: Runtime, **options) -> DDP:
+    """DDP over a model already on the worker's device; rank 0's initial weights are broadcast to all ranks."""
+    return DDP(model, device_ids=runtime.ddp_device_ids, **options)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain module under DDP and torch.compile: its state_dict keys carry no module. or _orig_mod. prefix."""
+    while True:
+        if isinstance(model, DDP):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def grad_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+    """Wrap the whole forward AND backward of a micro-step: DDP decides in the forward whether to all-reduce."""
+    ddp = getattr(model, "_orig_mod", model)  # torch.compile wraps the DDP module
+    if enabled or not isinstance(ddp, DDP):
+        return contextlib.nullcontext()
+    return ddp.no_sync()
+

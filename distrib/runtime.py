@@ -1,0 +1,169 @@
+"""The per-worker runtime: reads the launch environment (the only reader), picks the device and backend, and opens
+and always closes the process group. The only module that names cuda, nccl or gloo."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Iterator, Mapping, NoReturn
+
+import torch
+import torch.distributed as dist
+
+from distrib.config import DistConfig
+from distrib.errors import UserError
+
+LAUNCH_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchEnv:
+    """What the launcher (torchrun, distrib launch, or nothing) told this process."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    master_addr: str = ""
+    master_port: int = 0
+    restart_count: int = 0
+
+    @property
+    def launched(self) -> bool:
+        return bool(self.master_addr)
+
+
+def _int_var(environ: Mapping[str, str], key: str, default: int | None = None) -> int:
+    text = environ.get(key)
+    if text is None:
+        if default is None:
+            raise UserError(f"{key} is not set but RANK is; launch with torchrun or distrib launch, "
+                            "or unset RANK to run as one process")
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise UserError(f"{key}={text!r}: must be an integer; launch with torchrun or distrib launch") from None
+
+
+def read_launch_env(environ: Mapping[str, str] = os.environ) -> LaunchEnv:
+    """The single reader of RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE and MASTER_*; no env means one process."""
+    if "RANK" not in environ and "WORLD_SIZE" not in environ:
+        return LaunchEnv()
+    rank, world_size = _int_var(environ, "RANK"), _int_var(environ, "WORLD_SIZE")
+    local_rank = _int_var(environ, "LOCAL_RANK", rank)
+    local_world_size = _int_var(environ, "LOCAL_WORLD_SIZE", world_size)
+    master_addr = environ.get("MASTER_ADDR", "")
+    master_port = _int_var(environ, "MASTER_PORT")
+    if not master_addr:
+        raise UserError("MASTER_ADDR is not set but RANK is; launch with torchrun or distrib launch")
+    if not (0 <= rank < world_size):
+        raise UserError(f"RANK={rank} with WORLD_SIZE={world_size}: need 0 <= RANK < WORLD_SIZE; fix the launcher")
+    if not (0 <= local_rank < local_world_size <= world_size):
+        raise UserError(f"LOCAL_RANK={local_rank} with LOCAL_WORLD_SIZE={local_world_size}, WORLD_SIZE={world_size}: "
+                        "need 0 <= LOCAL_RANK < LOCAL_WORLD_SIZE <= WORLD_SIZE; fix the launcher")
+    restarts = _int_var(environ, "TORCHELASTIC_RESTART_COUNT", 0)
+    return LaunchEnv(rank, local_rank, world_size, local_world_size, master_addr, master_port, restarts)
+
+
+@dataclass(frozen=True, slots=True)
+class Runtime:
+    """Who this worker is and where it computes; everything below the worker takes one of these."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+    restart_count: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def ddp_device_ids(self) -> list[int] | None:
+        # DDP wants the one device of a single-device CUDA module; CPU modules take None.
+        return [self.device.index] if self.device.type == "cuda" else None
+
+    @property
+    def pin_memory(self) -> bool:
+        return self.device.type == "cuda"
+
+    def free_memory_bytes(self) -> int:
+        """Memory the device-resident data path may use: the GPU's free memory, or the host's available RAM."""
+        if self.device.type == "cuda":
+            return torch.cuda.mem_get_info(self.device)[0]
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+    def synchronize(self) -> None:
+        """Waits for queued device work, so that a wall-clock reading means something."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def select_device(requested: str, local_rank: int) -> torch.device:
+    """dist.device -> the worker's device; CUDA mistakes are caught here, before any process group exists."""
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise UserError("dist.device = 'cuda': CUDA is not available on this machine; "
+                        "use --set dist.device=cpu (or auto)")
+    visible = torch.cuda.device_count()
+    if local_rank >= visible:
+        raise UserError(f"LOCAL_RANK={local_rank} but {visible} CUDA device(s) are visible; launch with "
+                        f"--nproc-per-node={visible} or fix CUDA_VISIBLE_DEVICES")
+    return torch.device("cuda", local_rank)
+
+
+def _init_process_group(env: LaunchEnv, device: torch.device, backend: str, timeout: timedelta) -> None:
+    kwargs = dict(backend=backend, timeout=timeout, rank=env.rank, world_size=env.world_size)
+    if device.type == "cuda":
+        # A group that knows its device avoids barriers on the wrong GPU (pytorch#124714).
+        kwargs["device_id"] = device
+    if env.launched:
+        dist.init_process_group(init_method="env://", **kwargs)
+    else:
+        # One process, no launcher: an in-memory store, so no port is needed and none can clash.
+        dist.init_process_group(store=dist.HashStore(), **kwargs)
+
+
+@contextlib.contextmanager
+def open_runtime(config: DistConfig, env: LaunchEnv | None = None) -> Iterator[Runtime]:
+    """Opens the process group for this worker and always closes it, also when training raises."""
+    env = env or read_launch_env()
+    device = select_device(config.device, env.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before any CUDA work, or every rank allocates on GPU 0
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    _init_process_group(env, device, backend, timedelta(seconds=config.timeout_s))
+    runtime = Runtime(env.rank, env.local_rank, env.world_size, env.local_world_size, device, backend,
+                      env.restart_count)
+    ok = False
+    try:
+        yield runtime
+        ok = True
+    finally:
+        close_process_group(barrier=ok)
+
+
+def close_process_group(barrier: bool = True) -> None:
+    """Barrier, then destroy: a gloo rank that leaves while others still talk to it can abort at exit."""
+    if not dist.is_initialized():
+        return
+    if barrier:
+        with contextlib.suppress(Exception):
+            dist.barrier()
+    dist.destroy_process_group()
+
+
+def hard_exit(code: int) -> NoReturn:
+    """Ends a worker without interpreter teardown: gloo's threads can otherwise SIGABRT at exit (pytorch#190489)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+

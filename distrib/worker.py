@@ -1,0 +1,72 @@
+"""One worker per device: wiring only, from a config to a trained model, metrics and a summary in run.dir.
+
+One CPU, no launcher:        distrib train --config configs/debug_cpu.toml
+N workers on one node:       distrib train --nproc-per-node 2 --config configs/ddp_cpu.toml
+                             torchrun --standalone --nproc-per-node 2 -m distrib train --config configs/ddp_cpu.toml
+A SLURM cluster:             sbatch --nodes 2 scripts/slurm/train.sbatch configs/cluster.toml
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from distrib.checkpoint import save_atomic
+from distrib.config import Config, write_resolved
+from distrib.data import load_splits, make_batches, make_plan
+from distrib.metrics import Recorder
+from distrib.models import build_model
+from distrib.parallel import place_model, unwrap, wrap_ddp
+from distrib.runtime import LaunchEnv, Runtime, open_runtime
+from distrib.train import Trainer, build_optimizer, build_scheduler
+
+
+def run(config: Config, env: LaunchEnv | None = None) -> dict:
+    """Trains on this worker's device inside an open process group; returns the run's summary."""
+    with open_runtime(config.dist, env) as runtime:
+        return train_on(config, runtime)
+
+
+def _total_steps(config: Config, steps_per_epoch: int) -> int:
+    by_epochs = config.train.epochs * steps_per_epoch
+    by_steps = config.train.max_steps
+    return min(by_epochs, by_steps) if by_epochs and by_steps else by_epochs or by_steps
+
+
+def train_on(config: Config, runtime: Runtime) -> dict:
+    start = time.perf_counter()
+    run_dir = Path(config.run.dir)
+    recorder = Recorder(run_dir, runtime.is_main, config.run.progress)
+    if runtime.is_main:
+        write_resolved(config, run_dir)
+    recorder.info(f"world size {runtime.world_size}, device {runtime.device}, backend {runtime.backend}")
+
+    train_split, test_split = load_splits(config.data, runtime)
+    plan = make_plan(len(train_split), config.train, runtime)
+    torch.manual_seed(config.train.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's too)
+    model = wrap_ddp(place_model(build_model(config.model), runtime.device), runtime)
+    data_bytes = train_split.nbytes() + test_split.nbytes()
+    train_source = make_batches(train_split, config.data, runtime, data_bytes)
+    test_source = make_batches(test_split, config.data, runtime, data_bytes)
+
+    total_steps = _total_steps(config, plan.steps_per_epoch)
+    optimizer = build_optimizer(model, config.train)
+    trainer = Trainer(model, optimizer, build_scheduler(optimizer, total_steps, config.train), config.train,
+                      runtime, plan, total_steps, recorder)
+    recorder.info(f"{total_steps} steps of {plan.global_batch_size} samples ({runtime.world_size} ranks x "
+                  f"{config.train.grad_accum_steps} micro-steps x {plan.micro_batch_size}), {type(train_source).__name__}")
+    metrics = trainer.fit(train_source, test_source, len(test_split), config.data.eval_batch_size)
+
+    if runtime.is_main:
+        save_atomic(unwrap(model).state_dict(), run_dir / "model.pt")
+    elapsed = time.perf_counter() - start
+    summary = {"world_size": runtime.world_size, "device": str(runtime.device), "backend": runtime.backend,
+               "steps": trainer.progress.step, "epochs": trainer.progress.epoch, **metrics,
+               "samples_per_second": trainer.samples_per_second, "elapsed_seconds": elapsed}
+    recorder.write_summary(summary)
+    recorder.info(f"done in {elapsed:.1f}s: test accuracy {100 * metrics['test_accuracy']:.2f}%, "
+                  f"summary in {run_dir / 'summary.json'}")
+    recorder.close()
+    return summary
