@@ -9,10 +9,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from typing import Sequence
+from typing import NoReturn, Sequence
 
-from distrib.errors import UserError
+from distrib.errors import EXIT_PREEMPTED, UserError
 
 EXIT_USER_ERROR = 2
 
@@ -25,10 +26,27 @@ def _train(args: argparse.Namespace) -> int:
         from distrib.launcher import launch_trainer
 
         return launch_trainer(args.nproc_per_node, args.argv)
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(_worker)(config)  # under a launcher, a failing rank's exception reaches the launcher's summary
+
+
+def _worker(config) -> int:
+    from distrib.preempt import Preempted
     from distrib.worker import run
 
-    run(config)
+    try:
+        run(config)
+    except Preempted as e:
+        print(f"distrib: {e}; exit code {EXIT_PREEMPTED}: requeue the job and it resumes there", file=sys.stderr)
+        return EXIT_PREEMPTED
     return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from distrib.doctor import main as doctor
+
+    return doctor(args.nproc_per_node)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,6 +59,13 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--nproc-per-node", type=int, default=None,
                        help="launch this many workers on this node (a shorthand for distrib launch)")
     train.set_defaults(func=_train)
+    # Listed for --help only: main() hands `launch` to torchrun's own parser before this one sees it.
+    commands.add_parser("launch", help="torchrun-compatible launcher: distrib launch [torchrun options] "
+                                       "SCRIPT|-m MODULE [args]; see distrib launch --help")
+    doctor = commands.add_parser("doctor", help="print the launch environment and check it (GPUs, ports, SLURM)")
+    doctor.add_argument("--nproc-per-node", type=int, default=None,
+                        help="workers per node you plan to launch (default: from the environment, else GPUs)")
+    doctor.set_defaults(func=_doctor)
     return parser
 
 
@@ -59,19 +84,29 @@ def _launch_trainer_argv(argv: Sequence[str]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
-    args.argv = _launch_trainer_argv(argv)
     try:
+        if argv[:1] == ["launch"]:  # passed through untouched, so every torchrun flag means what it means there
+            from distrib.launcher import main as launch
+
+            return launch(argv[1:])
+        args = _parser().parse_args(argv)
+        args.argv = _launch_trainer_argv(argv[1:])  # what follows `train`
         return args.func(args)
     except UserError as e:
         print(f"distrib: error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
 
 
-def entry() -> None:
-    """The console script and `python -m distrib`: ends without interpreter teardown (see runtime.hard_exit)."""
-    from distrib.runtime import hard_exit
+def hard_exit(code: int) -> NoReturn:
+    """Ends the process without interpreter teardown: gloo's threads can otherwise SIGABRT at exit (pytorch#190489);
+    the process group was already closed (barrier, then destroy) by the runtime."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
+
+def entry() -> None:
+    """The console script and `python -m distrib`."""
     try:
         code = main()
     except SystemExit as e:  # argparse's own errors and --help

@@ -9,6 +9,7 @@ import difflib
 import json
 import math
 import re
+import signal
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -135,12 +136,18 @@ class DistConfig:
 @dataclass(kw_only=True, frozen=True, slots=True)
 class CheckpointConfig:
     dir: str = ""  # "" = RUN_DIR/checkpoints
-    every_steps: int = 0  # 0 = only at the end
-    resume: str = "auto"  # auto | never | a checkpoint path
+    every_steps: int = 500  # optimizer steps between checkpoints; 0 = only at the end (and on preemption)
+    resume: str = "auto"  # auto (the newest good checkpoint in dir, if any) | never | a checkpoint path
     keep_last: int = 2
+    signals: str = "SIGTERM,SIGUSR1"  # checkpoint and exit 75 on these (SLURM: #SBATCH --signal)
+    allow_config_change: bool = False  # resume even if model, data or global batch differ from the checkpoint's
 
     def __post_init__(self):
         _at_least("checkpoint", self, "every_steps", 0)
+        for name in filter(None, (part.strip().upper() for part in self.signals.split(","))):
+            if (name if name.startswith("SIG") else f"SIG{name}") not in signal.Signals.__members__:
+                _fail("checkpoint", "signals", self.signals, f"{name} is not a signal",
+                      "e.g. --set checkpoint.signals=SIGTERM,SIGUSR1")
         if self.keep_last < 2:
             _fail("checkpoint", "keep_last", self.keep_last, "must be >= 2 so a good checkpoint always survives",
                   "e.g. --set checkpoint.keep_last=2")

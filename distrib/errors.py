@@ -13,3 +13,9 @@ class ConfigError(UserError):
 
 class DeviceMismatchError(UserError):
     """Tensors that are not on the worker's device; the message lists each one."""
+
+
+# Exit code of a run that stopped for preemption and should be requeued (EX_TEMPFAIL, "try again later"):
+# a worker that checkpointed on a preemption signal exits with it, distrib launch passes it on, and
+# scripts/slurm/train.sbatch answers it with `scontrol requeue`.
+EXIT_PREEMPTED = 75

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterator, Mapping, NoReturn
+from typing import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -100,6 +99,13 @@ class Runtime:
             return torch.cuda.mem_get_info(self.device)[0]
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
+    def device_rng_state(self) -> torch.Tensor | None:
+        return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+
+    def set_device_rng_state(self, state: torch.Tensor | None) -> None:
+        if self.device.type == "cuda" and state is not None:
+            torch.cuda.set_rng_state(state.cpu(), self.device)
+
     def synchronize(self) -> None:
         """Waits for queued device work, so that a wall-clock reading means something."""
         if self.device.type == "cuda":
@@ -159,11 +165,4 @@ def close_process_group(barrier: bool = True) -> None:
         with contextlib.suppress(Exception):
             dist.barrier()
     dist.destroy_process_group()
-
-
-def hard_exit(code: int) -> NoReturn:
-    """Ends a worker without interpreter teardown: gloo's threads can otherwise SIGABRT at exit (pytorch#190489)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 

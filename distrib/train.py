@@ -20,6 +20,7 @@ from distrib.data import BatchPlan, eval_batches, epoch_steps
 from distrib.errors import UserError
 from distrib.metrics import Recorder
 from distrib.parallel import check_batch, explain_device_errors, grad_sync, unwrap
+from distrib.preempt import Preempted, StopFlag
 from distrib.runtime import Runtime
 
 _FIXED_POINT = 2.0 ** 32  # per-sample losses summed as integers: exact, whatever the order of the sum
@@ -54,6 +55,26 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
+def evaluate(model: nn.Module, source, num_samples: int, batch_size: int, runtime: Runtime,
+             precision: str = "fp32") -> dict:
+    """Exact metrics over the whole test set: every sample once, no padding, one all-reduce.
+    Runs the unwrapped module, so no DDP hooks fire and ranks may see different numbers of batches."""
+    model = unwrap(model)
+    stats = torch.zeros(3, dtype=torch.int64, device=runtime.device)  # loss (fixed point), correct, count
+    model.eval()
+    with torch.no_grad(), autocast(precision, runtime.device):
+        for inputs, targets in source.batches(eval_batches(num_samples, batch_size, runtime.rank, runtime.world_size)):
+            logits = model(inputs).float()
+            losses = F.cross_entropy(logits, targets, reduction="none").double()
+            stats[0] += (losses * _FIXED_POINT).round().long().sum()
+            stats[1] += (logits.argmax(dim=1) == targets).sum()
+            stats[2] += targets.numel()
+    model.train()
+    dist.all_reduce(stats)
+    loss_sum, correct, count = stats.tolist()
+    return {"test_loss": loss_sum / _FIXED_POINT / count, "test_accuracy": correct / count, "test_count": count}
+
+
 @dataclass
 class Progress:
     """Where training stands; enough, with the seed, to continue the data order exactly."""
@@ -77,6 +98,9 @@ class Trainer:
     progress: Progress = field(default_factory=Progress)
     train_seconds: float = 0.0  # wall time of this run's optimizer steps, evaluation excluded
     steps_this_run: int = 0
+    checkpointer: object = None  # a distrib.checkpoint.Checkpointer, or None: no checkpoints
+    stop: StopFlag = field(default_factory=StopFlag)  # set by a signal handler; agreed on in step()
+    stop_agreed: bool = False
 
     def __post_init__(self):
         if self.scaler is None:
@@ -100,9 +124,14 @@ class Trainer:
                     loss = F.cross_entropy(self.model(inputs), targets) / n
                 self.scaler.scale(loss).backward()
             local += loss.detach()
-        dist.all_reduce(local)  # SUM, then divide: the global mean of equal-sized micro-batches
-        loss = local / self.runtime.world_size
-        self._check_finite(loss)
+        # One all-reduce per step carries the loss and the stop votes: SUM, then divide for the global mean of
+        # equal-sized micro-batches; any rank's signal stops every rank at this same step boundary.
+        reduced = torch.stack([local, torch.full((), float(self.stop.requested), device=device)])
+        dist.all_reduce(reduced)
+        loss = reduced[0] / self.runtime.world_size
+        loss_sum, votes = reduced.tolist()  # the one host sync per step: finite check and stop votes
+        self._check_finite(loss_sum / self.runtime.world_size)
+        self.stop_agreed = votes > 0
         if self.config.grad_clip:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
             nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
@@ -112,29 +141,39 @@ class Trainer:
         self.scheduler.step()
         return loss
 
-    def _check_finite(self, loss: torch.Tensor) -> None:
+    def _check_finite(self, loss: float) -> None:
         # The reduced loss is the same on every rank, so all ranks stop together, before the weights turn NaN.
-        # fp16 skips such steps in its GradScaler instead. This is a host sync, one scalar per step.
-        if self.config.precision != "fp16" and not torch.isfinite(loss).item():
-            raise UserError(f"train loss is {loss.item()} at step {self.progress.step + 1}: training diverged; "
+        # fp16 skips such steps in its GradScaler instead.
+        if self.config.precision != "fp16" and not math.isfinite(loss):
+            raise UserError(f"train loss is {loss} at step {self.progress.step + 1}: training diverged; "
                             f"lower train.lr (now {self.config.lr}), set train.grad_clip=1.0, or use more warm-up")
 
+    def _maybe_checkpoint(self, step: int) -> None:
+        if self.stop_agreed:
+            path = self.checkpointer.save(step) if self.checkpointer else None
+            raise Preempted(step, path)
+        if self.checkpointer and self.checkpointer.due(step):
+            self.checkpointer.save(step)
+
+    def state_dict(self) -> dict:
+        """Everything but the RNGs (gathered from every rank by the Checkpointer); no module. prefixes."""
+        p = self.progress
+        return {"model": unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                "progress": {"step": p.step, "epoch": p.epoch, "step_in_epoch": p.step_in_epoch,
+                             "samples_in_epoch": p.step_in_epoch * self.plan.global_batch_size}}
+
+    def load_state_dict(self, state: dict) -> None:
+        unwrap(self.model).load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        saved = state["progress"]
+        # Position in the epoch by samples, so a changed global batch (forced) lands on the right sample.
+        self.progress = Progress(saved["step"], saved["epoch"], saved["samples_in_epoch"] // self.plan.global_batch_size)
+
     def evaluate(self, source, num_samples: int, batch_size: int) -> dict:
-        """Exact metrics over the whole test set: every sample once, no padding, one all-reduce."""
-        model, rt = unwrap(self.model), self.runtime
-        stats = torch.zeros(3, dtype=torch.int64, device=rt.device)  # loss (fixed point), correct, count
-        model.eval()
-        with torch.no_grad(), autocast(self.config.precision, rt.device):
-            for inputs, targets in source.batches(eval_batches(num_samples, batch_size, rt.rank, rt.world_size)):
-                logits = model(inputs).float()
-                losses = F.cross_entropy(logits, targets, reduction="none").double()
-                stats[0] += (losses * _FIXED_POINT).round().long().sum()
-                stats[1] += (logits.argmax(dim=1) == targets).sum()
-                stats[2] += targets.numel()
-        model.train()
-        dist.all_reduce(stats)
-        loss_sum, correct, count = stats.tolist()
-        return {"test_loss": loss_sum / _FIXED_POINT / count, "test_accuracy": correct / count, "test_count": count}
+        return evaluate(self.model, source, num_samples, batch_size, self.runtime, self.config.precision)
 
     def fit(self, train_source, test_source, num_test: int, eval_batch_size: int) -> dict:
         """Trains from self.progress to total_steps; evaluates each eval_every_epochs and at the end."""
@@ -148,6 +187,7 @@ class Trainer:
                 p.step, p.step_in_epoch, window_steps = p.step + 1, p.step_in_epoch + 1, window_steps + 1
                 self.steps_this_run += 1
                 bar.update(1)
+                self._maybe_checkpoint(p.step)
                 if p.step % cfg.log_every == 0 or p.step == self.total_steps:
                     loss_value = loss.item()  # host sync: only on log steps, so the clock below is honest
                     elapsed = time.perf_counter() - window_start
@@ -166,6 +206,8 @@ class Trainer:
         bar.close()
         self.runtime.synchronize()
         self.train_seconds = time.perf_counter() - fit_start - eval_seconds
+        if self.checkpointer and not self.checkpointer.due(p.step):
+            self.checkpointer.save(p.step)  # the final state, so that a later run can extend this one
         metrics = self.evaluate(test_source, num_test, eval_batch_size)
         rec.log_eval(p.step, p.epoch, metrics)
         return {**metrics, "train_loss": rec.last_loss}

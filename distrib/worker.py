@@ -13,12 +13,13 @@ from pathlib import Path
 
 import torch
 
-from distrib.checkpoint import save_atomic
-from distrib.config import Config, write_resolved
+from distrib.checkpoint import Checkpointer, check_compatible, load_for_resume, save_atomic, set_rng_state
+from distrib.config import Config, to_dict, write_resolved
 from distrib.data import load_splits, make_batches, make_plan
 from distrib.metrics import Recorder
 from distrib.models import build_model
 from distrib.parallel import place_model, unwrap, wrap_ddp
+from distrib.preempt import parse_signals, stop_on_signals
 from distrib.runtime import LaunchEnv, Runtime, open_runtime
 from distrib.train import Trainer, build_optimizer, build_scheduler
 
@@ -33,6 +34,29 @@ def _total_steps(config: Config, steps_per_epoch: int) -> int:
     by_epochs = config.train.epochs * steps_per_epoch
     by_steps = config.train.max_steps
     return min(by_epochs, by_steps) if by_epochs and by_steps else by_epochs or by_steps
+
+
+def _checkpoint_dir(config: Config) -> Path:
+    return Path(config.checkpoint.dir or Path(config.run.dir) / "checkpoints")
+
+
+def _resume(trainer: Trainer, config: Config, runtime: Runtime, recorder: Recorder) -> int | None:
+    """Loads the checkpoint that rank 0 chose into the trainer and arms periodic checkpoints; the resumed step."""
+    ckpt = config.checkpoint
+    trainer.checkpointer = Checkpointer(_checkpoint_dir(config), ckpt.every_steps, ckpt.keep_last, runtime,
+                                        lambda: {**trainer.state_dict(), "config": to_dict(config),
+                                                 "world_size": runtime.world_size})
+    state = load_for_resume(ckpt.resume, _checkpoint_dir(config), runtime, recorder.info)
+    if state is None:
+        return None
+    changed = check_compatible(ckpt.resume, state["config"], to_dict(config), ckpt.allow_config_change)
+    trainer.load_state_dict(state)
+    if state["world_size"] == runtime.world_size:  # per-rank RNG streams only map onto the same ranks
+        set_rng_state(state["rng"][runtime.rank], runtime)
+    recorder.info(f"resumed at step {trainer.progress.step} (epoch {trainer.progress.epoch}) from a checkpoint "
+                  f"taken at world size {state['world_size']}; restart count {runtime.restart_count}"
+                  + (f"; allowed changes: {'; '.join(changed)}" if changed else ""))
+    return trainer.progress.step
 
 
 def train_on(config: Config, runtime: Runtime) -> dict:
@@ -55,15 +79,18 @@ def train_on(config: Config, runtime: Runtime) -> dict:
     optimizer = build_optimizer(model, config.train)
     trainer = Trainer(model, optimizer, build_scheduler(optimizer, total_steps, config.train), config.train,
                       runtime, plan, total_steps, recorder)
+    resumed_from = _resume(trainer, config, runtime, recorder)
     recorder.info(f"{total_steps} steps of {plan.global_batch_size} samples ({runtime.world_size} ranks x "
                   f"{config.train.grad_accum_steps} micro-steps x {plan.micro_batch_size}), {type(train_source).__name__}")
-    metrics = trainer.fit(train_source, test_source, len(test_split), config.data.eval_batch_size)
+    with stop_on_signals(parse_signals(config.checkpoint.signals)) as trainer.stop:
+        metrics = trainer.fit(train_source, test_source, len(test_split), config.data.eval_batch_size)
 
     if runtime.is_main:
         save_atomic(unwrap(model).state_dict(), run_dir / "model.pt")
     elapsed = time.perf_counter() - start
     summary = {"world_size": runtime.world_size, "device": str(runtime.device), "backend": runtime.backend,
                "steps": trainer.progress.step, "epochs": trainer.progress.epoch, **metrics,
+               "resumed_from_step": resumed_from, "restart_count": runtime.restart_count,
                "samples_per_second": trainer.samples_per_second, "elapsed_seconds": elapsed}
     recorder.write_summary(summary)
     recorder.info(f"done in {elapsed:.1f}s: test accuracy {100 * metrics['test_accuracy']:.2f}%, "

@@ -1,0 +1,87 @@
+"""Shared test helpers: IDX files in the real on-disk format, subprocesses that can never hang CI, weight diffs."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_idx(path: Path, data: torch.Tensor, gz: bool = False) -> None:
+    """The IDX format of (Fashion-)MNIST: magic (0, 0, type 0x08 = ubyte, ndim), big-endian dims, raw bytes."""
+    header = struct.pack(">BBBB", 0, 0, 0x08, data.dim()) + struct.pack(f">{data.dim()}I", *data.shape)
+    payload = header + data.to(torch.uint8).contiguous().numpy().tobytes()
+    opener = gzip.open if gz else open
+    with opener(path, "wb") as f:
+        f.write(payload)
+
+
+def make_idx_dir(directory: Path, num_train: int = 300, num_test: int = 101, gz: bool = False, seed: int = 0):
+    """Four small Fashion-MNIST-format files; returns (train_images, train_labels, test_images, test_labels)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    arrays = []
+    for prefix, n in (("train", num_train), ("t10k", num_test)):
+        images = torch.randint(0, 256, (n, 28, 28), generator=g, dtype=torch.uint8)
+        labels = torch.randint(0, 10, (n,), generator=g, dtype=torch.uint8)
+        suffix = ".gz" if gz else ""
+        write_idx(directory / f"{prefix}-images-idx3-ubyte{suffix}", images, gz)
+        write_idx(directory / f"{prefix}-labels-idx1-ubyte{suffix}", labels, gz)
+        arrays += [images, labels.long()]
+    return tuple(arrays)
+
+
+def run(cmd: list[str], timeout: float, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Runs cmd in its own session; on timeout the whole process group is killed and the test fails."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
+                            cwd=cwd or REPO, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-3000:]}\n{err[-3000:]}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def distrib(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
+    return run([sys.executable, "-m", "distrib", *args], timeout, **kw)
+
+
+def torchrun_train(nproc: int, *args: str, timeout: float = 180, **kw) -> subprocess.CompletedProcess:
+    """`torchrun --standalone` (a free port of its own) running `python -m distrib train` on nproc workers."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "distrib", "train", *args]
+    return run(cmd, timeout, **kw)
+
+
+def load_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(Path(run_dir) / "model.pt", weights_only=True, map_location="cpu")
+
+
+def max_relative_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)).item() for k in a)
+
+
+def assert_ok(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"

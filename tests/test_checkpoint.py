@@ -1,0 +1,110 @@
+"""Checkpoint files: complete, atomic, verified, safely loaded; broken ones give a clear error or a fall-back."""
+
+import pickle
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from distrib.checkpoint import (FORMAT, VERSION, CheckpointError, checkpoint_path, digest, list_checkpoints,
+                                read_checkpoint, save_atomic, _newest_good)
+from support import REPO
+
+CPU = torch.device("cpu")
+
+
+def _write(directory: Path, step: int) -> Path:
+    state = {"format": FORMAT, "version": VERSION, "progress": {"step": step}, "model": {"w": torch.arange(1000.0)}}
+    state["checksum"] = digest(state)
+    return save_atomic(state, checkpoint_path(directory, step))
+
+
+def test_round_trip_and_newest_first(tmp_path):
+    for step in (5, 100, 20):
+        _write(tmp_path, step)
+    (tmp_path / ".step_00000200.pt.123.tmp").write_bytes(b"half a file")  # a dead writer's leftover
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000100.pt", "step_00000020.pt", "step_00000005.pt"]
+    state = read_checkpoint(tmp_path / "step_00000100.pt", CPU)
+    assert state["progress"]["step"] == 100 and torch.equal(state["model"]["w"], torch.arange(1000.0))
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _flip(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # inside the tensor data: only the checksum can notice
+    path.write_bytes(bytes(data))
+
+
+def _empty(path):
+    path.write_bytes(b"")
+
+
+def _foreign(path):
+    torch.save({"conv1.weight": torch.zeros(3)}, path)  # a plain state_dict, not ours
+
+
+@pytest.mark.parametrize("damage, reason", [(_truncate, "unreadable"), (_flip, "checksum mismatch"),
+                                            (_empty, "empty file"), (_foreign, "not a distrib checkpoint")])
+def test_broken_checkpoints_name_the_file_and_the_reason(tmp_path, damage, reason):
+    path = _write(tmp_path, 7)
+    damage(path)
+    with pytest.raises(CheckpointError) as info:
+        read_checkpoint(path, CPU)
+    assert str(path) in str(info.value) and reason in str(info.value)
+
+
+def test_auto_resume_falls_back_past_broken_checkpoints(tmp_path):
+    _write(tmp_path, 10)
+    _flip(_write(tmp_path, 20))
+    _truncate(_write(tmp_path, 30))
+    said = []
+    path, state = _newest_good(tmp_path, CPU, said.append)
+    assert path.name == "step_00000010.pt" and state["progress"]["step"] == 10
+    assert len(said) == 2 and "step_00000030.pt" in said[0] and "falling back" in said[0]
+
+
+class _Payload:
+    """A pickle that would create a file when loaded unsafely."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.target),))
+
+
+def test_malicious_pickle_is_refused_and_never_runs(tmp_path):
+    target = tmp_path / "pwned"
+    path = checkpoint_path(tmp_path, 1)
+    torch.save({"format": FORMAT, "version": VERSION, "evil": _Payload(target)}, path)
+    with pytest.raises(CheckpointError, match="unreadable or unsafe"):
+        read_checkpoint(path, CPU)
+    with open(path, "wb") as f:  # a bare pickle, not even a zip archive
+        pickle.dump(_Payload(target), f)
+    with pytest.raises(CheckpointError, match="unreadable or unsafe"):
+        read_checkpoint(path, CPU)
+    assert not target.exists()
+
+
+@pytest.mark.timeout(120)
+def test_sigkill_during_a_save_never_leaves_a_partial_file(tmp_path):
+    path = tmp_path / "step_00000001.pt"
+    for delay in (0.01, 0.03, 0.05, 0.08, 0.13, 0.21):
+        proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "save_loop.py"), str(path)],
+                                stdout=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            assert proc.stdout.readline().strip() == "1"  # one save completed; the next is under way
+            time.sleep(delay)  # part-way into a later save
+        finally:
+            proc.kill()
+            proc.wait(timeout=30)
+        # The old complete file or the new complete one, never a torn one.
+        state = read_checkpoint(path, CPU)
+        assert torch.equal(state["model"]["w"], torch.full((4_000_000,), float(state["progress"]["step"])))
+    assert list_checkpoints(tmp_path) == [path]

@@ -1,0 +1,86 @@
+"""Config: typed defaults, TOML files, dotted overrides, and a resolved config that reads back unchanged."""
+
+import dataclasses
+
+import pytest
+
+from distrib.config import Config, TrainConfig, load_config, to_toml
+from distrib.errors import ConfigError
+
+
+def test_defaults_are_the_main_job():
+    config = load_config()
+    assert config == Config()
+    assert (config.data.name, config.model.name, config.dist.device) == ("fashion-mnist", "network", "auto")
+
+
+def test_sections_are_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Config().train.lr = 1.0
+
+
+def test_toml_then_overrides_in_order(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[train]\nlr = 0.1\nepochs = 3\n[data]\nname = "synthetic"\n')
+    config = load_config(str(path), ["train.lr=0.2", "train.lr=1e-3", "data.root=/tmp/x y", "run.dir=123",
+                                     "run.progress=false", "train.weight_decay=1"])
+    assert config.train.lr == 0.001 and config.train.epochs == 3
+    assert config.data.name == "synthetic" and config.data.root == "/tmp/x y"
+    assert config.run.dir == "123" and config.run.progress is False
+    assert config.train.weight_decay == 1.0 and isinstance(config.train.weight_decay, float)
+
+
+def test_resolved_config_reads_back_unchanged(tmp_path):
+    config = load_config(None, ["train.optimizer=adamw", "model.factory=pkg.mod:build", 'run.dir=runs/a "b"'])
+    path = tmp_path / "resolved.toml"
+    path.write_text(to_toml(config))
+    assert load_config(str(path)) == config
+
+
+@pytest.mark.parametrize("override, names", [
+    ("train.lr=-0.1", ["train.lr", "-0.1"]),
+    ("train.lr=nan", ["train.lr", "nan"]),
+    ("train.optimizer=rmsprop", ["train.optimizer", "rmsprop", "sgd, adam, adamw"]),
+    ("train.epochz=3", ["train.epochz", "epochs"]),
+    ("trian.lr=0.1", ["trian", "train"]),
+    ("train.epochs=ten", ["train.epochs", "ten", "int"]),
+    ("model.name=resnet", ["model.name", "resnet", "network"]),
+    ("model.factory=no-colon", ["model.factory", "no-colon", "package.module:function"]),
+    ("train.precision=fp8", ["train.precision", "fp8"]),
+    ("train.momentum=1.5", ["train.momentum", "1.5"]),
+    ("checkpoint.keep_last=1", ["checkpoint.keep_last", "1"]),
+    ("train.global_batch_size=0", ["train.global_batch_size", "0"]),
+    ("dist.device=tpu", ["dist.device", "tpu", "auto, cpu, cuda"]),
+    ("lr=0.1", ["lr=0.1", "section.key=value"]),
+])
+def test_bad_values_name_the_key_and_value(override, names):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    message = str(info.value)
+    assert "\n" not in message
+    for name in names:
+        assert name in message
+
+
+def test_unbounded_run_is_refused():
+    with pytest.raises(ConfigError, match="train.epochs = 0.*max_steps"):
+        TrainConfig(epochs=0, max_steps=0)
+
+
+def test_missing_and_broken_files(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(str(tmp_path / "nope.toml"))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\nlr=")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(str(bad))
+    bad.write_text("[train]\nlr = 0.1\n[surprise]\nx = 1\n")
+    with pytest.raises(ConfigError, match=r"\[surprise\]: unknown section"):
+        load_config(str(bad))
+
+
+def test_shipped_configs_load():
+    from support import REPO
+
+    for path in sorted((REPO / "configs").glob("*.toml")):
+        load_config(str(path))

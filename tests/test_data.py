@@ -1,0 +1,107 @@
+"""Data: real IDX files through torchvision's loader, offline sources, the batch plan, and the two loader paths."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from distrib import data
+from distrib.config import DataConfig
+from distrib.data import BatchPlan, DeviceBatches, LoaderBatches, Split, epoch_steps, prepare_fashion_mnist
+from distrib.errors import ConfigError
+from distrib.runtime import Runtime
+from support import make_idx_dir
+
+CPU = Runtime(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"), backend="gloo")
+
+
+def _load(root: Path):
+    from torchvision.datasets import FashionMNIST
+
+    return [FashionMNIST(str(root), train=t, download=False) for t in (True, False)]
+
+
+@pytest.mark.parametrize("gz", [True, False])
+def test_offline_system_dir_is_unpacked_for_torchvision(tmp_path, monkeypatch, gz):
+    """Debian ships re-gzipped IDX files; they are unpacked once into root/FashionMNIST/raw and read by torchvision."""
+    system = tmp_path / "usr-share-datasets"
+    expected = make_idx_dir(system, gz=gz)
+    monkeypatch.setattr(data, "SYSTEM_DIRS", [system])
+    monkeypatch.setattr(data, "_download", lambda root: pytest.fail("must not download"))
+    root = tmp_path / "data"
+    assert prepare_fashion_mnist(root) is None
+    assert sorted(p.name for p in (root / "FashionMNIST" / "raw").iterdir()) == sorted(data.RAW_FILES)
+    train, test = _load(root)
+    for got, want in zip((train.data, train.targets, test.data, test.targets), expected):
+        assert torch.equal(got, want)
+    assert prepare_fashion_mnist(root) is None  # second time: already there
+
+
+def test_files_directly_in_data_root_win_over_the_system_dir(tmp_path, monkeypatch):
+    root_files = make_idx_dir(tmp_path / "data", num_train=50, seed=1)
+    make_idx_dir(tmp_path / "system", num_train=60, seed=2, gz=True)
+    monkeypatch.setattr(data, "SYSTEM_DIRS", [tmp_path / "system"])
+    assert prepare_fashion_mnist(tmp_path / "data") is None
+    assert torch.equal(_load(tmp_path / "data")[0].data, root_files[0])
+
+
+def test_download_is_the_last_resort_and_its_failure_says_where_it_looked(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(data, "SYSTEM_DIRS", [tmp_path / "none"])
+    monkeypatch.setattr(data, "_download", lambda root: calls.append(root) or (_ for _ in ()).throw(OSError()))
+    message = prepare_fashion_mnist(tmp_path / "data")
+    assert calls == [tmp_path / "data"]
+    assert str(tmp_path / "none") in message and "FashionMNIST/raw" in message
+
+
+@pytest.mark.parametrize("world_size, accum", [(1, 1), (2, 2), (3, 1), (4, 2)])
+def test_shards_are_disjoint_cover_the_data_and_match_any_world_size(world_size, accum):
+    n, gbs = 1000, 48
+    single = BatchPlan(n, gbs, 1, 0, 1, seed=7)
+    plans = [BatchPlan(n, gbs, accum, rank, world_size, seed=7) for rank in range(world_size)]
+    order = single.order(0)
+    for step in range(single.steps_per_epoch):
+        pieces = [idx for p in plans for idx in p.micro_batches(order, step)]
+        assert all(len(idx) == gbs // (world_size * accum) for idx in pieces)
+        got = torch.cat(pieces)
+        assert len(set(got.tolist())) == gbs  # disjoint within the step
+        assert torch.equal(got.sort().values, single.micro_batches(order, step)[0].sort().values)
+    used = torch.cat([idx for p in plans for s in range(p.steps_per_epoch) for idx in p.micro_batches(order, s)])
+    assert sorted(used.tolist()) == sorted(order[: single.steps_per_epoch * gbs].tolist())  # covers; no repeats
+
+
+def test_a_new_epoch_reorders_and_the_order_is_reproducible():
+    plan = BatchPlan(500, 50, 1, 0, 1, seed=3)
+    assert not torch.equal(plan.order(0), plan.order(1))
+    assert torch.equal(plan.order(1), BatchPlan(500, 50, 1, 0, 1, seed=3).order(1))
+    assert not torch.equal(plan.order(0), BatchPlan(500, 50, 1, 0, 1, seed=4).order(0))
+
+
+def test_plan_rejects_batches_that_do_not_divide():
+    with pytest.raises(ConfigError, match="train.global_batch_size = 50.*world_size \\(3\\).*use 48 or 51"):
+        BatchPlan(500, 50, 1, 0, 3, seed=0)
+
+
+def test_the_two_loader_paths_give_identical_batches():
+    g = torch.Generator().manual_seed(0)
+    split = Split(torch.randint(0, 256, (300, 28, 28), generator=g, dtype=torch.uint8),
+                  torch.randint(0, 10, (300,), generator=g))
+    plan = BatchPlan(len(split), 40, 2, 1, 2, seed=5)
+    for workers in (0, 2):
+        loader = LoaderBatches(split, CPU, num_workers=workers)
+        for epoch, start in ((0, 0), (1, 3)):
+            a = list(epoch_steps(DeviceBatches(split, CPU), plan, epoch, start))
+            b = list(epoch_steps(loader, plan, epoch, start))
+            assert len(a) == len(b) == plan.steps_per_epoch - start
+            for step_a, step_b in zip(a, b):
+                assert len(step_a) == len(step_b) == 2
+                for (xa, ya), (xb, yb) in zip(step_a, step_b):
+                    assert xa.shape == (10, 1, 28, 28) and xa.dtype == torch.float32
+                    assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+def test_synthetic_data_is_seeded_and_the_same_each_time():
+    config = DataConfig(name="synthetic", synthetic_train_size=100, synthetic_test_size=10)
+    (a, at), (b, bt) = data.load_splits(config, CPU), data.load_splits(config, CPU)
+    assert torch.equal(a.images, b.images) and torch.equal(a.labels, b.labels)
+    assert not torch.equal(a.images[:10], at.images)  # train and test differ

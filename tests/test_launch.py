@@ -1,0 +1,238 @@
+"""distrib launch against torchrun: the same worker environment, better defaults (private local rendezvous, GPU
+count, CPU threads, SLURM), failures that end the run fast and name the rank, and multi-node training over loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from distrib import launcher
+from distrib.errors import EXIT_PREEMPTED, UserError
+from launch_support import (CLUSTER_CONFIG, PROBE, SMALL, Launches, clean_env, distrib_cmd, max_relative_diff,
+                            run_one, train_reference)
+from support import free_port
+
+SAME_IN_BOTH = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "TORCHELASTIC_RESTART_COUNT",
+                "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE")
+PER_RUN = ("MASTER_PORT", "TORCHELASTIC_RUN_ID")  # the same on every rank of a run, different between runs
+
+
+# ---------------------------------------------------------------- defaults, without starting anything
+
+
+@pytest.fixture
+def no_launch_env(monkeypatch):
+    for key in list(os.environ):
+        if key.startswith(("PET_", "SLURM_")):
+            monkeypatch.delenv(key)
+    monkeypatch.setattr(launcher, "visible_gpu_count", lambda: 0)
+
+
+def _slurm_env(**extra) -> dict[str, str]:
+    return {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "gpu[7-8]", "SLURM_STEP_ID": "0",
+            "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "2", **extra}
+
+
+@pytest.fixture
+def fake_scontrol(tmp_path, monkeypatch):
+    """An scontrol on PATH that expands only the node list the tests use."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "scontrol"
+    script.write_text('#!/bin/sh\n[ "$*" = "show hostnames gpu[7-8]" ] && printf "gpu7\\ngpu8\\n" && exit 0\n'
+                      'echo "unexpected: $*" >&2; exit 1\n')
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    return script
+
+
+def _resolved(argv, environ=None):
+    return launcher.apply_defaults(launcher.parse_args([*argv, "train.py"]), environ or {})
+
+
+def test_single_node_gets_a_private_local_rendezvous_and_one_cpu_worker(no_launch_env):
+    args = _resolved([])
+    assert (args.standalone, args.nproc_per_node, args.nnodes) == (True, "1", "1:1")
+
+
+def test_workers_default_to_the_visible_gpus(no_launch_env, monkeypatch):
+    monkeypatch.setattr(launcher, "visible_gpu_count", lambda: 4)
+    assert _resolved([]).nproc_per_node == "4"
+
+
+def test_explicit_rendezvous_and_pet_variables_are_kept(no_launch_env, monkeypatch):
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "3")
+    args = _resolved(["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:5", "--rdzv-id", "x"])
+    assert (args.standalone, args.nproc_per_node, args.nnodes) == (False, "3", "2")
+    assert (args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id) == ("c10d", "h:5", "x")
+    monkeypatch.setenv("PET_STANDALONE", "1")
+    assert _resolved([]).standalone
+
+
+def test_slurm_gives_nodes_first_host_job_id_and_port(no_launch_env, fake_scontrol):
+    args = _resolved(["--nproc-per-node", "2"], _slurm_env())
+    assert (args.nnodes, args.rdzv_backend, args.rdzv_id) == ("2", "c10d", "4242")
+    assert args.rdzv_endpoint == f"gpu7:{launcher.SLURM_PORT_BASE + 4242}"
+    assert not args.standalone
+
+
+def test_slurm_flags_given_by_the_user_win(no_launch_env, fake_scontrol, monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")  # scontrol is not needed when the endpoint is given
+    args = _resolved(["--nnodes", "3", "--rdzv-endpoint", "head:29400", "--rdzv-id", "mine"], _slurm_env())
+    assert (args.nnodes, args.rdzv_endpoint, args.rdzv_id, args.rdzv_backend) == ("3", "head:29400", "mine", "c10d")
+
+
+def test_slurm_without_scontrol_is_an_error_not_localhost(no_launch_env, monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(UserError, match=r"scontrol is not on PATH.*--rdzv-endpoint"):
+        _resolved([], _slurm_env())
+
+
+def test_slurm_batch_shell_without_srun_is_an_error(no_launch_env, fake_scontrol):
+    env = _slurm_env()
+    del env["SLURM_STEP_ID"]
+    with pytest.raises(UserError, match="srun --ntasks-per-node=1"):
+        _resolved([], env)
+
+
+def test_slurm_more_tasks_than_nodes_is_an_error(no_launch_env, fake_scontrol):
+    with pytest.raises(UserError, match="8 tasks on 2 nodes"):
+        _resolved([], _slurm_env(SLURM_STEP_NUM_TASKS="8"))
+
+
+def test_slurm_single_node_job_uses_the_local_rendezvous(no_launch_env, monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    args = _resolved([], _slurm_env(SLURM_NNODES="1", SLURM_JOB_NODELIST="gpu7"))
+    assert args.standalone and args.nnodes == "1:1"
+
+
+def test_cpu_workers_share_the_cores_unless_the_user_chose():
+    cores = len(os.sched_getaffinity(0))
+    assert launcher.cpu_threads({}, 2, num_gpus=0) == str(max(1, cores // 2))
+    assert launcher.cpu_threads({}, 10 * cores, num_gpus=0) == "1"
+    assert launcher.cpu_threads({"OMP_NUM_THREADS": "7"}, 2, num_gpus=0) is None
+    assert launcher.cpu_threads({}, 2, num_gpus=2) is None  # GPU workers: torchrun's default
+
+
+def test_failure_summary_is_one_line_per_rank_first_failure_first(tmp_path):
+    error_file = tmp_path / "error.json"
+    error_file.write_text(json.dumps({"message": {"message": "ValueError: bad batch\nmore",
+                                                  "extraInfo": {"py_callstack": "Traceback ...", "timestamp": "5"}}}))
+    failures = {0: ProcessFailure(0, 100, -signal.SIGTERM, "/nonexistent"),
+                3: ProcessFailure(1, 101, 3, str(error_file))}
+    error = ChildFailedError("train", failures)
+    lines = launcher.failure_lines(error)
+    assert lines[0] == "distrib launch: rank 3 (local rank 1, pid 101) exited with code 3: ValueError: bad batch " \
+                       "[first failure]"
+    assert lines[1] == "distrib launch: rank 0 (local rank 0, pid 100) was killed by signal 15 (SIGTERM)"
+    assert launcher.exit_code(error) == 3
+    assert launcher.signal_exit_code(signal.SIGTERM) == EXIT_PREEMPTED
+    assert launcher.signal_exit_code(signal.SIGKILL) == 128 + 9
+
+
+# ---------------------------------------------------------------- real launches (2 CPU workers each)
+
+
+def _probe_records(out: Path, world_size: int) -> list[dict]:
+    records = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world_size)]
+    assert all(r["all_reduce"] == world_size for r in records)
+    return records
+
+
+@pytest.mark.timeout(150)
+def test_workers_see_the_same_variables_as_under_torchrun(tmp_path):
+    outs = {name: tmp_path / name for name in ("torchrun", "distrib")}
+    for out in outs.values():
+        out.mkdir()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    for name, cmd in (("torchrun", [*torchrun, PROBE, outs["torchrun"]]),
+                      ("distrib", distrib_cmd("launch", "--nproc-per-node", "2", PROBE, outs["distrib"]))):
+        done = run_one(list(map(str, cmd)), tmp_path, timeout=60)
+        assert done.returncode == 0, f"{name}: {done.text()}"
+    theirs, ours = _probe_records(outs["torchrun"], 2), _probe_records(outs["distrib"], 2)
+    for rank, (t, o) in enumerate(zip(theirs, ours)):
+        assert set(t) == set(o), f"rank {rank}: only torchrun {set(t) - set(o)}, only ours {set(o) - set(t)}"
+        assert {k: t[k] for k in SAME_IN_BOTH} == {k: o[k] for k in SAME_IN_BOTH}
+        assert o["RANK"] == o["LOCAL_RANK"] == str(rank) and o["WORLD_SIZE"] == "2"
+    for records in (theirs, ours):
+        assert len({tuple(r[k] for k in PER_RUN) for r in records}) == 1  # one run, one port, one run id
+    assert ours[0]["OMP_NUM_THREADS"] == str(max(1, len(os.sched_getaffinity(0)) // 2))
+
+
+@pytest.mark.timeout(150)
+def test_two_launches_started_together_both_succeed(tmp_path):
+    outs = [tmp_path / "a", tmp_path / "b"]
+    with Launches(tmp_path) as launches:
+        for out, extra in zip(outs, ({}, {"PET_NPROC_PER_NODE": "2"})):  # the flag, and its PET_* form
+            out.mkdir()
+            flag = [] if extra else ["--nproc-per-node", "2"]
+            launches.start(distrib_cmd("launch", *flag, PROBE, out), clean_env(**extra))
+        results = launches.wait(timeout=90)
+    for done in results:
+        assert done.returncode == 0, done.text()
+    ports = {_probe_records(out, 2)[0]["MASTER_PORT"] for out in outs}
+    assert len(ports) == 2, "both runs used one port"
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("how, code, ending", [("exit", 3, "exited with code 3"),
+                                               ("kill", 128 + 9, "was killed by signal 9 (SIGKILL)")])
+def test_a_dead_worker_ends_the_whole_run_and_is_named(tmp_path, how, code, ending):
+    done = run_one(distrib_cmd("launch", "--nproc-per-node", "2", PROBE, tmp_path, how, "1"), tmp_path, timeout=90)
+    assert done.seconds < 60, done.text()
+    assert done.returncode == code, done.text()
+    assert f"distrib launch: rank 1 (local rank 1, pid " in done.stderr and f"{ending} [first failure]" in done.stderr
+    assert "Traceback" not in done.stderr.split("distrib launch: rank")[-1]  # no traceback from the launcher
+
+
+@pytest.mark.timeout(150)
+def test_a_worker_exception_reaches_the_launcher_summary(tmp_path):
+    """@record on the trainer: the launcher's line names the rank and its exception (here one every rank raises)."""
+    done = run_one(distrib_cmd("train", "--nproc-per-node", "2", "--config", CLUSTER_CONFIG, *SMALL,
+                               "--set", "train.global_batch_size=63", "--set", f"run.dir={tmp_path}/run"),
+                   tmp_path, timeout=90)
+    assert done.returncode == 2, done.text()
+    assert "[first failure]" in done.stderr
+    assert "exited with code 2: ConfigError: train.global_batch_size = 63" in done.stderr, done.text()
+
+
+# ---------------------------------------------------------------- training: the weights of one process
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("reference")
+    return train_reference(tmp / "run", tmp)
+
+
+@pytest.mark.timeout(240)
+def test_two_nodes_over_loopback_train_like_one_process(tmp_path, reference):
+    endpoint, run_dir = f"127.0.0.1:{free_port()}", tmp_path / "run"
+    node = ["launch", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", endpoint, "--rdzv-id", f"loopback-{os.getpid()}"]
+    with Launches(tmp_path) as launches:
+        for _ in range(2):
+            launches.start(distrib_cmd(*node, "-m", "distrib", "train", "--config", CLUSTER_CONFIG, *SMALL,
+                                       "--set", f"run.dir={run_dir}"))
+        results = launches.wait(timeout=180)
+    for done in results:
+        assert done.returncode == 0, done.text()
+    assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 4
+    assert max_relative_diff(run_dir, reference) < 1e-5
+
+
+@pytest.mark.timeout(200)
+def test_train_nproc_per_node_trains_like_one_process(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    done = run_one(distrib_cmd("train", "--nproc-per-node", "2", "--config", CLUSTER_CONFIG, *SMALL,
+                               "--set", f"run.dir={run_dir}"), tmp_path, timeout=150)
+    assert done.returncode == 0, done.text()
+    assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 2
+    assert max_relative_diff(run_dir, reference) < 1e-5

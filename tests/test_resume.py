@@ -1,0 +1,150 @@
+"""Exact resume against an uninterrupted reference: stop and resume, a killed worker restarted by the launcher,
+SIGTERM, and a checkpoint moved to another world size."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from distrib.config import load_config
+from distrib.worker import run
+from support import REPO, assert_ok, max_relative_diff, torchrun_train
+
+BASE = ["data.name=synthetic", "data.synthetic_train_size=1536", "data.synthetic_test_size=200", "run.progress=false",
+        "train.global_batch_size=32", "train.schedule=constant", "train.warmup_steps=5", "train.log_every=10",
+        "checkpoint.every_steps=0", "dist.device=cpu"]
+
+
+def _sets(run_dir, *overrides):
+    return [a for o in [*BASE, f"run.dir={run_dir}", *overrides] for a in ("--set", o)]
+
+
+def _final(run_dir: Path) -> dict:
+    """The newest checkpoint of a finished run: model, optimizer, scheduler and progress."""
+    newest = sorted((Path(run_dir) / "checkpoints").glob("step_*.pt"))[-1]
+    return torch.load(newest, weights_only=True)
+
+
+def _summary(run_dir: Path) -> dict:
+    return json.loads((Path(run_dir) / "summary.json").read_text())
+
+
+def _assert_bitwise(a: dict, b: dict) -> None:
+    assert a["progress"] == b["progress"]
+    for part in ("model", "optimizer", "scheduler"):
+        flat_a, flat_b = _flatten(a[part]), _flatten(b[part])
+        assert flat_a.keys() == flat_b.keys(), part
+        for key in flat_a:
+            if isinstance(flat_a[key], torch.Tensor):
+                assert torch.equal(flat_a[key], flat_b[key]), (part, key)
+            else:
+                assert flat_a[key] == flat_b[key], (part, key)
+
+
+def _flatten(tree, prefix=""):
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _flatten(sub, f"{prefix}{key}/").items()}
+    if isinstance(tree, list):
+        return {k: v for i, sub in enumerate(tree) for k, v in _flatten(sub, f"{prefix}{i}/").items()}
+    return {prefix: tree}
+
+
+@pytest.mark.timeout(180)
+def test_stop_and_resume_is_bitwise_at_world_size_1(tmp_path):
+    # 25 is mid-epoch (48 steps per epoch) and the rest crosses an epoch boundary.
+    run(load_config(None, [*BASE, f"run.dir={tmp_path}/whole", "train.max_steps=60"]))
+    run(load_config(None, [*BASE, f"run.dir={tmp_path}/parts", "train.max_steps=25"]))
+    resumed = run(load_config(None, [*BASE, f"run.dir={tmp_path}/parts", "train.max_steps=60"]))
+    assert resumed["resumed_from_step"] == 25 and resumed["steps"] == 60
+    _assert_bitwise(_final(tmp_path / "parts"), _final(tmp_path / "whole"))
+    assert _final(tmp_path / "whole")["progress"]["step"] == 60
+
+
+@pytest.mark.timeout(420)
+def test_stop_and_resume_at_world_size_2_and_move_the_checkpoint_to_world_size_1(tmp_path):
+    assert_ok(torchrun_train(2, *_sets(tmp_path / "whole", "train.max_steps=60")))
+    assert_ok(torchrun_train(2, *_sets(tmp_path / "parts", "train.max_steps=25")))
+    (tmp_path / "moved" / "checkpoints").mkdir(parents=True)
+    shutil.copy(tmp_path / "parts" / "checkpoints" / "step_00000025.pt", tmp_path / "moved" / "checkpoints")
+    assert_ok(torchrun_train(2, *_sets(tmp_path / "parts", "train.max_steps=60")))
+    assert _summary(tmp_path / "parts")["resumed_from_step"] == 25
+    _assert_bitwise(_final(tmp_path / "parts"), _final(tmp_path / "whole"))
+
+    moved = run(load_config(None, [*BASE, f"run.dir={tmp_path}/moved", "train.max_steps=60"]))
+    assert moved["world_size"] == 1 and moved["resumed_from_step"] == 25
+    assert max_relative_diff(_final(tmp_path / "moved")["model"], _final(tmp_path / "whole")["model"]) < 1e-5
+
+
+def _worker_pid(marker: str, local_rank: int) -> int | None:
+    """The training worker whose command line holds `marker` and whose LOCAL_RANK is `local_rank`."""
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes().decode()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if marker in cmdline and f"LOCAL_RANK={local_rank}".encode() in environ:
+            return int(entry.name)
+    return None
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+LONG = ["train.max_steps=400", "train.schedule=cosine", "checkpoint.every_steps=20"]
+
+
+@pytest.mark.timeout(480)
+def test_killed_worker_is_restarted_and_resumes_bitwise(tmp_path):
+    assert_ok(torchrun_train(2, *_sets(tmp_path / "whole", *LONG), timeout=240))
+    marker = f"run.dir={tmp_path}/killed"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+           "-m", "distrib", "train", *_sets(tmp_path / "killed", *LONG)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        _wait_for(lambda: (tmp_path / "killed" / "checkpoints" / "step_00000040.pt").exists(), 180, "a checkpoint")
+        os.kill(_wait_for(lambda: _worker_pid(marker, 1), 30, "worker 1"), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+    assert proc.returncode == 0, out[-4000:]
+    summary = _summary(tmp_path / "killed")
+    assert summary["restart_count"] == 1 and summary["resumed_from_step"] >= 40, summary
+    _assert_bitwise(_final(tmp_path / "killed"), _final(tmp_path / "whole"))
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_checkpoints_exits_75_and_the_next_run_resumes(tmp_path):
+    steps = ["train.max_steps=300", "train.schedule=cosine", "checkpoint.every_steps=20"]
+    run(load_config(None, [*BASE, f"run.dir={tmp_path}/whole", *steps]))
+    cmd = [sys.executable, "-m", "distrib", "train", *_sets(tmp_path / "stopped", *steps)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        _wait_for(lambda: (tmp_path / "stopped" / "checkpoints" / "step_00000020.pt").exists(), 120, "a checkpoint")
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+        assert time.monotonic() - sent < 30
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+    assert proc.returncode == 75, out[-3000:]
+    assert "preempted at step" in out
+    stopped_at = _final(tmp_path / "stopped")["progress"]["step"]
+    assert 20 <= stopped_at < 300
+    resumed = run(load_config(None, [*BASE, f"run.dir={tmp_path}/stopped", *steps]))
+    assert resumed["resumed_from_step"] == stopped_at
+    _assert_bitwise(_final(tmp_path / "stopped"), _final(tmp_path / "whole"))
