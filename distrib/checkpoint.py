@@ -125,6 +125,8 @@ def list_checkpoints(directory: Path) -> list[Path]:
 def _prune(directory: Path, keep_last: int) -> None:
     for old in list_checkpoints(directory)[keep_last:]:
         old.unlink(missing_ok=True)
+    for stale in Path(directory).glob(".step_*.tmp"):  # rank 0 is the only writer: these are from killed runs
+        stale.unlink(missing_ok=True)
 
 
 def _newest_good(directory: Path, device: torch.device, say: Callable[[str], None]) -> tuple[Path | None, dict | None]:

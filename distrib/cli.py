@@ -3,7 +3,7 @@
     distrib train [--config FILE] [--set section.key=value ...] [--nproc-per-node N]
     distrib launch [torchrun options] SCRIPT|-m MODULE [args ...]
     distrib doctor
-    distrib plot RUN_DIR
+    distrib plot RUN_DIR [--out FILE]
 """
 
 from __future__ import annotations
@@ -49,6 +49,13 @@ def _doctor(args: argparse.Namespace) -> int:
     return doctor(args.nproc_per_node)
 
 
+def _plot(args: argparse.Namespace) -> int:
+    from distrib.plot import plot_run
+
+    print(plot_run(args.run_dir, args.out))
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="distrib", description="Data-parallel training for PyTorch.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -66,6 +73,10 @@ def _parser() -> argparse.ArgumentParser:
     doctor.add_argument("--nproc-per-node", type=int, default=None,
                         help="workers per node you plan to launch (default: from the environment, else GPUs)")
     doctor.set_defaults(func=_doctor)
+    plot = commands.add_parser("plot", help="write a run's curves (loss, test accuracy, samples/s) as a PNG")
+    plot.add_argument("run_dir", metavar="RUN_DIR", help="the run.dir of a run (it holds metrics.jsonl)")
+    plot.add_argument("--out", default=None, help="the PNG to write (default: RUN_DIR/curves.png)")
+    plot.set_defaults(func=_plot)
     return parser
 
 

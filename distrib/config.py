@@ -94,11 +94,13 @@ class TrainConfig:
     precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 uses a GradScaler)
     log_every: int = 50  # optimizer steps between log lines (each log line syncs with the host)
     eval_every_epochs: int = 1  # 0 = evaluate only at the end
+    finite_check_every: int = 1  # steps between checks that the reduced gradients are finite; 0 = never
+    sync_every: int = 10  # steps between the ranks' all-reduce of (loss, stop votes); log steps always sync
 
     def __post_init__(self):
-        for key in ("epochs", "max_steps", "warmup_steps", "seed", "eval_every_epochs"):
+        for key in ("epochs", "max_steps", "warmup_steps", "seed", "eval_every_epochs", "finite_check_every"):
             _at_least("train", self, key, 0)
-        for key in ("global_batch_size", "grad_accum_steps", "log_every"):
+        for key in ("global_batch_size", "grad_accum_steps", "log_every", "sync_every"):
             _at_least("train", self, key, 1)
         if self.epochs == 0 and self.max_steps == 0:
             _fail("train", "epochs", 0, "and train.max_steps = 0 leave the run unbounded",
@@ -157,6 +159,32 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
+class SpeedConfig:
+    compile: bool = False  # torch.compile the DDP model; its warm-up steps stay out of the throughput figures
+    compile_mode: str = "default"  # default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
+    channels_last: bool = False  # NHWC weights and 4-D inputs (faster convolutions on tensor cores)
+    gradient_as_bucket_view: bool = False  # DDP: gradients are views into its all-reduce buckets (one copy less)
+    static_graph: bool = False  # DDP: the same parameters get gradients every step (lets DDP skip some checks)
+    bucket_cap_mb: float = 25.0  # DDP: gradient bucket size; smaller overlaps more, larger makes fewer calls
+
+    def __post_init__(self):
+        _choice("speed", self, "compile_mode", ("default", "reduce-overhead", "max-autotune",
+                                                "max-autotune-no-cudagraphs"))
+        _positive("speed", self, "bucket_cap_mb", 25)
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class MetricsConfig:
+    tensorboard: bool = False  # also write run.dir/tensorboard (rank 0; pip install 'distrib[tensorboard]')
+    peak_flops: float = 0.0  # peak FLOP/s of one device for MFU; 0 = from distrib.throughput's table
+    timing_skip_steps: int = 5  # first optimizer steps left out of samples/s (compile and warm-up)
+
+    def __post_init__(self):
+        _at_least("metrics", self, "peak_flops", 0.0)
+        _at_least("metrics", self, "timing_skip_steps", 0)
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -164,6 +192,14 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    speed: SpeedConfig = field(default_factory=SpeedConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def __post_init__(self):
+        if self.speed.static_graph and self.train.grad_accum_steps > 1:  # DDP's reducer asserts in no_sync steps
+            raise ConfigError(f"speed.static_graph = true: does not work with train.grad_accum_steps = "
+                              f"{self.train.grad_accum_steps} (DDP's static graph has no no_sync); "
+                              "set --set speed.static_graph=false or --set train.grad_accum_steps=1")
 
 
 def _sections() -> dict[str, type]:

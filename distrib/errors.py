@@ -11,6 +11,10 @@ class ConfigError(UserError):
     """A config key or value that is not allowed."""
 
 
+class CollectiveTimeoutError(UserError):
+    """A collective outwaited dist.timeout_s: a rank stopped, or ran collectives the others did not."""
+
+
 class DeviceMismatchError(UserError):
     """Tensors that are not on the worker's device; the message lists each one."""
 

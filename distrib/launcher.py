@@ -20,7 +20,7 @@ TORCHRUN_DEFAULTS = {"nnodes": "1:1", "rdzv_backend": "static", "rdzv_endpoint":
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    """torchrun's own parser, so every flag and PET_* variable (read from os.environ) means what it means to torchrun."""
+    """torchrun's own parser: every flag and PET_* variable (from os.environ) means what it means to torchrun."""
     from torch.distributed.run import get_args_parser
 
     parser = get_args_parser()
@@ -64,7 +64,8 @@ def check_slurm_step(environ: Mapping[str, str]) -> None:
     tasks, nodes = environ.get("SLURM_STEP_NUM_TASKS"), environ.get("SLURM_STEP_NUM_NODES")
     if tasks and nodes and tasks != nodes:
         raise UserError(f"srun started {tasks} tasks on {nodes} nodes but distrib launch wants one task per node "
-                        f"(it starts the workers itself); use srun --ntasks-per-node=1 as scripts/slurm/train.sbatch does")
+                        "(it starts the workers itself); use srun --ntasks-per-node=1 as scripts/slurm/train.sbatch "
+                        "does")
 
 
 def apply_defaults(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> argparse.Namespace:
@@ -137,7 +138,7 @@ def failure_lines(error) -> list[str]:
         message = failure.message
         if isinstance(message, dict):  # written by @record: {"message": "Type: text", "extraInfo": {...}}
             text = str(message.get("message", "")).strip()
-            how += f": {text.splitlines()[0][:300]}" if text else ""
+            how += f": {text.splitlines()[0][:600]}" if text else ""
         note = " [first failure]" if rank == first else ""
         lines.append(f"distrib launch: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}{note}")
     return lines

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 
 from distrib.config import DistConfig
-from distrib.errors import UserError
+from distrib.errors import CollectiveTimeoutError, UserError
 
 LAUNCH_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -111,6 +112,16 @@ class Runtime:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def device_name(self) -> str:
+        """The accelerator's marketing name ('NVIDIA H100 80GB HBM3'), or the CPU's; keys the peak FLOP/s table."""
+        if self.device.type == "cuda":
+            return torch.cuda.get_device_name(self.device)
+        with contextlib.suppress(OSError):
+            for line in open("/proc/cpuinfo"):
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+        return "cpu"
+
 
 def select_device(requested: str, local_rank: int) -> torch.device:
     """dist.device -> the worker's device; CUDA mistakes are caught here, before any process group exists."""
@@ -132,7 +143,11 @@ def _init_process_group(env: LaunchEnv, device: torch.device, backend: str, time
         # A group that knows its device avoids barriers on the wrong GPU (pytorch#124714).
         kwargs["device_id"] = device
     if env.launched:
-        dist.init_process_group(init_method="env://", **kwargs)
+        # torch's env:// store (the elastic agent's, under torchrun), with keys private to this restart: the agent
+        # keeps one store across restarts, and a stale peer address left by the previous attempt makes gloo's
+        # connect hang or fail.
+        store, _, _ = next(dist.rendezvous("env://", rank=env.rank, world_size=env.world_size, timeout=timeout))
+        dist.init_process_group(store=dist.PrefixStore(f"distrib/restart_{env.restart_count}", store), **kwargs)
     else:
         # One process, no launcher: an in-memory store, so no port is needed and none can clash.
         dist.init_process_group(store=dist.HashStore(), **kwargs)
@@ -166,3 +181,20 @@ def close_process_group(barrier: bool = True) -> None:
             dist.barrier()
     dist.destroy_process_group()
 
+
+@contextlib.contextmanager
+def collective_timeouts(timeout_s: float, where: Callable[[], str]) -> Iterator[None]:
+    """Turns a collective that outwaited dist.timeout_s into an error that says where training was and why that
+    happens, instead of gloo's bare "Timed out waiting 300000ms for recv". (NCCL's watchdog aborts the process
+    instead; its log names the collective.)"""
+    try:
+        yield
+    except RuntimeError as e:  # gloo raises RuntimeError; torch's DistBackendError is one too
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        text = re.sub(r"^\[\S+\]\s*", "", text)  # gloo's "[.../unbound_buffer.cc:78] " source prefix
+        if "timed out" not in text.lower() and "timeout" not in text.lower():
+            raise
+        raise CollectiveTimeoutError(
+            f"{where()}: a collective waited longer than dist.timeout_s = {timeout_s:g} s ({text[:160]}); another "
+            "rank stopped or ran collectives this one did not (rank-0-only evaluation or saving?): see the other "
+            "ranks' errors, or raise dist.timeout_s if a rank is only slow") from e

@@ -1,7 +1,8 @@
 """The training loop: optimizer and schedule, one optimizer step over micro-batches, exact evaluation, and fit.
 
 Every rank makes the same collectives in the same order: DDP's bucketed all-reduce in the last micro-step's backward,
-one all-reduce of the loss per step, one all-reduce of (loss, correct, count) per evaluation."""
+one small all-reduce of (loss, stop votes) on log steps and every train.sync_every steps, one all-reduce of
+(loss, correct, count) per evaluation."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from distrib.metrics import Recorder
 from distrib.parallel import check_batch, explain_device_errors, grad_sync, unwrap
 from distrib.preempt import Preempted, StopFlag
 from distrib.runtime import Runtime
+from distrib.throughput import Throughput, count_flops_per_sample
 
 _FIXED_POINT = 2.0 ** 32  # per-sample losses summed as integers: exact, whatever the order of the sum
 
@@ -101,21 +103,26 @@ class Trainer:
     checkpointer: object = None  # a distrib.checkpoint.Checkpointer, or None: no checkpoints
     stop: StopFlag = field(default_factory=StopFlag)  # set by a signal handler; agreed on in step()
     stop_agreed: bool = False
+    meter: Throughput = None  # step times, data wait and MFU; see distrib.throughput
 
     def __post_init__(self):
         if self.scaler is None:
             self.scaler = torch.amp.GradScaler(self.runtime.device.type, enabled=self.config.precision == "fp16")
+        if self.meter is None:
+            self.meter = Throughput(self.plan.global_batch_size, self.runtime.world_size)
 
     @property
     def samples_per_second(self) -> float:
         return self.steps_this_run * self.plan.global_batch_size / max(self.train_seconds, 1e-9)
 
     def step(self, micro_batches) -> torch.Tensor:
-        """One optimizer step; returns the loss averaged over the global batch (same value on every rank)."""
+        """One optimizer step; returns the loss averaged over the global batch (the same on every rank) on sync steps
+        (log steps among them), and this rank's share of it on the others."""
         device, n = self.runtime.device, len(micro_batches)
         local = torch.zeros((), device=device)
         if self.steps_this_run == 0:
             check_batch({"inputs": micro_batches[0][0], "targets": micro_batches[0][1]}, device)
+            self.meter.flops_per_sample = count_flops_per_sample(unwrap(self.model), *micro_batches[0])
         for i, (inputs, targets) in enumerate(micro_batches):
             # Sync off for the whole forward+backward of non-final micro-steps: DDP decides in the forward.
             with grad_sync(self.model, i == n - 1), \
@@ -124,14 +131,8 @@ class Trainer:
                     loss = F.cross_entropy(self.model(inputs), targets) / n
                 self.scaler.scale(loss).backward()
             local += loss.detach()
-        # One all-reduce per step carries the loss and the stop votes: SUM, then divide for the global mean of
-        # equal-sized micro-batches; any rank's signal stops every rank at this same step boundary.
-        reduced = torch.stack([local, torch.full((), float(self.stop.requested), device=device)])
-        dist.all_reduce(reduced)
-        loss = reduced[0] / self.runtime.world_size
-        loss_sum, votes = reduced.tolist()  # the one host sync per step: finite check and stop votes
-        self._check_finite(loss_sum / self.runtime.world_size)
-        self.stop_agreed = votes > 0
+        self._check_finite(local)
+        loss = self._agree(local) if self.is_sync_step(self.progress.step + 1) else local
         if self.config.grad_clip:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
             nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
@@ -141,12 +142,33 @@ class Trainer:
         self.scheduler.step()
         return loss
 
-    def _check_finite(self, loss: float) -> None:
-        # The reduced loss is the same on every rank, so all ranks stop together, before the weights turn NaN.
-        # fp16 skips such steps in its GradScaler instead.
-        if self.config.precision != "fp16" and not math.isfinite(loss):
-            raise UserError(f"train loss is {loss} at step {self.progress.step + 1}: training diverged; "
-                            f"lower train.lr (now {self.config.lr}), set train.grad_clip=1.0, or use more warm-up")
+    def is_log_step(self, step: int) -> bool:
+        return step % self.config.log_every == 0 or step == self.total_steps
+
+    def is_sync_step(self, step: int) -> bool:
+        return step % self.config.sync_every == 0 or self.is_log_step(step)
+
+    def _agree(self, local: torch.Tensor) -> torch.Tensor:
+        """One small all-reduce carries the loss and the stop votes: SUM, then divide for the global mean of
+        equal-sized micro-batches; any rank's signal stops every rank at this same step boundary. Only on sync
+        steps: per step, its latency and host sync cost 7-13% of a small model's step on a shared CPU (bench)."""
+        reduced = torch.stack([local, torch.full((), float(self.stop.requested), device=local.device)])
+        dist.all_reduce(reduced)
+        self.stop_agreed = reduced[1].item() > 0  # host sync, on sync steps only
+        return reduced[0] / self.runtime.world_size
+
+    def _check_finite(self, local: torch.Tensor) -> None:
+        # Reads the gradients after DDP's all-reduce: the same on every rank, so all ranks decide alike and stop
+        # together, before the optimizer writes NaN into the weights, with no collective of its own. A host sync
+        # (free on the CPU) each finite_check_every steps. fp16 skips such steps in its GradScaler instead.
+        every, step = self.config.finite_check_every, self.progress.step + 1
+        if self.config.precision == "fp16" or not every or step % every:
+            return
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if grads and not nn.utils.get_total_norm(grads).isfinite().item():
+            raise UserError(f"train gradients are not finite at step {step} (this rank's loss {local.item():.4g}): "
+                            f"training diverged; lower train.lr (now {self.config.lr}), set train.grad_clip=1.0, "
+                            "or use more warm-up")
 
     def _maybe_checkpoint(self, step: int) -> None:
         if self.stop_agreed:
@@ -179,21 +201,22 @@ class Trainer:
         """Trains from self.progress to total_steps; evaluates each eval_every_epochs and at the end."""
         p, cfg, rec = self.progress, self.config, self.recorder
         bar = rec.progress_bar(self.total_steps, initial=p.step)
-        window_start, window_steps = time.perf_counter(), 0
-        fit_start, eval_seconds = window_start, 0.0
+        fit_start, eval_seconds = time.perf_counter(), 0.0
+        self.meter.restart_clock()
         while p.step < self.total_steps:
             for micro_batches in epoch_steps(train_source, self.plan, p.epoch, p.step_in_epoch):
+                self.meter.data_ready()  # the time since the previous step ended was spent getting this batch
                 loss = self.step(micro_batches)
-                p.step, p.step_in_epoch, window_steps = p.step + 1, p.step_in_epoch + 1, window_steps + 1
+                p.step, p.step_in_epoch = p.step + 1, p.step_in_epoch + 1
                 self.steps_this_run += 1
                 bar.update(1)
                 self._maybe_checkpoint(p.step)
-                if p.step % cfg.log_every == 0 or p.step == self.total_steps:
-                    loss_value = loss.item()  # host sync: only on log steps, so the clock below is honest
-                    elapsed = time.perf_counter() - window_start
-                    rec.log_step(p.step, p.epoch, loss_value, self.scheduler.get_last_lr()[0],
-                                 window_steps * self.plan.global_batch_size / max(elapsed, 1e-9))
-                    window_start, window_steps = time.perf_counter(), 0
+                if self.is_log_step(p.step):
+                    loss_value = loss.item()  # host sync: only on log steps, so the step times are honest here
+                    self.meter.step_done()
+                    rec.log_step(p.step, p.epoch, loss_value, self.scheduler.get_last_lr()[0], **self.meter.window())
+                else:
+                    self.meter.step_done()
                 if p.step == self.total_steps:
                     break
             if p.step_in_epoch == self.plan.steps_per_epoch:
@@ -202,7 +225,7 @@ class Trainer:
                     eval_start = time.perf_counter()
                     rec.log_eval(p.step, p.epoch, self.evaluate(test_source, num_test, eval_batch_size))
                     eval_seconds += time.perf_counter() - eval_start
-                    window_start += time.perf_counter() - eval_start  # keep evaluation out of samples/s
+                    self.meter.restart_clock()  # keep evaluation out of the step times
         bar.close()
         self.runtime.synchronize()
         self.train_seconds = time.perf_counter() - fit_start - eval_seconds

@@ -18,9 +18,10 @@ from distrib.config import Config, to_dict, write_resolved
 from distrib.data import load_splits, make_batches, make_plan
 from distrib.metrics import Recorder
 from distrib.models import build_model
-from distrib.parallel import place_model, unwrap, wrap_ddp
+from distrib.parallel import parallelize, place_model, unwrap
 from distrib.preempt import parse_signals, stop_on_signals
-from distrib.runtime import LaunchEnv, Runtime, open_runtime
+from distrib.runtime import LaunchEnv, Runtime, collective_timeouts, open_runtime
+from distrib.throughput import meter_for
 from distrib.train import Trainer, build_optimizer, build_scheduler
 
 
@@ -45,7 +46,8 @@ def _resume(trainer: Trainer, config: Config, runtime: Runtime, recorder: Record
     ckpt = config.checkpoint
     trainer.checkpointer = Checkpointer(_checkpoint_dir(config), ckpt.every_steps, ckpt.keep_last, runtime,
                                         lambda: {**trainer.state_dict(), "config": to_dict(config),
-                                                 "world_size": runtime.world_size})
+                                                 "world_size": runtime.world_size, "data_seed": config.train.seed,
+                                                 "global_batch_size": config.train.global_batch_size})
     state = load_for_resume(ckpt.resume, _checkpoint_dir(config), runtime, recorder.info)
     if state is None:
         return None
@@ -62,7 +64,7 @@ def _resume(trainer: Trainer, config: Config, runtime: Runtime, recorder: Record
 def train_on(config: Config, runtime: Runtime) -> dict:
     start = time.perf_counter()
     run_dir = Path(config.run.dir)
-    recorder = Recorder(run_dir, runtime.is_main, config.run.progress)
+    recorder = Recorder(run_dir, runtime.is_main, config.run.progress, config.metrics.tensorboard)
     if runtime.is_main:
         write_resolved(config, run_dir)
     recorder.info(f"world size {runtime.world_size}, device {runtime.device}, backend {runtime.backend}")
@@ -70,7 +72,7 @@ def train_on(config: Config, runtime: Runtime) -> dict:
     train_split, test_split = load_splits(config.data, runtime)
     plan = make_plan(len(train_split), config.train, runtime)
     torch.manual_seed(config.train.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's too)
-    model = wrap_ddp(place_model(build_model(config.model), runtime.device), runtime)
+    model = parallelize(place_model(build_model(config.model), runtime.device), runtime, config.speed)
     data_bytes = train_split.nbytes() + test_split.nbytes()
     train_source = make_batches(train_split, config.data, runtime, data_bytes)
     test_source = make_batches(test_split, config.data, runtime, data_bytes)
@@ -78,11 +80,12 @@ def train_on(config: Config, runtime: Runtime) -> dict:
     total_steps = _total_steps(config, plan.steps_per_epoch)
     optimizer = build_optimizer(model, config.train)
     trainer = Trainer(model, optimizer, build_scheduler(optimizer, total_steps, config.train), config.train,
-                      runtime, plan, total_steps, recorder)
+                      runtime, plan, total_steps, recorder, meter=meter_for(config, runtime))
     resumed_from = _resume(trainer, config, runtime, recorder)
     recorder.info(f"{total_steps} steps of {plan.global_batch_size} samples ({runtime.world_size} ranks x "
                   f"{config.train.grad_accum_steps} micro-steps x {plan.micro_batch_size}), {type(train_source).__name__}")
-    with stop_on_signals(parse_signals(config.checkpoint.signals)) as trainer.stop:
+    with stop_on_signals(parse_signals(config.checkpoint.signals)) as trainer.stop, \
+            collective_timeouts(config.dist.timeout_s, lambda: f"after step {trainer.progress.step}"):
         metrics = trainer.fit(train_source, test_source, len(test_split), config.data.eval_batch_size)
 
     if runtime.is_main:
@@ -91,7 +94,7 @@ def train_on(config: Config, runtime: Runtime) -> dict:
     summary = {"world_size": runtime.world_size, "device": str(runtime.device), "backend": runtime.backend,
                "steps": trainer.progress.step, "epochs": trainer.progress.epoch, **metrics,
                "resumed_from_step": resumed_from, "restart_count": runtime.restart_count,
-               "samples_per_second": trainer.samples_per_second, "elapsed_seconds": elapsed}
+               **trainer.meter.summary(), "elapsed_seconds": elapsed}
     recorder.write_summary(summary)
     recorder.info(f"done in {elapsed:.1f}s: test accuracy {100 * metrics['test_accuracy']:.2f}%, "
                   f"summary in {run_dir / 'summary.json'}")

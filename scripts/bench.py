@@ -8,11 +8,15 @@ medians. Ratios: trainer / hand loop, device-resident / DataLoader data path, an
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import platform
+import signal
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -31,10 +35,13 @@ VARIANTS = {
     "bucket_32kb": ["speed.bucket_cap_mb=0.03125"],  # splits the 130 kB of gradients into several buckets
 }
 RATIOS = {"trainer / hand": ("trainer", "hand"), "device / dataloader": ("trainer", "dataloader")}
+# Two clocks: samples over the summed step times (wall), and batch / median step time (p50), which a shared
+# machine's bursts of load disturb much less.
+CLOCKS = ("wall", "p50")
 
 
-def hand_loop(args, runtime, images, labels) -> float:
-    """What a user writes by hand: plain DDP, the whole set as one float tensor, index slicing, SGD; samples/s."""
+def hand_loop(args, runtime, images, labels) -> dict:
+    """What a user writes by hand: plain DDP, the whole set as one float tensor, index slicing, SGD."""
     import torch
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -44,8 +51,8 @@ def hand_loop(args, runtime, images, labels) -> float:
     torch.manual_seed(0)
     model = DDP(Network())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    per_rank = args.batch // runtime.world_size
-    steps_per_epoch = len(labels) // args.batch
+    per_rank, steps_per_epoch = args.batch // runtime.world_size, len(labels) // args.batch
+    ends = [time.perf_counter()]
     for step in range(args.steps):
         if step % steps_per_epoch == 0:
             order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(step))
@@ -55,9 +62,9 @@ def hand_loop(args, runtime, images, labels) -> float:
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        if step + 1 == args.skip:
-            start_time = time.perf_counter()  # the same clock and the same skipped steps as the trainer's
-    return (args.steps - args.skip) * args.batch / (time.perf_counter() - start_time)
+        ends.append(time.perf_counter())
+    steps = [b - a for a, b in zip(ends[args.skip:], ends[args.skip + 1:])]  # the trainer's clock: end to end
+    return {"wall": len(steps) * args.batch / sum(steps), "p50": args.batch / statistics.median(steps)}
 
 
 def common_overrides(args, run_dir: Path) -> list[str]:
@@ -68,16 +75,23 @@ def common_overrides(args, run_dir: Path) -> list[str]:
             f"run.dir={run_dir}", "checkpoint.every_steps=0", "checkpoint.resume=never", "dist.device=cpu"]
 
 
-def trainer_run(args, runtime, overrides: list[str], run_dir: Path) -> float:
-    """distrib's own path: load_config, then worker.train_on (data, model, DDP, Trainer.fit); its samples/s."""
+def trainer_run(args, runtime, overrides: list[str], run_dir: Path) -> dict:
+    """distrib's own path: load_config, then worker.train_on (data, model, DDP, Trainer.fit); its own figures."""
     from distrib.config import load_config
     from distrib.worker import train_on
 
     config = load_config(None, [*common_overrides(args, run_dir), *overrides])
-    return train_on(config, runtime)["samples_per_second"]
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(log):  # the trainer's log lines would bury the table
+            summary = train_on(config, runtime)
+    except BaseException:
+        sys.stderr.write(log.getvalue())
+        raise
+    return {"wall": summary["samples_per_second"], "p50": args.batch / summary["step_time_p50_s"]}
 
 
-def measure_all(args, runtime, out_dir: Path) -> dict[str, list[float]]:
+def measure_all(args, runtime, out_dir: Path) -> dict[str, list[dict]]:
     """Every variant, repeats times, interleaved; the order rotates each repeat so no variant always goes first."""
     import torch
 
@@ -87,38 +101,36 @@ def measure_all(args, runtime, out_dir: Path) -> dict[str, list[float]]:
     train, _ = load_splits(load_config(None, common_overrides(args, out_dir)).data, runtime)
     images, labels = normalize(train.images), train.labels  # the hand loop's data: normalised once, in memory
     names = args.variants
-    results: dict[str, list[float]] = {name: [] for name in names}
+    results: dict[str, list[dict]] = {name: [] for name in names}
     for repeat in range(-args.warmup_runs, args.repeats):
         for name in names[repeat % len(names):] + names[:repeat % len(names)]:
-            torch.distributed.barrier()  # both ranks start each measurement together
+            torch.distributed.barrier()  # every rank starts each measurement together
             if VARIANTS[name] is None:
                 value = hand_loop(args, runtime, images, labels)
             else:
                 value = trainer_run(args, runtime, VARIANTS[name], out_dir / f"{name}-{repeat}")
-            if repeat >= 0:  # negative repeats warm the process (allocator, thread pool, compile caches)
+            if repeat >= 0:  # negative repeats only warm the process (allocator, thread pool, compile caches)
                 results[name].append(value)
     return results
 
 
-def worker(rank: int, args, world_size: int, port: int, result_path: str) -> None:
-    """One bench process: opens distrib's runtime, measures, and ends with barrier -> destroy -> os._exit."""
+def worker(args) -> None:
+    """One bench process, launched like torchrun launches: distrib's runtime reads RANK, WORLD_SIZE and MASTER_*.
+    Ends with barrier -> destroy (the runtime) -> os._exit, since gloo can abort in interpreter teardown."""
     import torch
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(args.threads or max(1, len(os.sched_getaffinity(0)) // world_size))
+    torch.set_num_threads(args.threads or max(1, len(os.sched_getaffinity(0)) // int(os.environ["WORLD_SIZE"])))
     from distrib.config import DistConfig
-    from distrib.runtime import LaunchEnv, open_runtime
+    from distrib.runtime import open_runtime
 
     code = 0
     try:
-        env = LaunchEnv(rank, rank, world_size, world_size, "127.0.0.1", port)
-        with open_runtime(DistConfig(device="cpu", timeout_s=600), env) as runtime, \
-                tempfile.TemporaryDirectory() as tmp:
+        with open_runtime(DistConfig(device="cpu", timeout_s=600)) as runtime, tempfile.TemporaryDirectory() as tmp:
             results = measure_all(args, runtime, Path(tmp))
-            if rank == 0:
-                Path(result_path).write_text(json.dumps(results))
-    except BaseException as e:  # noqa: BLE001 - reported, then a hard exit (gloo can abort in teardown)
-        print(f"bench rank {rank}: {type(e).__name__}: {e}", file=sys.stderr)
+            if runtime.is_main:
+                Path(os.environ["BENCH_OUT"]).write_text(json.dumps(results))
+    except BaseException as e:  # noqa: BLE001 - reported, then the hard exit below
+        print(f"bench rank {os.environ['RANK']}: {type(e).__name__}: {e}", file=sys.stderr)
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()
@@ -131,46 +143,67 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_world(args, world_size: int) -> dict[str, list[float]]:
-    import torch.multiprocessing as mp
-
+def run_world(args, argv: list[str], world_size: int) -> dict[str, list[dict]]:
+    """world_size copies of this script in worker mode, each in its own session so a timeout kills them all."""
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "results.json"
-        mp.start_processes(worker, args=(args, world_size, free_port(), str(path)), nprocs=world_size,
-                           start_method="spawn", join=True)
-        if not path.exists():
-            raise SystemExit(f"bench: world size {world_size} produced no results (see the errors above)")
-        return json.loads(path.read_text())
+        out = Path(tmp) / "results.json"
+        env = {**os.environ, "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "BENCH_OUT": str(out)}
+        procs = [subprocess.Popen([sys.executable, __file__, "--worker", *argv], start_new_session=True,
+                                  env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+                 for rank in range(world_size)]
+        deadline = time.monotonic() + args.timeout
+        try:
+            codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
+        except subprocess.TimeoutExpired:
+            codes = None
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+        if codes is None or any(codes) or not out.exists():
+            raise SystemExit(f"bench: world size {world_size} failed (exit codes {codes}; see the errors above)")
+        return json.loads(out.read_text())
 
 
-def summarise(args, runs: dict[int, dict[str, list[float]]]) -> dict:
-    medians = {ws: {name: statistics.median(values) for name, values in by.items()} for ws, by in runs.items()}
+def summarise(args, runs: dict[int, dict[str, list[dict]]]) -> dict:
+    """Medians per variant of both clocks, and the ratios of those medians."""
+    medians = {ws: {name: {clock: statistics.median(r[clock] for r in values) for clock in CLOCKS}
+                    for name, values in by.items()} for ws, by in runs.items()}
     ratios = {}
     for ws, med in medians.items():
-        pairs = dict(RATIOS)
-        pairs.update({f"{name} / trainer": (name, "trainer") for name in med if VARIANTS[name]})
-        ratios[ws] = {label: med[a] / med[b] for label, (a, b) in pairs.items() if a in med and b in med}
-    machine = {"cpu": platform.processor() or platform.machine(), "cores": len(os.sched_getaffinity(0)),
-               "python": platform.python_version(), "torch": __import__("torch").__version__}
-    settings = {k: v for k, v in vars(args).items() if k != "json"}
-    return {"machine": machine, "settings": settings, "samples_per_second": runs, "median": medians,
+        pairs = {**RATIOS, **{f"{name} / trainer": (name, "trainer") for name in med if VARIANTS[name]}}
+        ratios[ws] = {label: {clock: med[a][clock] / med[b][clock] for clock in CLOCKS}
+                      for label, (a, b) in pairs.items() if a in med and b in med and a != b}
+    machine = {"cpu": _cpu_name(), "cores": len(os.sched_getaffinity(0)), "python": platform.python_version(),
+               "torch": __import__("torch").__version__}
+    settings = {k: v for k, v in vars(args).items() if k not in ("json", "worker")}
+    return {"machine": machine, "settings": settings, "clocks": CLOCKS, "runs": runs, "median": medians,
             "ratios": ratios}
 
 
+def _cpu_name() -> str:
+    with contextlib.suppress(OSError):
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    return platform.processor() or platform.machine()
+
+
 def table(result: dict) -> str:
-    lines = [f"{'world size':>10}  {'variant':<18} {'median samples/s':>16}  {'runs':<40}"]
-    for ws, by in result["samples_per_second"].items():
+    lines = [f"{'world size':>10}  {'variant':<17} {'samples/s (wall)':>16} {'(p50 step)':>10}  runs (wall)"]
+    for ws, by in result["runs"].items():
         for name, values in by.items():
-            runs = " ".join(f"{v:.0f}" for v in values)
-            lines.append(f"{ws:>10}  {name:<18} {result['median'][ws][name]:>16,.0f}  {runs:<40}")
-    lines.append("")
-    lines.append(f"{'world size':>10}  {'ratio of medians':<28} {'value':>6}")
+            med = result["median"][ws][name]
+            runs = " ".join(f"{r['wall']:.0f}" for r in values)
+            lines.append(f"{ws:>10}  {name:<17} {med['wall']:>16,.0f} {med['p50']:>10,.0f}  {runs}")
+    lines += ["", f"{'world size':>10}  {'ratio of medians':<26} {'wall':>6} {'p50 step':>8}"]
     for ws, by in result["ratios"].items():
-        lines += [f"{ws:>10}  {label:<28} {value:>6.3f}" for label, value in by.items()]
+        lines += [f"{ws:>10}  {label:<26} {r['wall']:>6.3f} {r['p50']:>8.3f}" for label, r in by.items()]
     return "\n".join(lines)
 
 
-def parse_args(argv=None):
+def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per measurement")
     parser.add_argument("--skip", type=int, default=20, help="first steps left out of the clock (warm-up, compile)")
@@ -182,21 +215,28 @@ def parse_args(argv=None):
     parser.add_argument("--data", default="synthetic", choices=("synthetic", "fashion-mnist"))
     parser.add_argument("--data-root", default="data")
     parser.add_argument("--train-size", type=int, default=60000, help="synthetic training set size")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads per process (0: cores / world size)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads per process; 0: cores / world size (1 keeps a shared machine from "
+                             "oversubscribing its cores, where OpenMP threads wait on each other)")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per world size before it is killed")
     parser.add_argument("--json", default="bench.json", help="where the result is written")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
         parser.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
-    if not 0 < args.skip < args.steps:
-        parser.error(f"--skip {args.skip}: must be between 0 and --steps ({args.steps}), exclusive")
+    if not 0 < args.skip < args.steps - 1:
+        parser.error(f"--skip {args.skip}: must be at least 1 and leave 2 timed steps of --steps ({args.steps})")
     return args
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
-    runs = {int(ws): run_world(args, int(ws)) for ws in args.world_sizes.split(",")}
+    if args.worker:
+        worker(args)
+    runs = {int(ws): run_world(args, argv, int(ws)) for ws in args.world_sizes.split(",")}
     result = summarise(args, runs)
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))

@@ -3,16 +3,15 @@ agent puts each worker in a session of its own) are killed on timeout or failure
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from support import REPO, kill_tree, load_weights, max_relative_diff
+
 PROBE = REPO / "tests" / "probe_env.py"
 CLUSTER_CONFIG = REPO / "configs" / "cluster.toml"
 # configs/cluster.toml, shorter: float differences across world sizes grow with the steps.
@@ -31,35 +30,6 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 def distrib_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "distrib", *map(str, args)]
-
-
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL a running process, its group and every descendant, also those in sessions of their own."""
-    if proc.poll() is not None:
-        return  # ended: its pid may belong to someone else by now
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(proc.pid, signal.SIGSTOP)  # no new children while we look for them
-    pids = _descendants(proc.pid)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-    proc.wait()
 
 
 @dataclass
@@ -118,13 +88,9 @@ def run_one(cmd: list[str], log_dir: Path, timeout: float, env: dict[str, str] |
         return launches.wait(timeout)[0]
 
 
-def max_relative_diff(run_a: Path, run_b: Path) -> float:
+def runs_relative_diff(run_a: Path, run_b: Path) -> float:
     """Largest per-tensor relative difference between two runs' model.pt (plain state_dicts)."""
-    import torch
-
-    a, b = (torch.load(Path(d) / "model.pt", weights_only=True, map_location="cpu") for d in (run_a, run_b))
-    assert a.keys() == b.keys()
-    return max(((a[k].double() - b[k].double()).norm() / b[k].double().norm().clamp_min(1e-12)).item() for k in a)
+    return max_relative_diff(load_weights(run_a), load_weights(run_b))
 
 
 def train_reference(run_dir: Path, log_dir: Path) -> Path:

@@ -1,5 +1,6 @@
 """A plain torchrun-style script for the launcher tests: writes the launch variables its worker sees to
-OUT_DIR/rank<R>.json after one all-reduce, and can die on purpose: probe_env.py OUT_DIR [exit|kill RANK]."""
+OUT_DIR/rank<R>.json after one all-reduce, and can die on purpose: probe_env.py OUT_DIR [exit|kill RANK].
+Also a model.factory whose rank 1 stalls, for the collective-timeout test."""
 
 import json
 import os
@@ -13,6 +14,32 @@ import torch.distributed as dist
 
 KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
         "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
+
+
+def _network_that(act_on_rank1) -> "torch.nn.Module":
+    """The seed Network, whose rank 1 calls act_on_rank1() in its third forward (the third training step)."""
+    from distrib.models import Network
+
+    class Probe(Network):
+        calls = 0
+
+        def forward(self, x):
+            Probe.calls += 1
+            if Probe.calls == 3 and dist.get_rank() == 1:
+                act_on_rank1()
+            return super().forward(x)
+
+    return Probe()
+
+
+def stalling_network():
+    """model.factory: rank 1 stops answering for 10 s, as a rank that skipped a collective (dist.timeout_s=3)."""
+    return _network_that(lambda: time.sleep(10))
+
+
+def dying_network():
+    """model.factory: rank 1 is killed mid-training (SIGKILL, as the OOM killer does)."""
+    return _network_that(lambda: os.kill(os.getpid(), signal.SIGKILL))
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import os
 import signal
@@ -46,20 +47,49 @@ def make_idx_dir(directory: Path, num_train: int = 300, num_test: int = 101, gz:
     return tuple(arrays)
 
 
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a running process, its group and every descendant, also those in sessions of their own (torch's
+    elastic agent starts each worker in a new session, so killing the launcher's group alone leaves them)."""
+    if proc.poll() is not None:
+        return  # ended: its pid may belong to someone else by now
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signal.SIGSTOP)  # no new children while we look for them
+    pids = _descendants(proc.pid)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+
+
 def run(cmd: list[str], timeout: float, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """Runs cmd in its own session; on timeout the whole process group is killed and the test fails."""
+    """Runs cmd in its own session; on timeout its whole process tree is killed and the test fails."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
                             cwd=cwd or REPO, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc)
         out, err = proc.communicate()
-        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-3000:]}\n{err[-3000:]}")
+        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-3000:]}\n{err[-3000:]}") from None
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
@@ -80,7 +110,7 @@ def load_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 def max_relative_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
-    return max(((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)).item() for k in a)
+    return max(((a[k].double() - b[k].double()).norm() / b[k].double().norm().clamp_min(1e-12)).item() for k in a)
 
 
 def assert_ok(result: subprocess.CompletedProcess) -> None:

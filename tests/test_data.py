@@ -102,6 +102,20 @@ def test_the_two_loader_paths_give_identical_batches():
 
 def test_synthetic_data_is_seeded_and_the_same_each_time():
     config = DataConfig(name="synthetic", synthetic_train_size=100, synthetic_test_size=10)
-    (a, at), (b, bt) = data.load_splits(config, CPU), data.load_splits(config, CPU)
+    (a, at), (b, _) = data.load_splits(config, CPU), data.load_splits(config, CPU)
     assert torch.equal(a.images, b.images) and torch.equal(a.labels, b.labels)
     assert not torch.equal(a.images[:10], at.images)  # train and test differ
+
+
+def test_train_end_to_end_on_idx_files_through_the_real_loader(tmp_path, monkeypatch):
+    from distrib import cli
+    import json
+
+    make_idx_dir(tmp_path / "data", num_train=256, num_test=77, gz=True)
+    monkeypatch.setattr(data, "SYSTEM_DIRS", [])
+    monkeypatch.setattr(data, "_download", lambda root: pytest.fail("must not download"))
+    argv = ["train", "--set", f"data.root={tmp_path}/data", "--set", f"run.dir={tmp_path}/run", "--set",
+            "train.max_steps=3", "--set", "train.global_batch_size=64", "--set", "run.progress=false"]
+    assert cli.main(argv) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["test_count"] == 77 and summary["steps"] == 3

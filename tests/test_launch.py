@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -13,8 +14,9 @@ import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from distrib import launcher
-from distrib.errors import EXIT_PREEMPTED, UserError
-from launch_support import (CLUSTER_CONFIG, PROBE, SMALL, Launches, clean_env, distrib_cmd, max_relative_diff,
+from distrib.errors import EXIT_PREEMPTED, CollectiveTimeoutError, UserError
+from distrib.runtime import collective_timeouts
+from launch_support import (CLUSTER_CONFIG, PROBE, SMALL, Launches, clean_env, distrib_cmd, runs_relative_diff,
                             run_one, train_reference)
 from support import free_port
 
@@ -137,6 +139,16 @@ def test_failure_summary_is_one_line_per_rank_first_failure_first(tmp_path):
     assert launcher.signal_exit_code(signal.SIGKILL) == 128 + 9
 
 
+def test_a_collective_timeout_names_the_step_and_other_errors_pass_through():
+    with pytest.raises(CollectiveTimeoutError, match=r"^after step 7: a collective waited longer than "
+                                                      r"dist.timeout_s = 3 s \(Timed out waiting 3000ms"):
+        with collective_timeouts(3.0, lambda: "after step 7"):
+            raise RuntimeError("[/src/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv")
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        with collective_timeouts(3.0, lambda: "after step 7"):
+            raise RuntimeError("Connection closed by peer")
+
+
 # ---------------------------------------------------------------- real launches (2 CPU workers each)
 
 
@@ -152,10 +164,11 @@ def test_workers_see_the_same_variables_as_under_torchrun(tmp_path):
     for out in outs.values():
         out.mkdir()
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    for name, cmd in (("torchrun", [*torchrun, PROBE, outs["torchrun"]]),
-                      ("distrib", distrib_cmd("launch", "--nproc-per-node", "2", PROBE, outs["distrib"]))):
-        done = run_one(list(map(str, cmd)), tmp_path, timeout=60)
-        assert done.returncode == 0, f"{name}: {done.text()}"
+    with Launches(tmp_path) as launches:
+        launches.start(list(map(str, [*torchrun, PROBE, outs["torchrun"]])))
+        launches.start(distrib_cmd("launch", "--nproc-per-node", "2", PROBE, outs["distrib"]))
+        for name, done in zip(outs, launches.wait(timeout=90)):
+            assert done.returncode == 0, f"{name}: {done.text()}"
     theirs, ours = _probe_records(outs["torchrun"], 2), _probe_records(outs["distrib"], 2)
     for rank, (t, o) in enumerate(zip(theirs, ours)):
         assert set(t) == set(o), f"rank {rank}: only torchrun {set(t) - set(o)}, only ours {set(o) - set(t)}"
@@ -183,12 +196,13 @@ def test_two_launches_started_together_both_succeed(tmp_path):
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("how, code, ending", [("exit", 3, "exited with code 3"),
-                                               ("kill", 128 + 9, "was killed by signal 9 (SIGKILL)")])
+                                               ("kill", 128 + 9, "was killed by signal 9 (SIGKILL)")],
+                         ids=["exits", "killed"])
 def test_a_dead_worker_ends_the_whole_run_and_is_named(tmp_path, how, code, ending):
     done = run_one(distrib_cmd("launch", "--nproc-per-node", "2", PROBE, tmp_path, how, "1"), tmp_path, timeout=90)
     assert done.seconds < 60, done.text()
     assert done.returncode == code, done.text()
-    assert f"distrib launch: rank 1 (local rank 1, pid " in done.stderr and f"{ending} [first failure]" in done.stderr
+    assert "distrib launch: rank 1 (local rank 1, pid " in done.stderr and f"{ending} [first failure]" in done.stderr
     assert "Traceback" not in done.stderr.split("distrib launch: rank")[-1]  # no traceback from the launcher
 
 
@@ -225,7 +239,7 @@ def test_two_nodes_over_loopback_train_like_one_process(tmp_path, reference):
     for done in results:
         assert done.returncode == 0, done.text()
     assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 4
-    assert max_relative_diff(run_dir, reference) < 1e-5
+    assert runs_relative_diff(run_dir, reference) < 1e-5
 
 
 @pytest.mark.timeout(200)
@@ -235,4 +249,23 @@ def test_train_nproc_per_node_trains_like_one_process(tmp_path, reference):
                                "--set", f"run.dir={run_dir}"), tmp_path, timeout=150)
     assert done.returncode == 0, done.text()
     assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 2
-    assert max_relative_diff(run_dir, reference) < 1e-5
+    assert runs_relative_diff(run_dir, reference) < 1e-5
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("factory, code, ending", [
+    ("stalling_network", 2, r"exited with code 2: CollectiveTimeoutError: after step \d+: a collective waited "
+                            r"longer than dist\.timeout_s = 3 s"),
+    ("dying_network", 128 + 9, r"was killed by signal 9 \(SIGKILL\)"),
+], ids=["stalls", "dies"])
+def test_trainer_rank_that_stalls_or_dies_ends_the_run_with_its_step_or_rank(tmp_path, factory, code, ending):
+    """The trainer's own workers (which catch SIGTERM to checkpoint) still end the run fast; a stalled collective
+    names the step instead of hanging."""
+    done = run_one(distrib_cmd("train", "--nproc-per-node", "2", "--config", CLUSTER_CONFIG, *SMALL,
+                               "--set", f"model.factory=probe_env:{factory}", "--set", "dist.timeout_s=3",
+                               "--set", f"run.dir={tmp_path}/run"),
+                   tmp_path, timeout=150, env=clean_env(PYTHONPATH=str(PROBE.parent)))
+    assert done.returncode == code, done.text()
+    assert done.seconds < 60, done.text()
+    first = next(line for line in done.stderr.splitlines() if line.endswith("[first failure]"))
+    assert re.search(r"distrib launch: rank \d \(local rank \d, pid \d+\) " + ending, first), done.text()

@@ -15,7 +15,7 @@ import torch
 
 from distrib.config import load_config
 from distrib.worker import run
-from support import REPO, assert_ok, max_relative_diff, torchrun_train
+from support import assert_ok, kill_tree, max_relative_diff, run as run_cmd, torchrun_train
 
 BASE = ["data.name=synthetic", "data.synthetic_train_size=1536", "data.synthetic_test_size=200", "run.progress=false",
         "train.global_batch_size=32", "train.schedule=constant", "train.warmup_steps=5", "train.log_every=10",
@@ -82,6 +82,20 @@ def test_stop_and_resume_at_world_size_2_and_move_the_checkpoint_to_world_size_1
     assert max_relative_diff(_final(tmp_path / "moved")["model"], _final(tmp_path / "whole")["model"]) < 1e-5
 
 
+@pytest.mark.timeout(120)
+def test_a_changed_global_batch_is_refused_unless_allowed(tmp_path):
+    from distrib.checkpoint import CheckpointError
+
+    run(load_config(None, [*BASE, f"run.dir={tmp_path}", "train.max_steps=12"]))
+    with pytest.raises(CheckpointError, match=r"train.global_batch_size: 32 -> 64.*allow_config_change=true"):
+        run(load_config(None, [*BASE, f"run.dir={tmp_path}", "train.max_steps=20", "train.global_batch_size=64"]))
+    allowed = run(load_config(None, [*BASE, f"run.dir={tmp_path}", "train.max_steps=20", "train.global_batch_size=64",
+                                     "checkpoint.allow_config_change=true"]))
+    assert allowed["resumed_from_step"] == 12 and allowed["steps"] == 20
+    # 12 steps x 32 samples = 384 samples into epoch 0 = step 6 of 64 samples: the same data position.
+    assert _final(tmp_path)["progress"] == {"step": 20, "epoch": 0, "step_in_epoch": 14, "samples_in_epoch": 896}
+
+
 def _worker_pid(marker: str, local_rank: int) -> int | None:
     """The training worker whose command line holds `marker` and whose LOCAL_RANK is `local_rank`."""
     for entry in Path("/proc").iterdir():
@@ -108,41 +122,70 @@ def _wait_for(predicate, timeout: float, what: str):
 LONG = ["train.max_steps=400", "train.schedule=cosine", "checkpoint.every_steps=20"]
 
 
-@pytest.mark.timeout(480)
-def test_killed_worker_is_restarted_and_resumes_bitwise(tmp_path):
-    assert_ok(torchrun_train(2, *_sets(tmp_path / "whole", *LONG), timeout=240))
+@pytest.fixture(scope="module")
+def long_reference(tmp_path_factory) -> dict:
+    """The uninterrupted 2-worker run that interrupted ones must reproduce bitwise."""
+    run_dir = tmp_path_factory.mktemp("whole")
+    assert_ok(torchrun_train(2, *_sets(run_dir, *LONG), timeout=300))
+    return _final(run_dir)
+
+
+LAUNCHERS = {"torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone"],
+             "distrib launch": [sys.executable, "-m", "distrib", "launch"]}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_killed_worker_is_restarted_and_resumes_bitwise(tmp_path, long_reference, launcher):
     marker = f"run.dir={tmp_path}/killed"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
-           "-m", "distrib", "train", *_sets(tmp_path / "killed", *LONG)]
+    cmd = [*LAUNCHERS[launcher], "--nproc-per-node=2", "--max-restarts=1", "-m", "distrib", "train",
+           *_sets(tmp_path / "killed", *LONG)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         _wait_for(lambda: (tmp_path / "killed" / "checkpoints" / "step_00000040.pt").exists(), 180, "a checkpoint")
         os.kill(_wait_for(lambda: _worker_pid(marker, 1), 30, "worker 1"), signal.SIGKILL)
         out, _ = proc.communicate(timeout=240)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+        kill_tree(proc)
     assert proc.returncode == 0, out[-4000:]
     summary = _summary(tmp_path / "killed")
     assert summary["restart_count"] == 1 and summary["resumed_from_step"] >= 40, summary
-    _assert_bitwise(_final(tmp_path / "killed"), _final(tmp_path / "whole"))
+    _assert_bitwise(_final(tmp_path / "killed"), long_reference)
 
 
-@pytest.mark.timeout(300)
-def test_sigterm_checkpoints_exits_75_and_the_next_run_resumes(tmp_path):
-    steps = ["train.max_steps=300", "train.schedule=cosine", "checkpoint.every_steps=20"]
-    run(load_config(None, [*BASE, f"run.dir={tmp_path}/whole", *steps]))
-    cmd = [sys.executable, "-m", "distrib", "train", *_sets(tmp_path / "stopped", *steps)]
+def _stop_with_sigterm(cmd: list[str], checkpoint: Path) -> str:
+    """Starts cmd, waits for its first checkpoint, sends SIGTERM; it must be gone with exit 75 within 30 s."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        _wait_for(lambda: (tmp_path / "stopped" / "checkpoints" / "step_00000020.pt").exists(), 120, "a checkpoint")
+        _wait_for(checkpoint.exists, 180, "a checkpoint")
         sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)
         assert time.monotonic() - sent < 30
     finally:
-        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+        kill_tree(proc)
     assert proc.returncode == 75, out[-3000:]
     assert "preempted at step" in out
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_sigterm_to_the_launcher_checkpoints_exits_75_and_the_next_run_resumes(tmp_path, long_reference):
+    cmd = [sys.executable, "-m", "distrib", "train", "--nproc-per-node", "2", *_sets(tmp_path, *LONG)]
+    _stop_with_sigterm(cmd, tmp_path / "checkpoints" / "step_00000020.pt")
+    stopped_at = _final(tmp_path)["progress"]["step"]
+    assert 20 <= stopped_at < 400
+    assert_ok(run_cmd(cmd, timeout=300))
+    assert _summary(tmp_path)["resumed_from_step"] == stopped_at
+    _assert_bitwise(_final(tmp_path), long_reference)
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_to_one_process_checkpoints_exits_75_and_the_next_run_resumes(tmp_path):
+    steps = ["train.max_steps=300", "train.schedule=cosine", "checkpoint.every_steps=20"]
+    run(load_config(None, [*BASE, f"run.dir={tmp_path}/whole", *steps]))
+    cmd = [sys.executable, "-m", "distrib", "train", *_sets(tmp_path / "stopped", *steps)]
+    _stop_with_sigterm(cmd, tmp_path / "stopped" / "checkpoints" / "step_00000020.pt")
     stopped_at = _final(tmp_path / "stopped")["progress"]["step"]
     assert 20 <= stopped_at < 300
     resumed = run(load_config(None, [*BASE, f"run.dir={tmp_path}/stopped", *steps]))

@@ -1,0 +1,64 @@
+"""`distrib plot RUN_DIR`: the curves of a run (loss, test accuracy, throughput against the step) as one PNG.
+
+Reads only run_dir/metrics.jsonl; matplotlib is imported here, lazily, so training never needs it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from distrib.errors import UserError
+
+PLOT_NAME = "curves.png"
+
+
+def read_records(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise UserError(f"{path}: no such file; give the run.dir of a run that has logged at least one step")
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise UserError(f"{path}:{number}: not a JSON line; remove or fix that line") from None
+    if not any("loss" in r for r in records):
+        raise UserError(f"{path}: no training steps logged yet; plot again after the first log step")
+    return records
+
+
+def _series(records: list[dict], key: str) -> tuple[list, list]:
+    points = [(r["step"], r[key]) for r in records if r.get(key) is not None and "step" in r]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def make_figure(records: list[dict]):
+    """A figure with three axes that share the step axis: loss, test accuracy, and samples/s."""
+    try:
+        from matplotlib.figure import Figure  # no pyplot: no global state, no display backend
+    except ImportError:
+        raise UserError("distrib plot needs matplotlib; pip install 'distrib[plot]'") from None
+    figure = Figure(figsize=(7, 9), layout="constrained")
+    loss_axes, accuracy_axes, speed_axes = figure.subplots(3, 1, sharex=True)
+    loss_axes.plot(*_series(records, "loss"), label="train loss")
+    loss_axes.plot(*_series(records, "test_loss"), marker="o", label="test loss")
+    loss_axes.set(title="Loss", ylabel="cross-entropy")
+    steps, accuracy = _series(records, "test_accuracy")
+    accuracy_axes.plot(steps, [100 * a for a in accuracy], marker="o", label="test accuracy")
+    accuracy_axes.set(title="Test accuracy", ylabel="%")
+    speed_axes.plot(*_series(records, "samples_per_second"), label="samples/s (all devices)")
+    speed_axes.set(title="Throughput", ylabel="samples/s", xlabel="optimizer step")
+    for axes in (loss_axes, accuracy_axes, speed_axes):
+        axes.grid(alpha=0.3)
+        axes.legend(loc="best")
+    return figure
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Writes the run's curves to `out` (default run_dir/curves.png); returns the path."""
+    records = read_records(Path(run_dir))
+    figure = make_figure(records)
+    path = Path(out) if out else Path(run_dir) / PLOT_NAME
+    figure.savefig(path, dpi=100)
+    return path

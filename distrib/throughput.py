@@ -1,0 +1,139 @@
+"""Throughput of a run: per-step wall-clock marks, data-wait share, FLOPs per sample and MFU against a peak table.
+
+Taking a mark never syncs with the device; the marks are exact wherever the step already synced (log steps)."""
+
+from __future__ import annotations
+
+import math
+import time
+from array import array
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from distrib.config import Config
+from distrib.runtime import Runtime
+
+# Dense peak FLOP/s of one device (no sparsity), from the vendors' data sheets, by a substring of its name; the first
+# match wins. "fp32" is the plain (non-tensor-core) rate: with TF32 convolutions, PyTorch's cuDNN default, fp32 MFU
+# reads high. Override any of these with metrics.peak_flops.
+PEAK_FLOPS = (
+    ("H100 PCIe", {"bf16": 756e12, "fp16": 756e12, "fp32": 51.2e12}),
+    ("H100", {"bf16": 989e12, "fp16": 989e12, "fp32": 66.9e12}),
+    ("H200", {"bf16": 989e12, "fp16": 989e12, "fp32": 66.9e12}),
+    ("H800", {"bf16": 989e12, "fp16": 989e12, "fp32": 66.9e12}),
+    ("B200", {"bf16": 2250e12, "fp16": 2250e12, "fp32": 80e12}),
+    ("A100", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}),
+    ("L40S", {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12}),
+    ("A10", {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12}),
+)
+# A nominal CPU core (AVX-512, two FMA units, ~3 GHz): a rough figure; set metrics.peak_flops for a real one.
+CPU_PEAK_FLOPS_PER_THREAD = 1e11
+
+
+def peak_flops(device_type: str, device_name: str, precision: str, override: float = 0.0) -> float | None:
+    """Peak FLOP/s of one device for this precision; None when neither the config nor the table knows it."""
+    if override:
+        return override
+    if device_type == "cpu":
+        return CPU_PEAK_FLOPS_PER_THREAD * torch.get_num_threads()
+    for key, peaks in PEAK_FLOPS:
+        if key.lower() in device_name.lower():
+            return peaks[precision]
+    return None
+
+
+def count_flops_per_sample(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
+    """Forward and backward FLOPs of one training sample, counted once on a real micro-batch of the plain module.
+    Side-effect free: eval mode (no dropout draws, no batch-norm statistics), torch.autograd.grad (no .grad writes,
+    no DDP hooks); None when the counter cannot run this model."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    was_training = model.training
+    model.eval()
+    try:
+        with FlopCounterMode(display=False) as counter:
+            loss = F.cross_entropy(model(inputs).float(), targets)
+            if params and loss.requires_grad:
+                torch.autograd.grad(loss, params, allow_unused=True)
+        total = counter.get_total_flops()
+    except (RuntimeError, NotImplementedError, TypeError):  # an op the counter cannot dispatch: no MFU, still train
+        return None
+    finally:
+        model.train(was_training)
+    return total / len(inputs) if total else None
+
+
+def _quantile(sorted_values, q: float) -> float:
+    """Nearest-rank quantile of an already sorted sequence."""
+    return sorted_values[min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))]
+
+
+class Throughput:
+    """Wall-clock marks of each optimizer step: when its data was ready and when it ended. A step's time runs from
+    the end of the previous step (so data loading, logging and any wait are in it) and excludes evaluation."""
+
+    def __init__(self, global_batch_size: int, world_size: int, skip_steps: int = 5):
+        self.global_batch_size = global_batch_size
+        self.world_size = world_size
+        self.skip_steps = skip_steps  # compile, allocator and DDP bucket warm-up stay out of the figures
+        self.flops_per_sample: float | None = None
+        self.peak_flops_per_device: float | None = None
+        self.step_seconds = array("d")
+        self.wait_seconds = array("d")
+        self._last = self._ready = None
+        self._window_from = 0
+
+    def restart_clock(self) -> None:
+        """The next step starts now: call before the first step and after evaluations or checkpoints."""
+        self._last = time.perf_counter()
+
+    def data_ready(self) -> None:
+        self._ready = time.perf_counter()
+
+    def step_done(self) -> None:
+        now = time.perf_counter()
+        if self._last is None:  # no restart_clock() yet: count from the data
+            self._last = self._ready if self._ready is not None else now
+        ready = self._ready if self._ready is not None else self._last
+        self.step_seconds.append(now - self._last)
+        self.wait_seconds.append(max(0.0, ready - self._last))
+        self._last, self._ready = now, None
+
+    def _stats(self, lo: int) -> dict:
+        steps, waits = self.step_seconds[lo:], self.wait_seconds[lo:]
+        total = sum(steps)
+        if not steps or total <= 0:
+            return dict.fromkeys(("samples_per_second", "samples_per_second_per_device", "step_time_p50_s",
+                                  "step_time_p95_s", "data_wait_share", "mfu"))
+        ordered = sorted(steps)
+        per_second = len(steps) * self.global_batch_size / total
+        per_device = per_second / self.world_size
+        mfu = None
+        if self.flops_per_sample and self.peak_flops_per_device:
+            mfu = self.flops_per_sample * per_device / self.peak_flops_per_device
+        return {"samples_per_second": per_second, "samples_per_second_per_device": per_device,
+                "step_time_p50_s": _quantile(ordered, 0.50), "step_time_p95_s": _quantile(ordered, 0.95),
+                "data_wait_share": sum(waits) / total, "mfu": mfu}
+
+    def window(self) -> dict:
+        """Figures of the steps since the previous window(): what a log line shows."""
+        stats = self._stats(self._window_from)
+        self._window_from = len(self.step_seconds)
+        return stats
+
+    def summary(self) -> dict:
+        """Figures of the whole run after the first skip_steps (all steps if the run is too short to skip them)."""
+        skip = min(self.skip_steps, len(self.step_seconds) // 2)
+        return {**self._stats(skip), "timed_steps": len(self.step_seconds) - skip,
+                "flops_per_sample": self.flops_per_sample, "peak_flops_per_device": self.peak_flops_per_device}
+
+
+def meter_for(config: Config, runtime: Runtime) -> Throughput:
+    """The run's meter, with the peak FLOP/s of this worker's device (None, so no MFU, when unknown)."""
+    meter = Throughput(config.train.global_batch_size, runtime.world_size, config.metrics.timing_skip_steps)
+    meter.peak_flops_per_device = peak_flops(runtime.device.type, runtime.device_name(), config.train.precision,
+                                             config.metrics.peak_flops)
+    return meter

@@ -1,0 +1,221 @@
+"""The GPU check behind scripts/gpu_check.sh: DDP equivalence at world size 1 against a plain model (NCCL on a GPU),
+the device-mismatch listing, and the seed Network's throughput at several global batches; prints one table.
+
+    python scripts/gpu_check.py --device cuda [--json gpu_check.json]      (what gpu_check.sh runs)
+    python scripts/gpu_check.py --device cpu --quick                        (a smoke test of the same code on gloo)
+Installs nothing and needs only torch: a missing tqdm is replaced by a silent stand-in."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout, installed or not
+
+MODES = {  # label -> --set overrides; "compile" is bf16 and torch.compile, the fastest configuration
+    "fp32": ["train.precision=fp32"],
+    "bf16": ["train.precision=bf16"],
+    "bf16+compile": ["train.precision=bf16", "speed.compile=true"],
+    "bf16 dataloader": ["train.precision=bf16", "data.loader=dataloader"],  # the data path's cost on this device
+}
+
+
+def _stub_tqdm() -> None:
+    """distrib's progress bar comes from tqdm, which a bare GPU image may lack; the check never shows a bar."""
+    try:
+        import tqdm  # noqa: F401
+    except ImportError:
+        class _Bar:
+            def __init__(self, *args, **kwargs): ...
+            def update(self, n=1): ...
+            def close(self): ...
+            @staticmethod
+            def write(text, file=None):
+                print(text, file=file or sys.stderr)
+
+        sys.modules["tqdm"] = types.SimpleNamespace(tqdm=_Bar)
+
+
+def check_equivalence(runtime, steps: int) -> dict:
+    """DDP at world size 1 takes the same steps as the plain model, from the same seed and batches."""
+    import torch
+    import torch.nn.functional as F
+
+    from distrib.models import Network
+    from distrib.parallel import place_model, wrap_ddp
+
+    saved = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False  # same kernels both times
+    models = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        model = place_model(Network(), runtime.device)
+        models.append((wrap_ddp(model, runtime) if wrap else model, model))
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(64, 1, 28, 28, generator=g), torch.randint(0, 10, (64,), generator=g))
+               for _ in range(steps)]
+    for trained, _ in models:
+        optimizer = torch.optim.SGD(trained.parameters(), lr=0.05, momentum=0.9)
+        for inputs, targets in batches:
+            loss = F.cross_entropy(trained(inputs.to(runtime.device)), targets.to(runtime.device))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved  # the throughput runs' defaults
+    plain, ddp = (m.state_dict() for _, m in models)
+    diff = max(((plain[k] - ddp[k]).abs().max() / plain[k].abs().max().clamp_min(1e-12)).item() for k in plain)
+    return {"check": f"DDP ({runtime.backend}, world size 1) = plain model, {steps} steps", "ok": diff <= 1e-6,
+            "detail": "bitwise equal" if diff == 0 else f"max relative difference {diff:.2e}"}
+
+
+def check_mismatch(runtime) -> list[dict]:
+    """A buffer that stays behind after .to(), and a tensor made in forward() on another device, must be named."""
+    import torch
+
+    from distrib.errors import DeviceMismatchError
+    from distrib.models import Network
+    from distrib.parallel import explain_device_errors, place_model
+
+    elsewhere = "cpu" if runtime.device.type != "cpu" else "meta"
+
+    class PinnedBuffer(Network):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("offset", torch.zeros(10))
+
+        def _apply(self, fn, recurse=True):
+            super()._apply(fn, recurse)
+            self.offset = torch.zeros(10, device=elsewhere)  # re-pinned after every .to()
+            return self
+
+    class ForwardMakesTensor(Network):
+        def forward(self, t):
+            return super().forward(t) + torch.zeros(10, device=elsewhere)
+
+    messages = []
+    for build in (lambda: place_model(PinnedBuffer(), runtime.device),
+                  lambda: _forward_explained(ForwardMakesTensor(), runtime, explain_device_errors)):
+        try:
+            build()
+            messages.append("no error raised")
+        except DeviceMismatchError as e:
+            messages.append(str(e))
+    return [{"check": "device mismatch: a pinned buffer is named", "detail": messages[0][:150],
+             "ok": f"buffer offset is on {elsewhere}" in messages[0] and f"expected {runtime.device}" in messages[0]},
+            {"check": "device mismatch: a tensor made in forward() is explained", "detail": messages[1][:150],
+             "ok": "forward() made a tensor elsewhere" in messages[1]}]
+
+
+def _forward_explained(model, runtime, explain_device_errors) -> None:
+    import torch
+
+    from distrib.parallel import place_model
+
+    model = place_model(model, runtime.device)
+    inputs = torch.zeros(2, 1, 28, 28, device=runtime.device)
+    with explain_device_errors(model, runtime.device, {"inputs": inputs}):
+        model(inputs)
+
+
+def measure(runtime, batch: int, mode: str, args, run_dir: Path) -> dict:
+    """distrib's own path (worker.train_on) on synthetic data of Fashion-MNIST's shape; its summary's figures."""
+    from distrib.config import load_config
+    from distrib.worker import train_on
+
+    overrides = ["data.name=synthetic", "data.synthetic_train_size=60000", "data.synthetic_test_size=1000",
+                 f"train.global_batch_size={batch}", "train.epochs=0", f"train.max_steps={args.steps}",
+                 "train.eval_every_epochs=0", f"train.log_every={args.steps}", f"metrics.timing_skip_steps={args.skip}",
+                 "run.progress=false", f"run.dir={run_dir}", "checkpoint.every_steps=0", "checkpoint.resume=never",
+                 f"dist.device={args.device}", *MODES[mode]]
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(log):  # the trainer's log lines would bury the table
+            summary = train_on(load_config(None, overrides), runtime)
+    except BaseException:
+        sys.stderr.write(log.getvalue())
+        raise
+    keys = ("samples_per_second", "step_time_p50_s", "data_wait_share", "mfu")
+    return {"batch": batch, "mode": mode, **{k: summary[k] for k in keys}}
+
+
+def run_all(args) -> tuple[list[dict], list[dict]]:
+    from distrib.config import DistConfig
+    from distrib.runtime import open_runtime
+
+    checks, rows = [], []
+    deadline = time.monotonic() + args.budget_s
+    with open_runtime(DistConfig(device=args.device, timeout_s=600)) as runtime, \
+            tempfile.TemporaryDirectory() as tmp:
+        checks += [check_equivalence(runtime, args.equivalence_steps), *check_mismatch(runtime)]
+        args.device_name = runtime.device_name()
+        for mode in args.modes:
+            for batch in args.batches:
+                if time.monotonic() > deadline:  # stay inside the time the job was given; say what was left out
+                    rows.append({"batch": batch, "mode": mode, "skipped": "time budget"})
+                    continue
+                rows.append(measure(runtime, batch, mode, args, Path(tmp) / f"{mode}-{batch}".replace(" ", "_")))
+    return checks, rows
+
+
+def table(args, checks: list[dict], rows: list[dict]) -> str:
+    import torch
+
+    lines = [f"{args.device_name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M %Z')}", ""]
+    lines += [f"{'check':<58} {'result':<6} detail"]
+    lines += [f"{c['check']:<58} {'PASS' if c['ok'] else 'FAIL':<6} {c['detail']}" for c in checks]
+    lines += ["", f"{'global batch':>12}  {'mode':<16} {'samples/s':>12} {'p50 step ms':>11} {'data wait':>9} {'MFU':>7}"]
+    for r in rows:
+        if "skipped" in r:
+            lines.append(f"{r['batch']:>12}  {r['mode']:<16} skipped ({r['skipped']})")
+            continue
+        mfu = f"{100 * r['mfu']:.2f}%" if r["mfu"] is not None else "n/a"
+        lines.append(f"{r['batch']:>12}  {r['mode']:<16} {r['samples_per_second']:>12,.0f} "
+                     f"{1e3 * r['step_time_p50_s']:>11.2f} {100 * r['data_wait_share']:>8.1f}% {mfu:>7}")
+    return "\n".join(lines)
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, no compile: a smoke test of this script")
+    parser.add_argument("--steps", type=int, default=200, help="optimizer steps per throughput run")
+    parser.add_argument("--skip", type=int, default=30, help="first steps left out of the figures (compile)")
+    parser.add_argument("--equivalence-steps", type=int, default=20)
+    parser.add_argument("--budget-s", type=float, default=240, help="throughput runs stop starting after this")
+    parser.add_argument("--json", default=None, help="also write the checks and rows here")
+    args = parser.parse_args(argv)
+    args.batches, args.modes = (512, 1024, 4096), list(MODES)
+    if args.quick:
+        args.batches, args.modes = (64, 128), ["fp32", "bf16", "bf16 dataloader"]
+        args.steps, args.skip, args.equivalence_steps = 8, 2, 3
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    _stub_tqdm()
+    code = 1
+    try:
+        checks, rows = run_all(args)
+        print(table(args, checks, rows))
+        if args.json:
+            result = {"device": args.device_name, "checks": checks, "rows": rows}
+            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        code = 0 if all(c["ok"] for c in checks) else 1
+    except Exception as e:  # noqa: BLE001 - one line, then the hard exit
+        print(f"gpu_check: {type(e).__name__}: {e}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # the process group is closed (barrier, destroy); skip teardown, where gloo/NCCL can abort
+
+
+if __name__ == "__main__":
+    main()

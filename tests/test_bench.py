@@ -1,0 +1,53 @@
+"""The speed scripts, run small: scripts/bench.py's table and JSON, and scripts/gpu_check.py's non-CUDA parts on gloo.
+Shape only: what they measure on a shared CPU says nothing here."""
+
+import json
+import sys
+
+import pytest
+
+from support import REPO, assert_ok, run
+
+
+@pytest.mark.timeout(150)
+def test_bench_prints_the_table_and_writes_the_json(tmp_path):
+    out = tmp_path / "bench.json"
+    result = run([sys.executable, str(REPO / "scripts" / "bench.py"), "--steps", "5", "--skip", "2", "--repeats", "1",
+                  "--warmup-runs", "0", "--train-size", "1024", "--variants", "hand,trainer,dataloader,bucket_view",
+                  "--json", str(out)], timeout=140)
+    assert_ok(result)
+    data = json.loads(out.read_text())
+    assert set(data) == {"machine", "settings", "clocks", "runs", "median", "ratios"}
+    assert set(data["runs"]) == {"1", "2"} and data["clocks"] == ["wall", "p50"]
+    for ws in ("1", "2"):
+        assert list(data["runs"][ws]) == ["hand", "trainer", "dataloader", "bucket_view"]
+        assert all(len(runs) == 1 and runs[0]["wall"] > 0 and runs[0]["p50"] > 0 for runs in data["runs"][ws].values())
+        assert set(data["ratios"][ws]) == {"trainer / hand", "device / dataloader", "dataloader / trainer",
+                                           "bucket_view / trainer"}
+        ratio = data["ratios"][ws]["trainer / hand"]["wall"]
+        assert ratio == pytest.approx(data["median"][ws]["trainer"]["wall"] / data["median"][ws]["hand"]["wall"])
+    lines = result.stdout.splitlines()
+    assert lines[0].split()[:3] == ["world", "size", "variant"]
+    assert any(line.split()[:3] == ["2", "trainer", "/"] and len(line.split()) == 6 for line in lines)
+    assert lines[-1] == f"written to {out}"
+
+
+@pytest.mark.timeout(120)
+def test_gpu_check_runs_its_checks_and_table_on_the_cpu(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    result = run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--device", "cpu", "--quick",
+                  "--json", str(out)], timeout=110)
+    assert_ok(result)
+    data = json.loads(out.read_text())
+    assert [c["ok"] for c in data["checks"]] == [True, True, True], data["checks"]
+    assert data["checks"][0]["detail"] == "bitwise equal"
+    assert [(r["batch"], r["mode"]) for r in data["rows"]] == [
+        (64, "fp32"), (128, "fp32"), (64, "bf16"), (128, "bf16"), (64, "bf16 dataloader"), (128, "bf16 dataloader")]
+    assert all(r["samples_per_second"] > 0 and r["mfu"] > 0 for r in data["rows"])
+    assert "PASS" in result.stdout and "FAIL" not in result.stdout and "samples/s" in result.stdout
+
+
+def test_gpu_check_sh_is_strict_and_installs_nothing():
+    text = (REPO / "scripts" / "gpu_check.sh").read_text()
+    assert "set -euo pipefail" in text and "pip install" not in text and "pip3 install" not in text
+    assert "scripts/gpu_check.py --device cuda" in text

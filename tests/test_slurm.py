@@ -1,0 +1,104 @@
+"""A real SLURM controller: scripts/slurm_cluster.sh brings up 2 fake nodes on this machine, scripts/slurm/train.sbatch
+trains on 2 nodes x 2 CPU workers like one process, and a preemption signal requeues the job. Needs root and apt
+(CI has both); deselect with -m "not slurm" for a quick local run."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from launch_support import CLUSTER_CONFIG, REPO, SMALL, clean_env, runs_relative_diff, run_one, train_reference
+
+pytestmark = pytest.mark.slurm
+CLUSTER = REPO / "scripts" / "slurm_cluster.sh"
+SBATCH = REPO / "scripts" / "slurm" / "train.sbatch"
+LOCK = Path("/tmp/distrib-slurm-tests.lock")  # one test cluster at a time: they share this machine's munged
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
+         "DEADLINE"}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """The environment that reaches a fresh 2-node cluster; stopped (jobs cancelled, daemons by PID) afterwards."""
+    if os.geteuid() != 0:
+        pytest.fail("the SLURM tests start slurmctld/slurmd and may apt-get install them: run as root "
+                    "(CI does), or deselect them with -m 'not slurm'")
+    root = tmp_path_factory.mktemp("slurm")
+    env = clean_env(DISTRIB_SLURM_ROOT=str(root), DISTRIB_SLURM_NODES="2", SLURM_CONF=str(root / "etc/slurm.conf"))
+    with open(LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            # The first run installs the Debian packages: minutes, not seconds.
+            up = run_one(["bash", str(CLUSTER), "up"], root, timeout=600, env=env)
+            assert up.returncode == 0, f"slurm_cluster.sh up failed (a first run needs apt):\n{up.text()}"
+            yield env
+        finally:
+            down = run_one(["bash", str(CLUSTER), "down"], root, timeout=120, env=env)
+            assert down.returncode == 0, down.text()
+
+
+def _slurm(env, *cmd: str) -> str:
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60, check=True).stdout
+
+
+def _job(env, job_id: str) -> dict[str, str]:
+    fields = _slurm(env, "scontrol", "show", "job", "-o", job_id).split()
+    return dict(field.split("=", 1) for field in fields if "=" in field)
+
+
+def _wait(env, job_id: str, done, timeout: float, log: Path) -> dict[str, str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = _job(env, job_id)
+        if done(job):
+            return job
+        time.sleep(0.5)
+    _slurm(env, "scancel", job_id)
+    raise AssertionError(f"job {job_id} still {job.get('JobState')} after {timeout}s\n"
+                         f"{log.read_text()[-5000:] if log.exists() else '(no output)'}")
+
+
+def _submit(env, tmp_path: Path, *trainer_args: str) -> tuple[str, Path]:
+    """sbatch as a user would: 2 nodes, 2 CPU workers per node (PET_NPROC_PER_NODE, torchrun's variable)."""
+    log = tmp_path / "slurm-%j.out"
+    job_id = _slurm({**env, "PET_NPROC_PER_NODE": "2"}, "sbatch", "--parsable", "--nodes=2", f"--output={log}",
+                    f"--chdir={tmp_path}", str(SBATCH), str(CLUSTER_CONFIG), *trainer_args).strip()
+    return job_id, Path(str(log).replace("%j", job_id))
+
+
+@pytest.mark.timeout(900)
+def test_sbatch_trains_on_two_nodes_like_one_process(cluster, tmp_path):
+    reference = train_reference(tmp_path / "reference", tmp_path)
+    run_dir = tmp_path / "run"
+    job_id, log = _submit(cluster, tmp_path, *SMALL, "--set", f"run.dir={run_dir}")
+    job = _wait(cluster, job_id, lambda job: job["JobState"] in ENDED, timeout=240, log=log)
+    assert job["JobState"] == "COMPLETED", log.read_text()[-5000:]
+    assert job["NumNodes"] == "2"
+    assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 4
+    assert runs_relative_diff(run_dir, reference) < 1e-5
+
+
+@pytest.mark.timeout(900)
+def test_a_preemption_signal_requeues_the_job(cluster, tmp_path):
+    """SIGUSR1 to the batch script, as --signal=B:USR1@120 sends it: the launchers exit 75 and the job is requeued."""
+    job_id, log = _submit(cluster, tmp_path, "--set", "train.max_steps=100000", "--set", "train.log_every=1",
+                          "--set", f"run.dir={tmp_path}/run")
+    deadline = time.monotonic() + 180
+    while "[distrib] step" not in (log.read_text() if log.exists() else ""):  # training has started
+        assert time.monotonic() < deadline and _job(cluster, job_id)["JobState"] not in ENDED, \
+            log.read_text() if log.exists() else "(no output)"
+        time.sleep(0.5)
+    _slurm(cluster, "scancel", "--signal=USR1", "--batch", job_id)
+    try:
+        job = _wait(cluster, job_id, lambda job: job["Restarts"] != "0", timeout=120, log=log)
+    finally:
+        subprocess.run(["scancel", job_id], env=cluster, timeout=60)
+    text = log.read_text()
+    assert "distrib launch: stopped by SIGTERM" in text and f"requeueing job {job_id}" in text, text[-5000:]
+    assert job["Restarts"] == "1"
