@@ -16,7 +16,7 @@ from distrib.config import Config
 from distrib.runtime import Runtime
 
 # Dense peak FLOP/s of one device (no sparsity), from the vendors' data sheets, by a substring of its name; the first
-# match wins. "fp32" is the plain (non-tensor-core) rate: with TF32 convolutions, PyTorch's cuDNN default, fp32 MFU
+# match wins (so "H100 PCIe" before "H100"; "GH200" is an H200). "fp32" is the plain (non-tensor-core) rate: with TF32 convolutions, PyTorch's cuDNN default, fp32 MFU
 # reads high. Override any of these with metrics.peak_flops.
 PEAK_FLOPS = (
     ("H100 PCIe", {"bf16": 756e12, "fp16": 756e12, "fp32": 51.2e12}),
@@ -26,7 +26,6 @@ PEAK_FLOPS = (
     ("B200", {"bf16": 2250e12, "fp16": 2250e12, "fp32": 80e12}),
     ("A100", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}),
     ("L40S", {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12}),
-    ("A10", {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12}),
 )
 # A nominal CPU core (AVX-512, two FMA units, ~3 GHz): a rough figure; set metrics.peak_flops for a real one.
 CPU_PEAK_FLOPS_PER_THREAD = 1e11

@@ -119,7 +119,7 @@ class Trainer:
         """One optimizer step; returns the loss averaged over the global batch (the same on every rank) on sync steps
         (log steps among them), and this rank's share of it on the others."""
         device, n = self.runtime.device, len(micro_batches)
-        local = torch.zeros((), device=device)
+        local = None  # this rank's loss; summed without a zeros() and an add when there is one micro-batch
         if self.steps_this_run == 0:
             check_batch({"inputs": micro_batches[0][0], "targets": micro_batches[0][1]}, device)
             self.meter.flops_per_sample = count_flops_per_sample(unwrap(self.model), *micro_batches[0])
@@ -128,9 +128,10 @@ class Trainer:
             with grad_sync(self.model, i == n - 1), \
                     explain_device_errors(self.model, device, {"inputs": inputs, "targets": targets}):
                 with autocast(self.config.precision, device):
-                    loss = F.cross_entropy(self.model(inputs), targets) / n
+                    loss = F.cross_entropy(self.model(inputs), targets)
+                    loss = loss / n if n > 1 else loss  # x / 1 is x, bit for bit: skip its kernel and graph node
                 self.scaler.scale(loss).backward()
-            local += loss.detach()
+            local = loss.detach() if local is None else local + loss.detach()
         self._check_finite(local)
         loss = self._agree(local) if self.is_sync_step(self.progress.step + 1) else local
         if self.config.grad_clip:
@@ -164,8 +165,10 @@ class Trainer:
         every, step = self.config.finite_check_every, self.progress.step + 1
         if self.config.precision == "fp16" or not every or step % every:
             return
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if grads and not nn.utils.get_total_norm(grads).isfinite().item():
+        # The optimizer's list, not model.parameters() (a walk of the module tree), and _foreach_norm (one fused kernel
+        # per device and dtype) rather than get_total_norm, whose grouping cost more than the check on a CPU step.
+        grads = [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if grads and not torch.stack(torch._foreach_norm(grads)).isfinite().all().item():
             raise UserError(f"train gradients are not finite at step {step} (this rank's loss {local.item():.4g}): "
                             f"training diverged; lower train.lr (now {self.config.lr}), set train.grad_clip=1.0, "
                             "or use more warm-up")

@@ -31,7 +31,7 @@ MODES = {  # label -> --set overrides; "compile" is bf16 and torch.compile, the 
 def _stub_tqdm() -> None:
     """distrib's progress bar comes from tqdm, which a bare GPU image may lack; the check never shows a bar."""
     try:
-        import tqdm  # noqa: F401
+        import tqdm  # noqa: F401 - only whether it imports
     except ImportError:
         class _Bar:
             def __init__(self, *args, **kwargs): ...
@@ -171,7 +171,8 @@ def table(args, checks: list[dict], rows: list[dict]) -> str:
     lines = [f"{args.device_name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M %Z')}", ""]
     lines += [f"{'check':<58} {'result':<6} detail"]
     lines += [f"{c['check']:<58} {'PASS' if c['ok'] else 'FAIL':<6} {c['detail']}" for c in checks]
-    lines += ["", f"{'global batch':>12}  {'mode':<16} {'samples/s':>12} {'p50 step ms':>11} {'data wait':>9} {'MFU':>7}"]
+    lines += ["", f"{'global batch':>12}  {'mode':<16} {'samples/s':>12} {'p50 step ms':>11} {'data wait':>9} "
+                  f"{'MFU':>7}"]
     for r in rows:
         if "skipped" in r:
             lines.append(f"{r['batch']:>12}  {r['mode']:<16} skipped ({r['skipped']})")

@@ -61,4 +61,5 @@ def test_plot_errors_are_one_line(tmp_path, capsys, monkeypatch):
     _write_metrics(tmp_path)
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # as if matplotlib were not installed
     assert cli.main(["plot", str(tmp_path)]) == 2
-    assert capsys.readouterr().err.strip() == "distrib: error: distrib plot needs matplotlib; pip install 'distrib[plot]'"
+    err = capsys.readouterr().err.strip()
+    assert err == "distrib: error: distrib plot needs matplotlib; pip install 'distrib[plot]'"

@@ -138,8 +138,9 @@ def test_static_graph_refuses_gradient_accumulation():
 def test_speed_options_train_to_the_same_weights(tmp_path):
     """channels_last, gradient_as_bucket_view, static_graph and small buckets change speed, not the result."""
     base = run(load_config(None, [*SMALL, f"run.dir={tmp_path}/a"]))
-    fast = run(load_config(None, [*SMALL, f"run.dir={tmp_path}/b", "speed.channels_last=true", "speed.static_graph=true",
-                                  "speed.gradient_as_bucket_view=true", "speed.bucket_cap_mb=0.01"]))
+    options = ["speed.channels_last=true", "speed.static_graph=true", "speed.gradient_as_bucket_view=true",
+               "speed.bucket_cap_mb=0.01"]
+    fast = run(load_config(None, [*SMALL, f"run.dir={tmp_path}/b", *options]))
     assert fast["test_loss"] == pytest.approx(base["test_loss"], rel=1e-4)
 
 
@@ -156,7 +157,8 @@ def test_divergence_stops_before_the_weights_turn_nan(tmp_path, capsys):
 def test_loss_and_stop_votes_are_reduced_on_sync_steps_only(tmp_path, monkeypatch):
     synced = []
     real = Trainer._agree
-    monkeypatch.setattr(Trainer, "_agree", lambda self, local: synced.append(self.progress.step + 1) or real(self, local))
+    monkeypatch.setattr(Trainer, "_agree",
+                        lambda self, local: synced.append(self.progress.step + 1) or real(self, local))
     run(load_config(None, [*SMALL, f"run.dir={tmp_path}", "train.sync_every=5"]))
     assert synced == [5, 8, 10, 15, 16, 20, 24]  # every 5th step and every log step (8, 16, 24)
 
