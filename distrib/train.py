@@ -166,9 +166,15 @@ class Trainer:
         if self.config.precision == "fp16" or not every or step % every:
             return
         # The optimizer's list, not model.parameters() (a walk of the module tree), and _foreach_norm (one fused kernel
-        # per device and dtype) rather than get_total_norm, whose grouping cost more than the check on a CPU step.
+        # per device and dtype on accelerators); on the CPU, where .item() costs nothing, summing the norms in Python
+        # skips stack/isfinite/all, which cost three times the norms themselves (bench: 1-2% of a small CPU step).
         grads = [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if grads and not torch.stack(torch._foreach_norm(grads)).isfinite().all().item():
+        norms = torch._foreach_norm(grads) if grads else []
+        if local.device.type == "cpu":
+            finite = math.isfinite(sum(norm.item() for norm in norms))
+        else:
+            finite = not norms or bool(torch.stack(norms).isfinite().all())  # the one host sync
+        if not finite:
             raise UserError(f"train gradients are not finite at step {step} (this rank's loss {local.item():.4g}): "
                             f"training diverged; lower train.lr (now {self.config.lr}), set train.grad_clip=1.0, "
                             "or use more warm-up")

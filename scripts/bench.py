@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # measure this checkout, whichever one is installed
+
 # Variants: the hand loop, or the trainer with these --set overrides on top of the common ones.
 VARIANTS = {
     "hand": None,
