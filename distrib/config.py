@@ -165,12 +165,12 @@ class SpeedConfig:
     channels_last: bool = False  # NHWC weights and 4-D inputs (faster convolutions on tensor cores)
     gradient_as_bucket_view: bool = False  # DDP: gradients are views into its all-reduce buckets (one copy less)
     static_graph: bool = False  # DDP: the same parameters get gradients every step (lets DDP skip some checks)
-    bucket_cap_mb: float = 25.0  # DDP: gradient bucket size; smaller overlaps more, larger makes fewer calls
+    bucket_cap_mb: float = 0.0  # DDP: gradient bucket size in MB; 0 = DDP's default (25, and a 1 MB first bucket)
 
     def __post_init__(self):
         _choice("speed", self, "compile_mode", ("default", "reduce-overhead", "max-autotune",
                                                 "max-autotune-no-cudagraphs"))
-        _positive("speed", self, "bucket_cap_mb", 25)
+        _at_least("speed", self, "bucket_cap_mb", 0.0)
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

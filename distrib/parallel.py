@@ -91,7 +91,7 @@ def parallelize(model: nn.Module, runtime: Runtime, speed: SpeedConfig) -> nn.Mo
         model.to(memory_format=torch.channels_last)
         model.register_forward_pre_hook(_inputs_channels_last)  # inputs follow, whoever feeds the model
     ddp = wrap_ddp(model, runtime, gradient_as_bucket_view=speed.gradient_as_bucket_view,
-                   static_graph=speed.static_graph, bucket_cap_mb=speed.bucket_cap_mb)
+                   static_graph=speed.static_graph, bucket_cap_mb=speed.bucket_cap_mb or None)
     return torch.compile(ddp, mode=speed.compile_mode) if speed.compile else ddp
 
 

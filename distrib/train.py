@@ -111,10 +111,6 @@ class Trainer:
         if self.meter is None:
             self.meter = Throughput(self.plan.global_batch_size, self.runtime.world_size)
 
-    @property
-    def samples_per_second(self) -> float:
-        return self.steps_this_run * self.plan.global_batch_size / max(self.train_seconds, 1e-9)
-
     def step(self, micro_batches) -> torch.Tensor:
         """One optimizer step; returns the loss averaged over the global batch (the same on every rank) on sync steps
         (log steps among them), and this rank's share of it on the others."""

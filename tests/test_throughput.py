@@ -109,7 +109,7 @@ def test_peak_table_override_and_unknown_device():
 
 
 @pytest.mark.parametrize("override, message", [
-    ("speed.bucket_cap_mb=0", "speed.bucket_cap_mb = 0.0: must be a finite number > 0"),
+    ("speed.bucket_cap_mb=-1", "speed.bucket_cap_mb = -1.0: must be a finite number >= 0.0"),
     ("speed.compile_mode=fast", "speed.compile_mode = 'fast': must be one of default, reduce-overhead"),
     ("speed.compile=1", "speed.compile = 1: must be of type bool"),
     ("speed.channels_last=yes", "speed.channels_last = 'yes': must be of type bool"),
