@@ -3,7 +3,9 @@
     python scripts/bench.py [--steps 200] [--repeats 7] [--world-sizes 1,2] [--json bench.json]
 Each variant trains the seed Network for --steps optimizer steps of --batch samples (the first --skip steps, warm-up
 and compilation, are left out of the clock); variants are interleaved, in alternating order, and the table shows
-medians. Ratios: trainer / hand loop, device-resident / DataLoader data path, and each speed option / trainer."""
+medians. "lockstep" runs the trainer and the hand loop a step each in turn within one run, which cancels most of a
+shared machine's noise. Ratios: trainer / hand loop (separate runs, and lockstep), device-resident / DataLoader data
+path, and each speed option / trainer."""
 
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # measure this che
 VARIANTS = {
     "hand": None,
     "trainer": [],
+    "lockstep": None,  # the trainer and the hand loop a step each in turn, in one run: see lockstep_run
     "dataloader": ["data.loader=dataloader"],
     "finite_check_off": ["train.finite_check_every=0"],
     "compile": ["speed.compile=true"],
@@ -37,7 +40,8 @@ VARIANTS = {
     "static_graph": ["speed.static_graph=true"],
     "bucket_32kb": ["speed.bucket_cap_mb=0.03125"],  # splits the 130 kB of gradients into several buckets
 }
-RATIOS = {"trainer / hand": ("trainer", "hand"), "device / dataloader": ("trainer", "dataloader")}
+RATIOS = {"trainer / hand": ("trainer", "hand"), "trainer / hand (lockstep)": ("trainer (lockstep)", "hand (lockstep)"),
+          "device / dataloader": ("trainer", "dataloader")}
 TARGET = 0.97  # trainer / hand loop and device / DataLoader must reach this
 # Three clocks: samples over the summed step times (wall); batch / median step time (p50), which a shared machine's
 # bursts of load disturb less; and batch / median CPU time of the training thread per step (cpu), which other
@@ -45,41 +49,65 @@ TARGET = 0.97  # trainer / hand loop and device / DataLoader must reach this
 CLOCKS = ("wall", "p50", "cpu")
 
 
-def hand_loop(args, runtime, images, labels) -> dict:
+class HandLoop:
     """What a user writes by hand: plain DDP, the whole set as one float tensor, index slicing, SGD. The same
     initial weights, sample order and learning rate as the trainer's run, so both do the same arithmetic: the
     time a CPU step takes depends on the values (max-pool branches), not only on the shapes."""
-    import torch
-    import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from distrib.models import Network
+    def __init__(self, args, runtime, images, labels):
+        import torch
+        from torch.nn.parallel import DistributedDataParallel as DDP
 
-    torch.manual_seed(0)
-    model = DDP(Network())
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    per_rank, steps_per_epoch = args.batch // runtime.world_size, len(labels) // args.batch
+        from distrib.models import Network
+
+        torch.manual_seed(0)
+        self.model = DDP(Network())
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
+        self.images, self.labels, self.batch, self.rank = images, labels, args.batch, runtime.rank
+        self.per_rank, self.steps_per_epoch = args.batch // runtime.world_size, len(labels) // args.batch
+        self.loss = None
+
+    def step(self, step: int) -> None:
+        import torch
+        import torch.nn.functional as F
+
+        if step % self.steps_per_epoch == 0:
+            seed = step // self.steps_per_epoch
+            self.order = torch.randperm(len(self.labels), generator=torch.Generator().manual_seed(seed))
+        start = (step % self.steps_per_epoch) * self.batch + self.rank * self.per_rank
+        idx = self.order[start:start + self.per_rank]
+        self.loss = F.cross_entropy(self.model(self.images[idx]), self.labels[idx])
+        self.optimizer.zero_grad(set_to_none=True)
+        self.loss.backward()
+        self.optimizer.step()
+
+    def final_loss(self, world_size: int) -> float:
+        """The last global batch's mean loss, as the trainer logs it (a collective: every rank calls it)."""
+        import torch
+
+        final = self.loss.detach()
+        torch.distributed.all_reduce(final)
+        return final.item() / world_size
+
+
+def hand_loop(args, runtime, images, labels) -> dict:
+    hand = HandLoop(args, runtime, images, labels)
     ends, cpu_ends = [time.perf_counter()], [time.thread_time()]
     for step in range(args.steps):
-        if step % steps_per_epoch == 0:
-            order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(step // steps_per_epoch))
-        start = (step % steps_per_epoch) * args.batch + runtime.rank * per_rank
-        idx = order[start:start + per_rank]
-        loss = F.cross_entropy(model(images[idx]), labels[idx])
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        hand.step(step)
         ends.append(time.perf_counter())
         cpu_ends.append(time.thread_time())
-    final = loss.detach()
-    torch.distributed.all_reduce(final)  # the global batch's mean loss, as the trainer logs it
-    return {**_clocks(args, ends, cpu_ends), "final_loss": final.item() / runtime.world_size}
+    return {**_clocks(args, ends, cpu_ends), "final_loss": hand.final_loss(runtime.world_size)}
 
 
 def _clocks(args, ends: list[float], cpu_ends: list[float]) -> dict:
     """samples/s on the three clocks, from the wall-clock and CPU-clock readings at the end of every step."""
-    steps = [b - a for a, b in zip(ends[args.skip:], ends[args.skip + 1:])]  # end to end, data fetch included
-    cpu = [b - a for a, b in zip(cpu_ends[args.skip:], cpu_ends[args.skip + 1:])]
+    return _step_clocks(args, [b - a for a, b in zip(ends, ends[1:])], [b - a for a, b in zip(cpu_ends, cpu_ends[1:])])
+
+
+def _step_clocks(args, steps: list[float], cpu: list[float]) -> dict:
+    """samples/s on the three clocks from per-step wall and CPU times, the first --skip steps left out."""
+    steps, cpu = steps[args.skip:], cpu[args.skip:]  # end to end: each step's data fetch is in it
     return {"wall": len(steps) * args.batch / sum(steps), "p50": args.batch / statistics.median(steps),
             "cpu": args.batch / statistics.median(cpu)}
 
@@ -95,29 +123,60 @@ def common_overrides(args, run_dir: Path) -> list[str]:
             f"run.dir={run_dir}", "checkpoint.every_steps=0", "checkpoint.resume=never", "dist.device=cpu"]
 
 
-def trainer_run(args, runtime, overrides: list[str], run_dir: Path) -> dict:
-    """distrib's own path: load_config, then worker.train_on (data, model, DDP, Trainer.fit); its own figures."""
+def _train(args, runtime, overrides: list[str], run_dir: Path, after_step) -> dict:
+    """distrib's own path: load_config, then worker.train_on (data, model, DDP, Trainer.fit), with after_step()
+    called at the trainer's own end-of-step mark; returns its summary."""
     from distrib.config import load_config
     from distrib.throughput import Throughput
     from distrib.worker import train_on
 
     config = load_config(None, [*common_overrides(args, run_dir), *overrides])
-    log, cpu_ends = io.StringIO(), []
+    log = io.StringIO()
     real_step_done = Throughput.step_done
 
-    def step_done(meter):  # the trainer's own end-of-step mark, plus a reading of this thread's CPU clock
+    def step_done(meter):
         real_step_done(meter)
-        cpu_ends.append(time.thread_time())
+        after_step()
 
     try:
         with contextlib.redirect_stderr(log), mock.patch.object(Throughput, "step_done", step_done):
-            summary = train_on(config, runtime)  # the log lines would bury the table
+            return train_on(config, runtime)  # the log lines would bury the table
     except BaseException:
         sys.stderr.write(log.getvalue())
         raise
+
+
+def trainer_run(args, runtime, overrides: list[str], run_dir: Path) -> dict:
+    """The trainer alone; its own figures, plus a reading of this thread's CPU clock at each end-of-step mark."""
+    cpu_ends = []
+    summary = _train(args, runtime, overrides, run_dir, lambda: cpu_ends.append(time.thread_time()))
     cpu = _clocks(args, list(range(len(cpu_ends))), cpu_ends)["cpu"]
     return {"wall": summary["samples_per_second"], "p50": args.batch / summary["step_time_p50_s"], "cpu": cpu,
             "final_loss": summary["train_loss"]}
+
+
+def lockstep_run(args, runtime, images, labels, run_dir: Path) -> dict[str, dict]:
+    """The trainer and the hand loop one step each in turn, in the same processes: the trainer's fit() runs a hand
+    step from its end-of-step mark. Both then meet the same moments of a shared machine's load, which separate runs,
+    seconds apart, do not; that noise (+-10% between runs here) is larger than the difference being measured.
+    The trainer's step is timed from the end of the previous hand step to its own mark (its data fetch, bookkeeping
+    and sync steps included); the hand step from there to its own end. Its steps also enter the trainer's own step
+    times, so the trainer's summary figures are not used here."""
+    hand = HandLoop(args, runtime, images, labels)
+    marks = [(time.perf_counter(), time.thread_time())]  # after each trainer step, then after each hand step
+
+    def after_step():
+        marks.append((time.perf_counter(), time.thread_time()))
+        hand.step((len(marks) - 2) // 2)
+        marks.append((time.perf_counter(), time.thread_time()))
+
+    summary = _train(args, runtime, [], run_dir, after_step)
+    wall, cpu = ([b[c] - a[c] for a, b in zip(marks, marks[1:])] for c in (0, 1))
+    # marks[0] is taken before the trainer's set-up: its first step is left out with the --skip ones
+    trainer = _step_clocks(args, wall[0::2][1:], cpu[0::2][1:])
+    return {"trainer (lockstep)": {**trainer, "final_loss": summary["train_loss"]},
+            "hand (lockstep)": {**_step_clocks(args, wall[1::2][1:], cpu[1::2][1:]),
+                                "final_loss": hand.final_loss(runtime.world_size)}}
 
 
 def measure_all(args, runtime, out_dir: Path) -> dict[str, list[dict]]:
@@ -132,16 +191,19 @@ def measure_all(args, runtime, out_dir: Path) -> dict[str, list[dict]]:
     train, _ = load_splits(load_config(None, common_overrides(args, out_dir)).data, runtime)
     images, labels = normalize(train.images), train.labels  # the hand loop's data: normalised once, in memory
     names = args.variants
-    results: dict[str, list[dict]] = {name: [] for name in names}
+    results: dict[str, list[dict]] = {}
     for repeat in range(-args.warmup_runs, args.repeats):
         for name in (names if repeat % 2 == 0 else names[::-1]):
             torch.distributed.barrier()  # every rank starts each measurement together
-            if VARIANTS[name] is None:
-                value = hand_loop(args, runtime, images, labels)
+            if name == "hand":
+                values = {name: hand_loop(args, runtime, images, labels)}
+            elif name == "lockstep":
+                values = lockstep_run(args, runtime, images, labels, out_dir / f"{name}-{repeat}")
             else:
-                value = trainer_run(args, runtime, VARIANTS[name], out_dir / f"{name}-{repeat}")
+                values = {name: trainer_run(args, runtime, VARIANTS[name], out_dir / f"{name}-{repeat}")}
             if repeat >= 0:  # negative repeats only warm the process (allocator, thread pool, compile caches)
-                results[name].append(value)
+                for key, value in values.items():
+                    results.setdefault(key, []).append(value)
     return results
 
 
@@ -212,7 +274,7 @@ def summarise(args, runs: dict[int, dict[str, list[dict]]]) -> dict:
                     for name, values in by.items()} for ws, by in runs.items()}
     ratios, targets = {}, {}
     for ws, med in medians.items():
-        pairs = {**RATIOS, **{f"{name} / trainer": (name, "trainer") for name in med if VARIANTS[name]}}
+        pairs = {**RATIOS, **{f"{name} / trainer": (name, "trainer") for name in med if VARIANTS.get(name)}}
         ratios[ws] = {label: _ratios(runs[ws], med, a, b)
                       for label, (a, b) in pairs.items() if a in med and b in med and a != b}
         targets[ws] = {label: {c: ratios[ws][label][f"paired_{c}"] >= TARGET for c in CLOCKS}
@@ -233,13 +295,13 @@ def _cpu_name() -> str:
 
 
 def table(result: dict) -> str:
-    lines = [f"{'world size':>10}  {'variant':<17} {'samples/s: wall':>15} {'p50':>7} {'cpu':>7} {'final loss':>10}  "
+    lines = [f"{'world size':>10}  {'variant':<19} {'samples/s: wall':>15} {'p50':>7} {'cpu':>7} {'final loss':>10}  "
              "runs (wall)"]
     for ws, by in result["runs"].items():
         for name, values in by.items():
             med = result["median"][ws][name]
             runs = " ".join(f"{r['wall']:.0f}" for r in values)
-            lines.append(f"{ws:>10}  {name:<17} {med['wall']:>15,.0f} {med['p50']:>7,.0f} {med['cpu']:>7,.0f} "
+            lines.append(f"{ws:>10}  {name:<19} {med['wall']:>15,.0f} {med['p50']:>7,.0f} {med['cpu']:>7,.0f} "
                          f"{med['final_loss']:>10.5f}  {runs}")
     lines += ["", f"{'':>10}  {'':<42}{'ratio of medians':<21}  median of paired ratios",
               f"{'world size':>10}  {'ratio':<42}" + "".join(f"{c:>6} " for c in CLOCKS) + "  "

@@ -13,25 +13,28 @@ from support import REPO, assert_ok, run
 def test_bench_prints_the_table_and_writes_the_json(tmp_path):
     out = tmp_path / "bench.json"
     result = run([sys.executable, str(REPO / "scripts" / "bench.py"), "--steps", "5", "--skip", "2", "--repeats", "1",
-                  "--warmup-runs", "0", "--train-size", "1024", "--variants", "hand,trainer,dataloader,bucket_view",
-                  "--json", str(out)], timeout=140)
+                  "--warmup-runs", "0", "--train-size", "1024",
+                  "--variants", "hand,trainer,lockstep,dataloader,bucket_view", "--json", str(out)], timeout=140)
     assert_ok(result)
     data = json.loads(out.read_text())
     assert set(data) == {"machine", "settings", "clocks", "runs", "median", "ratios", "target", "targets_met"}
     assert set(data["runs"]) == {"1", "2"} and data["clocks"] == ["wall", "p50", "cpu"]
     for ws in ("1", "2"):
-        assert list(data["runs"][ws]) == ["hand", "trainer", "dataloader", "bucket_view"]
+        assert list(data["runs"][ws]) == ["hand", "trainer", "trainer (lockstep)", "hand (lockstep)", "dataloader",
+                                          "bucket_view"]
         assert all(len(runs) == 1 and min(runs[0][c] for c in ("wall", "p50", "cpu")) > 0
                    for runs in data["runs"][ws].values())
-        assert set(data["ratios"][ws]) == {"trainer / hand", "device / dataloader", "dataloader / trainer",
-                                           "bucket_view / trainer"}
+        assert set(data["ratios"][ws]) == {"trainer / hand", "trainer / hand (lockstep)", "device / dataloader",
+                                           "dataloader / trainer", "bucket_view / trainer"}
         ratio, median = data["ratios"][ws]["trainer / hand"], data["median"][ws]
         assert ratio["wall"] == pytest.approx(median["trainer"]["wall"] / median["hand"]["wall"])
         assert set(ratio) == {"wall", "p50", "cpu", "paired_wall", "paired_p50", "paired_cpu"}
-        assert set(data["targets_met"][ws]) == {"trainer / hand", "device / dataloader"}
+        assert set(data["targets_met"][ws]) == {"trainer / hand", "trainer / hand (lockstep)", "device / dataloader"}
         assert set(data["targets_met"][ws]["trainer / hand"]) == {"wall", "p50", "cpu"}
         # identical work: the hand loop and the trainer take the same steps from the same weights
         assert data["median"][ws]["hand"]["final_loss"] == pytest.approx(data["median"][ws]["trainer"]["final_loss"])
+        lockstep = [data["median"][ws][f"{name} (lockstep)"]["final_loss"] for name in ("hand", "trainer")]
+        assert lockstep[0] == pytest.approx(lockstep[1]) == pytest.approx(data["median"][ws]["hand"]["final_loss"])
     lines = result.stdout.splitlines()
     assert lines[0].split()[:3] == ["world", "size", "variant"]
     assert any(line.split()[:4] == ["2", "trainer", "/", "hand"] and len(line.split()) == 10 for line in lines)
