@@ -94,6 +94,11 @@ class Runtime:
     def pin_memory(self) -> bool:
         return self.device.type == "cuda"
 
+    @property
+    def host_sync_is_free(self) -> bool:
+        """Reading a value on the host costs nothing on the CPU; on an accelerator it drains the queue of work."""
+        return self.device.type == "cpu"
+
     def free_memory_bytes(self) -> int:
         """Memory the device-resident data path may use: the GPU's free memory, or the host's available RAM."""
         if self.device.type == "cuda":

@@ -104,6 +104,8 @@ class Trainer:
     stop: StopFlag = field(default_factory=StopFlag)  # set by a signal handler; agreed on in step()
     stop_agreed: bool = False
     meter: Throughput = None  # step times, data wait and MFU; see distrib.throughput
+    nonfinite: torch.Tensor = None  # accelerators: a device-side flag, set by any finite check since the last sync
+    synced_at: int = 0  # the last sync step
 
     def __post_init__(self):
         if self.scaler is None:
@@ -128,8 +130,9 @@ class Trainer:
                     loss = loss / n if n > 1 else loss  # x / 1 is x, bit for bit: skip its kernel and graph node
                 self.scaler.scale(loss).backward()
             local = loss.detach() if local is None else local + loss.detach()
-        self._check_finite(local)
-        loss = self._agree(local) if self.is_sync_step(self.progress.step + 1) else local
+        step = self.progress.step + 1
+        self._check_finite(local, step)
+        loss = self._agree(local, step) if self.is_sync_step(step) else local
         if self.config.grad_clip:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
             nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
@@ -143,37 +146,53 @@ class Trainer:
         return step % self.config.log_every == 0 or step == self.total_steps
 
     def is_sync_step(self, step: int) -> bool:
-        return step % self.config.sync_every == 0 or self.is_log_step(step)
+        # Checkpoint steps too: the finite flag is read there, so no checkpoint holds weights that went NaN.
+        return (step % self.config.sync_every == 0 or self.is_log_step(step)
+                or (self.checkpointer is not None and self.checkpointer.due(step)))
 
-    def _agree(self, local: torch.Tensor) -> torch.Tensor:
-        """One small all-reduce carries the loss and the stop votes: SUM, then divide for the global mean of
-        equal-sized micro-batches; any rank's signal stops every rank at this same step boundary. Only on sync
-        steps: per step, its latency and host sync cost 7-13% of a small model's step on a shared CPU (bench)."""
-        reduced = torch.stack([local, torch.full((), float(self.stop.requested), device=local.device)])
+    def _agree(self, local: torch.Tensor, step: int) -> torch.Tensor:
+        """One small all-reduce carries the loss, the stop votes and (on accelerators) the finite flag: SUM, then
+        divide for the global mean of equal-sized micro-batches; any rank's signal stops every rank at this same step
+        boundary. Only on sync steps: per step, its latency and host sync cost 7-13% of a small model's step on a
+        shared CPU (bench)."""
+        flag = self.nonfinite if self.nonfinite is not None else torch.zeros((), device=local.device)
+        reduced = torch.stack([local, torch.full((), float(self.stop.requested), device=local.device),
+                               flag.to(local.dtype)])
         dist.all_reduce(reduced)
-        self.stop_agreed = reduced[1].item() > 0  # host sync, on sync steps only
+        stop, nonfinite = reduced[1:].tolist()  # the host sync, on sync steps only
+        self.stop_agreed = stop > 0
+        if nonfinite > 0:
+            where = f"at step {step}" if self.synced_at + 1 >= step else f"between steps {self.synced_at + 1} and {step}"
+            self._diverged(where, reduced[0] / self.runtime.world_size)
+        self.nonfinite, self.synced_at = None, step
         return reduced[0] / self.runtime.world_size
 
-    def _check_finite(self, local: torch.Tensor) -> None:
+    def _check_finite(self, local: torch.Tensor, step: int) -> None:
         # Reads the gradients after DDP's all-reduce: the same on every rank, so all ranks decide alike and stop
-        # together, before the optimizer writes NaN into the weights, with no collective of its own. A host sync
-        # (free on the CPU) each finite_check_every steps. fp16 skips such steps in its GradScaler instead.
-        every, step = self.config.finite_check_every, self.progress.step + 1
+        # together, with no collective of its own. fp16 skips such steps in its GradScaler instead.
+        every = self.config.finite_check_every
         if self.config.precision == "fp16" or not every or step % every:
             return
         # The optimizer's list, not model.parameters() (a walk of the module tree), and _foreach_norm (one fused kernel
-        # per device and dtype on accelerators); on the CPU, where .item() costs nothing, summing the norms in Python
-        # skips stack/isfinite/all, which cost three times the norms themselves (bench: 1-2% of a small CPU step).
+        # per device and dtype on accelerators).
         grads = [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
-        norms = torch._foreach_norm(grads) if grads else []
-        if local.device.type == "cpu":
-            finite = math.isfinite(sum(norm.item() for norm in norms))
+        if not grads:
+            return
+        norms = torch._foreach_norm(grads)
+        if self.runtime.host_sync_is_free:
+            # The CPU reads it now, before the optimizer writes NaN into the weights; summing in Python skips
+            # stack/isfinite/all, which cost three times the norms themselves (bench: 1-2% of a small CPU step).
+            if not math.isfinite(sum(norm.item() for norm in norms)):
+                self._diverged(f"at step {step}", local)
         else:
-            finite = not norms or bool(torch.stack(norms).isfinite().all())  # the one host sync
-        if not finite:
-            raise UserError(f"train gradients are not finite at step {step} (this rank's loss {local.item():.4g}): "
-                            f"training diverged; lower train.lr (now {self.config.lr}), set train.grad_clip=1.0, "
-                            "or use more warm-up")
+            # Accelerators keep a flag on the device and read it on the next sync step (checkpoint steps among them),
+            # in the all-reduce that goes then anyway: no host sync of its own, which would stall the queue each step.
+            bad = ~torch.stack(norms).isfinite().all()
+            self.nonfinite = bad if self.nonfinite is None else self.nonfinite | bad
+
+    def _diverged(self, where: str, loss: torch.Tensor):
+        raise UserError(f"train gradients are not finite {where} (loss {loss.item():.4g}): training diverged; "
+                        f"lower train.lr (now {self.config.lr}), set train.grad_clip=1.0, or use more warm-up")
 
     def _maybe_checkpoint(self, step: int) -> None:
         if self.stop_agreed:
@@ -207,6 +226,7 @@ class Trainer:
         p, cfg, rec = self.progress, self.config, self.recorder
         bar = rec.progress_bar(self.total_steps, initial=p.step)
         fit_start, eval_seconds = time.perf_counter(), 0.0
+        self.synced_at = p.step
         self.meter.restart_clock()
         while p.step < self.total_steps:
             for micro_batches in epoch_steps(train_source, self.plan, p.epoch, p.step_in_epoch):

@@ -2,6 +2,7 @@
 finite check on the reduced gradients, the sync cadence, and TensorBoard."""
 
 import json
+import re
 import sys
 
 import pytest
@@ -13,6 +14,7 @@ from distrib.config import load_config
 from distrib.errors import ConfigError, UserError
 from distrib.metrics import Recorder
 from distrib.models import Network
+from distrib.runtime import Runtime
 from distrib.throughput import Throughput, count_flops_per_sample, peak_flops
 from distrib.train import Trainer
 from distrib.worker import run
@@ -153,12 +155,53 @@ def test_divergence_stops_before_the_weights_turn_nan(tmp_path, capsys):
     assert not (tmp_path / "model.pt").exists()
 
 
+def _as_on_an_accelerator(monkeypatch) -> list[tuple[int, str]]:
+    """The accelerator path on the CPU: host reads deferred to sync steps as if each one stalled a device queue.
+    Returns the (step, method) of every host read made inside Trainer.step, filled in as the run goes."""
+    monkeypatch.setattr(Runtime, "host_sync_is_free", property(lambda self: False))
+    reads, current = [], []
+    for name in ("item", "tolist", "__bool__", "__float__"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda t, *a, _real=real, _name=name:
+                            (current and reads.append((current[-1], _name))) or _real(t, *a))
+    real_step = Trainer.step
+
+    def step(self, micro_batches):
+        current.append(self.progress.step + 1)
+        try:
+            return real_step(self, micro_batches)
+        finally:
+            current.pop()
+
+    monkeypatch.setattr(Trainer, "step", step)
+    return reads
+
+
+@pytest.mark.timeout(60)
+def test_accelerators_read_nothing_on_the_host_between_sync_steps(tmp_path, monkeypatch):
+    reads = _as_on_an_accelerator(monkeypatch)
+    summary = run(load_config(None, [*SMALL, f"run.dir={tmp_path}", "train.sync_every=5"]))
+    assert summary["steps"] == 24 and reads
+    assert {step for step, _ in reads} == {5, 8, 10, 15, 16, 20, 24}  # every 5th step and the log steps
+
+
+@pytest.mark.timeout(60)
+def test_accelerators_stop_a_divergence_at_the_next_sync_step(tmp_path, monkeypatch, capsys):
+    _as_on_an_accelerator(monkeypatch)
+    argv = ["train", *[a for o in [*SMALL, f"run.dir={tmp_path}", "train.lr=1e4", "train.sync_every=3"]
+                       for a in ("--set", o)]]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.match(r"distrib: error: train gradients are not finite (at step 3|between steps 1 and 3) \(loss ", err)
+    assert "lower train.lr" in err and not (tmp_path / "model.pt").exists()
+
+
 @pytest.mark.timeout(60)
 def test_loss_and_stop_votes_are_reduced_on_sync_steps_only(tmp_path, monkeypatch):
     synced = []
     real = Trainer._agree
     monkeypatch.setattr(Trainer, "_agree",
-                        lambda self, local: synced.append(self.progress.step + 1) or real(self, local))
+                        lambda self, local, step: synced.append(step) or real(self, local, step))
     run(load_config(None, [*SMALL, f"run.dir={tmp_path}", "train.sync_every=5"]))
     assert synced == [5, 8, 10, 15, 16, 20, 24]  # every 5th step and every log step (8, 16, 24)
 
