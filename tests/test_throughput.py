@@ -208,8 +208,7 @@ def test_loss_and_stop_votes_are_reduced_on_sync_steps_only(tmp_path, monkeypatc
 
 @pytest.mark.timeout(60)
 def test_tensorboard_scalars_on_rank_0(tmp_path):
-    pytest.importorskip("tensorboard")
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # in the dev extra
 
     run(load_config(None, [*SMALL, f"run.dir={tmp_path}", "metrics.tensorboard=true"]))
     events = EventAccumulator(str(tmp_path / "tensorboard"))
