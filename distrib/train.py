@@ -162,7 +162,8 @@ class Trainer:
         stop, nonfinite = reduced[1:].tolist()  # the host sync, on sync steps only
         self.stop_agreed = stop > 0
         if nonfinite > 0:
-            where = f"at step {step}" if self.synced_at + 1 >= step else f"between steps {self.synced_at + 1} and {step}"
+            first = self.synced_at + 1  # the flag covers the checks since the last sync step
+            where = f"at step {step}" if first >= step else f"between steps {first} and {step}"
             self._diverged(where, reduced[0] / self.runtime.world_size)
         self.nonfinite, self.synced_at = None, step
         return reduced[0] / self.runtime.world_size
