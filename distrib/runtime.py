@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import re
 from dataclasses import dataclass
 from datetime import timedelta
@@ -112,20 +113,18 @@ class Runtime:
         if self.device.type == "cuda" and state is not None:
             torch.cuda.set_rng_state(state.cpu(), self.device)
 
-    def synchronize(self) -> None:
-        """Waits for queued device work, so that a wall-clock reading means something."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     def device_name(self) -> str:
         """The accelerator's marketing name ('NVIDIA H100 80GB HBM3'), or the CPU's; keys the peak FLOP/s table."""
-        if self.device.type == "cuda":
-            return torch.cuda.get_device_name(self.device)
-        with contextlib.suppress(OSError):
-            for line in open("/proc/cpuinfo"):
-                if line.startswith("model name"):
-                    return line.partition(":")[2].strip()
-        return "cpu"
+        return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else cpu_name()
+
+
+def cpu_name() -> str:
+    """The host CPU's model name, from /proc/cpuinfo where there is one."""
+    with contextlib.suppress(OSError):
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    return platform.processor() or platform.machine() or "cpu"
 
 
 def select_device(requested: str, local_rank: int) -> torch.device:

@@ -16,8 +16,8 @@ from distrib.config import Config
 from distrib.runtime import Runtime
 
 # Dense peak FLOP/s of one device (no sparsity), from the vendors' data sheets, by a substring of its name; the first
-# match wins (so "H100 PCIe" before "H100"; "GH200" is an H200). "fp32" is the plain (non-tensor-core) rate: with TF32 convolutions, PyTorch's cuDNN default, fp32 MFU
-# reads high. Override any of these with metrics.peak_flops.
+# match wins (so "H100 PCIe" before "H100"; "GH200" is an H200). "fp32" is the plain (non-tensor-core) rate: with
+# TF32 convolutions, PyTorch's cuDNN default, fp32 MFU reads high. Override any of these with metrics.peak_flops.
 PEAK_FLOPS = (
     ("H100 PCIe", {"bf16": 756e12, "fp16": 756e12, "fp32": 51.2e12}),
     ("H100", {"bf16": 989e12, "fp16": 989e12, "fp32": 66.9e12}),

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -98,7 +97,6 @@ class Trainer:
     recorder: Recorder
     scaler: torch.amp.GradScaler = None
     progress: Progress = field(default_factory=Progress)
-    train_seconds: float = 0.0  # wall time of this run's optimizer steps, evaluation excluded
     steps_this_run: int = 0
     checkpointer: object = None  # a distrib.checkpoint.Checkpointer, or None: no checkpoints
     stop: StopFlag = field(default_factory=StopFlag)  # set by a signal handler; agreed on in step()
@@ -226,7 +224,6 @@ class Trainer:
         """Trains from self.progress to total_steps; evaluates each eval_every_epochs and at the end."""
         p, cfg, rec = self.progress, self.config, self.recorder
         bar = rec.progress_bar(self.total_steps, initial=p.step)
-        fit_start, eval_seconds = time.perf_counter(), 0.0
         self.synced_at = p.step
         self.meter.restart_clock()
         while p.step < self.total_steps:
@@ -248,13 +245,9 @@ class Trainer:
             if p.step_in_epoch == self.plan.steps_per_epoch:
                 p.epoch, p.step_in_epoch = p.epoch + 1, 0
                 if cfg.eval_every_epochs and p.epoch % cfg.eval_every_epochs == 0 and p.step < self.total_steps:
-                    eval_start = time.perf_counter()
                     rec.log_eval(p.step, p.epoch, self.evaluate(test_source, num_test, eval_batch_size))
-                    eval_seconds += time.perf_counter() - eval_start
                     self.meter.restart_clock()  # keep evaluation out of the step times
         bar.close()
-        self.runtime.synchronize()
-        self.train_seconds = time.perf_counter() - fit_start - eval_seconds
         if self.checkpointer and not self.checkpointer.due(p.step):
             self.checkpointer.save(p.step)  # the final state, so that a later run can extend this one
         metrics = self.evaluate(test_source, num_test, eval_batch_size)

@@ -103,16 +103,24 @@ def hand_loop(args, runtime, images, labels) -> dict:
     return {**_clocks(args, ends, cpu_ends), "final_loss": hand.final_loss(runtime.world_size)}
 
 
+def _diffs(ends: list[float]) -> list[float]:
+    return [b - a for a, b in zip(ends, ends[1:])]
+
+
 def _clocks(args, ends: list[float], cpu_ends: list[float]) -> dict:
     """samples/s on the three clocks, from the wall-clock and CPU-clock readings at the end of every step."""
-    return _step_clocks(args, [b - a for a, b in zip(ends, ends[1:])], [b - a for a, b in zip(cpu_ends, cpu_ends[1:])])
+    return _step_clocks(args, _diffs(ends), _diffs(cpu_ends))
+
+
+def _rate(args, steps: list[float]) -> float:
+    """batch / the median step, the first --skip steps left out."""
+    return args.batch / statistics.median(steps[args.skip:])
 
 
 def _step_clocks(args, steps: list[float], cpu: list[float]) -> dict:
     """samples/s on the three clocks from per-step wall and CPU times, the first --skip steps left out."""
-    steps, cpu = steps[args.skip:], cpu[args.skip:]  # end to end: each step's data fetch is in it
-    return {"wall": len(steps) * args.batch / sum(steps), "p50": args.batch / statistics.median(steps),
-            "cpu": args.batch / statistics.median(cpu)}
+    timed = steps[args.skip:]  # end to end: each step's data fetch is in it
+    return {"wall": len(timed) * args.batch / sum(timed), "p50": _rate(args, steps), "cpu": _rate(args, cpu)}
 
 
 def common_overrides(args, run_dir: Path) -> list[str]:
@@ -153,9 +161,8 @@ def trainer_run(args, runtime, overrides: list[str], run_dir: Path) -> dict:
     """The trainer alone; its own figures, plus a reading of this thread's CPU clock at each end-of-step mark."""
     cpu_ends = []
     summary = _train(args, runtime, overrides, run_dir, lambda: cpu_ends.append(time.thread_time()))
-    cpu = _clocks(args, list(range(len(cpu_ends))), cpu_ends)["cpu"]
-    return {"wall": summary["samples_per_second"], "p50": args.batch / summary["step_time_p50_s"], "cpu": cpu,
-            "final_loss": summary["train_loss"]}
+    return {"wall": summary["samples_per_second"], "p50": args.batch / summary["step_time_p50_s"],
+            "cpu": _rate(args, _diffs(cpu_ends)), "final_loss": summary["train_loss"]}
 
 
 def lockstep_run(args, runtime, images, labels, run_dir: Path) -> dict[str, dict]:
@@ -174,7 +181,7 @@ def lockstep_run(args, runtime, images, labels, run_dir: Path) -> dict[str, dict
         marks.append((time.perf_counter(), time.thread_time()))
 
     summary = _train(args, runtime, [], run_dir, after_step)
-    wall, cpu = ([b[c] - a[c] for a, b in zip(marks, marks[1:])] for c in (0, 1))
+    wall, cpu = (_diffs([mark[clock] for mark in marks]) for clock in (0, 1))
     # marks[0] is taken before the trainer's set-up: its first step is left out with the --skip ones
     trainer = _step_clocks(args, wall[0::2][1:], cpu[0::2][1:])
     return {"trainer (lockstep)": {**trainer, "final_loss": summary["train_loss"]},
@@ -273,6 +280,10 @@ def _ratios(by: dict[str, list[dict]], med: dict, a: str, b: str) -> dict:
 
 def summarise(args, runs: dict[int, dict[str, list[dict]]]) -> dict:
     """Medians per variant on each clock, the ratios, and whether the targets were met (paired ratios)."""
+    import torch
+
+    from distrib.runtime import cpu_name
+
     medians = {ws: {name: {key: statistics.median(r[key] for r in values) for key in (*CLOCKS, "final_loss")}
                     for name, values in by.items()} for ws, by in runs.items()}
     ratios, targets = {}, {}
@@ -282,19 +293,11 @@ def summarise(args, runs: dict[int, dict[str, list[dict]]]) -> dict:
                       for label, (a, b) in pairs.items() if a in med and b in med and a != b}
         targets[ws] = {label: {c: ratios[ws][label][f"paired_{c}"] >= TARGET for c in CLOCKS}
                        for label in TARGETS if label in ratios[ws]}
-    machine = {"cpu": _cpu_name(), "cores": len(os.sched_getaffinity(0)), "python": platform.python_version(),
-               "torch": __import__("torch").__version__}
+    machine = {"cpu": cpu_name(), "cores": len(os.sched_getaffinity(0)), "python": platform.python_version(),
+               "torch": torch.__version__}
     settings = {k: v for k, v in vars(args).items() if k not in ("json", "worker")}
     return {"machine": machine, "settings": settings, "clocks": CLOCKS, "runs": runs, "median": medians,
             "ratios": ratios, "target": TARGET, "targets_met": targets}
-
-
-def _cpu_name() -> str:
-    with contextlib.suppress(OSError):
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    return platform.processor() or platform.machine()
 
 
 def table(result: dict) -> str:
