@@ -256,7 +256,8 @@ def _read_toml(path: str) -> dict:
         with open(path, "rb") as f:
             return tomllib.load(f)
     except FileNotFoundError:
-        raise ConfigError(f"--config {path!r}: no such file; give the path of a TOML file such as configs/debug_cpu.toml")
+        raise ConfigError(f"--config {path!r}: no such file; "
+                          "give the path of a TOML file such as configs/debug_cpu.toml")
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"--config {path!r}: not valid TOML ({e}); fix the file") from None
 

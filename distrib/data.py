@@ -149,7 +149,8 @@ class BatchPlan:
             low = self.global_batch_size // parts * parts or parts
             raise ConfigError(
                 f"train.global_batch_size = {self.global_batch_size}: must divide into world_size "
-                f"({self.world_size}) x train.grad_accum_steps ({self.grad_accum_steps}) = {parts} equal micro-batches; "
+                f"({self.world_size}) x train.grad_accum_steps ({self.grad_accum_steps}) = {parts} equal "
+                f"micro-batches; "
                 f"use {low} or {low + parts}")
         if self.steps_per_epoch == 0:
             raise ConfigError(f"train.global_batch_size = {self.global_batch_size}: larger than the training set "

@@ -33,7 +33,8 @@ def misplaced_tensors(model: nn.Module, device: torch.device,
 
 
 def _mismatch(found: list[str], device: torch.device, fix: str) -> DeviceMismatchError:
-    listed = "; ".join(found[:_MAX_LISTED]) + (f"; and {len(found) - _MAX_LISTED} more" if len(found) > _MAX_LISTED else "")
+    more = len(found) - _MAX_LISTED
+    listed = "; ".join(found[:_MAX_LISTED]) + (f"; and {more} more" if more > 0 else "")
     return DeviceMismatchError(f"device mismatch, expected {device} (this worker's device): {listed}; fix: {fix}")
 
 

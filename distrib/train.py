@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distrib.config import TrainConfig
-from distrib.data import BatchPlan, eval_batches, epoch_steps
+from distrib.data import BatchPlan, epoch_steps, eval_batches
 from distrib.errors import UserError
 from distrib.metrics import Recorder
 from distrib.parallel import check_batch, explain_device_errors, grad_sync, unwrap
@@ -215,7 +215,8 @@ class Trainer:
         self.scaler.load_state_dict(state["scaler"])
         saved = state["progress"]
         # Position in the epoch by samples, so a changed global batch (forced) lands on the right sample.
-        self.progress = Progress(saved["step"], saved["epoch"], saved["samples_in_epoch"] // self.plan.global_batch_size)
+        step_in_epoch = saved["samples_in_epoch"] // self.plan.global_batch_size
+        self.progress = Progress(saved["step"], saved["epoch"], step_in_epoch)
 
     def evaluate(self, source, num_samples: int, batch_size: int) -> dict:
         return evaluate(self.model, source, num_samples, batch_size, self.runtime, self.config.precision)

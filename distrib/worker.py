@@ -83,7 +83,8 @@ def train_on(config: Config, runtime: Runtime) -> dict:
                       runtime, plan, total_steps, recorder, meter=meter_for(config, runtime))
     resumed_from = _resume(trainer, config, runtime, recorder)
     recorder.info(f"{total_steps} steps of {plan.global_batch_size} samples ({runtime.world_size} ranks x "
-                  f"{config.train.grad_accum_steps} micro-steps x {plan.micro_batch_size}), {type(train_source).__name__}")
+                  f"{config.train.grad_accum_steps} micro-steps x {plan.micro_batch_size}), "
+                  f"{type(train_source).__name__}")
     with stop_on_signals(parse_signals(config.checkpoint.signals)) as trainer.stop, \
             collective_timeouts(config.dist.timeout_s, lambda: f"after step {trainer.progress.step}"):
         metrics = trainer.fit(train_source, test_source, len(test_split), config.data.eval_batch_size)

@@ -22,8 +22,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from unittest import mock
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # measure this checkout, whichever one is installed
 

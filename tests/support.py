@@ -77,7 +77,8 @@ def kill_tree(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def run(cmd: list[str], timeout: float, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def run(cmd: list[str], timeout: float, env: dict | None = None,
+        cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Runs cmd in its own session; on timeout its whole process tree is killed and the test fails."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,

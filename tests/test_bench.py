@@ -5,7 +5,6 @@ import json
 import sys
 
 import pytest
-
 from support import REPO, assert_ok, run
 
 

@@ -8,10 +8,19 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from distrib.checkpoint import (FORMAT, VERSION, CheckpointError, checkpoint_path, digest, list_checkpoints,
-                                read_checkpoint, save_atomic, _newest_good)
 from support import REPO
+
+from distrib.checkpoint import (
+    FORMAT,
+    VERSION,
+    CheckpointError,
+    _newest_good,
+    checkpoint_path,
+    digest,
+    list_checkpoints,
+    read_checkpoint,
+    save_atomic,
+)
 
 CPU = torch.device("cpu")
 

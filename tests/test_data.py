@@ -4,13 +4,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import make_idx_dir
 
 from distrib import data
 from distrib.config import DataConfig
 from distrib.data import BatchPlan, DeviceBatches, LoaderBatches, Split, epoch_steps, prepare_fashion_mnist
 from distrib.errors import ConfigError
 from distrib.runtime import Runtime
-from support import make_idx_dir
 
 CPU = Runtime(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"), backend="gloo")
 
@@ -108,8 +108,9 @@ def test_synthetic_data_is_seeded_and_the_same_each_time():
 
 
 def test_train_end_to_end_on_idx_files_through_the_real_loader(tmp_path, monkeypatch):
-    from distrib import cli
     import json
+
+    from distrib import cli
 
     make_idx_dir(tmp_path / "data", num_train=256, num_test=77, gz=True)
     monkeypatch.setattr(data, "SYSTEM_DIRS", [])

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from support import assert_ok, distrib, load_weights, max_relative_diff, torchrun_train
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from distrib.config import DistConfig, load_config
@@ -15,7 +16,6 @@ from distrib.parallel import place_model, wrap_ddp
 from distrib.runtime import open_runtime
 from distrib.train import Trainer, build_optimizer, build_scheduler, lr_factor
 from distrib.worker import run
-from support import assert_ok, distrib, load_weights, max_relative_diff, torchrun_train
 
 SYNTHETIC = ["data.name=synthetic", "data.synthetic_train_size=1536", "data.synthetic_test_size=200",
              "run.progress=false", "train.log_every=5", "train.warmup_steps=3"]

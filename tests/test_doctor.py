@@ -6,10 +6,18 @@ from __future__ import annotations
 import socket
 
 import pytest
-
-from distrib.doctor import (Facts, check_local_rank, check_master_addr, check_port, check_scontrol, check_slurm_tasks,
-                            port_in_use, run_checks)
 from launch_support import clean_env, distrib_cmd, run_one
+
+from distrib.doctor import (
+    Facts,
+    check_local_rank,
+    check_master_addr,
+    check_port,
+    check_scontrol,
+    check_slurm_tasks,
+    port_in_use,
+    run_checks,
+)
 
 CPU = Facts(num_gpus=0)
 TWO_GPUS = Facts(num_gpus=2)

@@ -2,13 +2,14 @@
 
 import pytest
 import torch
+from support import distrib
 
 from distrib import cli, data
 from distrib.errors import UserError
 from distrib.runtime import read_launch_env, select_device
-from support import distrib
 
-SMALL = ["--set", "data.name=synthetic", "--set", "data.synthetic_train_size=256", "--set", "data.synthetic_test_size=64",
+SMALL = ["--set", "data.name=synthetic", "--set", "data.synthetic_train_size=256",
+         "--set", "data.synthetic_test_size=64",
          "--set", "train.max_steps=2", "--set", "run.progress=false"]
 
 

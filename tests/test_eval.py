@@ -4,9 +4,9 @@ import json
 import sys
 
 import pytest
+from support import REPO, assert_ok, run
 
 from distrib.data import eval_batches
-from support import REPO, assert_ok, run
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])

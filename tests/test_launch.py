@@ -11,14 +11,23 @@ import sys
 from pathlib import Path
 
 import pytest
+from launch_support import (
+    CLUSTER_CONFIG,
+    PROBE,
+    SMALL,
+    Launches,
+    clean_env,
+    distrib_cmd,
+    run_one,
+    runs_relative_diff,
+    train_reference,
+)
+from support import free_port
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from distrib import launcher
 from distrib.errors import EXIT_PREEMPTED, CollectiveTimeoutError, UserError
 from distrib.runtime import collective_timeouts
-from launch_support import (CLUSTER_CONFIG, PROBE, SMALL, Launches, clean_env, distrib_cmd, runs_relative_diff,
-                            run_one, train_reference)
-from support import free_port
 
 SAME_IN_BOTH = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                 "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "TORCHELASTIC_RESTART_COUNT",

@@ -12,8 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from launch_support import CLUSTER_CONFIG, REPO, SMALL, clean_env, runs_relative_diff, run_one, train_reference
+from launch_support import CLUSTER_CONFIG, REPO, SMALL, clean_env, run_one, runs_relative_diff, train_reference
 
 pytestmark = pytest.mark.slurm
 CLUSTER = REPO / "scripts" / "slurm_cluster.sh"

@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 import torch.nn as nn
+from support import assert_ok, torchrun_train
 
 from distrib import cli, throughput
 from distrib.config import load_config
@@ -18,7 +19,6 @@ from distrib.runtime import Runtime
 from distrib.throughput import Throughput, count_flops_per_sample, peak_flops
 from distrib.train import Trainer
 from distrib.worker import run
-from support import assert_ok, torchrun_train
 
 SMALL = ["data.name=synthetic", "data.synthetic_train_size=1024", "data.synthetic_test_size=200", "run.progress=false",
          "train.max_steps=24", "train.epochs=0", "train.global_batch_size=64", "train.log_every=8",
