@@ -4,6 +4,7 @@ Imports nothing heavy (no torch): the CLI and the launcher read configs before a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import json
@@ -11,6 +12,7 @@ import math
 import re
 import signal
 import tomllib
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -211,15 +213,36 @@ def _suggest(word: str, options) -> str:
     return f"did you mean {close[0]!r}?" if close else f"allowed: {', '.join(options)}"
 
 
-def _coerce(section: str, key: str, value, kind: type, raw: str | None):
-    """Turns a TOML or CLI value into the field's type, or fails naming the key."""
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+def _coerce(section: str, key: str, value, hint, raw: str | None):
+    """Turns a TOML or CLI value into the field's type, or fails naming the key. Lists become tuples (the sections
+    are frozen), tables become dicts; `str | tuple[...]` takes whichever fits."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        for option in sorted(args, key=lambda a: a is str):  # str last: it takes any CLI text
+            with contextlib.suppress(ConfigError):
+                return _coerce(section, key, value, option, None if option is not str else raw)
+        _fail(section, key, value, f"must be one of the types {' | '.join(_type_name(a) for a in args)}",
+              f"give {section}.{key} one of those")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            _fail(section, key, value, "must be a list", f"e.g. --set {section}.{key}=[1,2]")
+        item = args[0] if args else typing.Any
+        return tuple(value if item is typing.Any else _coerce(section, key, v, item, None) for v in value)
+    if hint is dict or origin is dict:
+        if not isinstance(value, dict):
+            _fail(section, key, value, "must be a table", f"e.g. --set '{section}.{key}={{depth = 18}}'")
+        return dict(value)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if kind is str and raw is not None and not isinstance(value, str):
+    if hint is str and raw is not None and not isinstance(value, str):
         return raw  # --set data.root=123 means the string "123"
-    if kind is int and isinstance(value, bool) or not isinstance(value, kind):
-        _fail(section, key, value, f"must be of type {kind.__name__}", f"give {section}.{key} a {kind.__name__}")
+    if hint is int and isinstance(value, bool) or not isinstance(value, hint):
+        _fail(section, key, value, f"must be of type {_type_name(hint)}", f"give {section}.{key} a {_type_name(hint)}")
     return value
+
+
+def _type_name(hint) -> str:
+    return getattr(hint, "__name__", None) if typing.get_origin(hint) is None else str(hint)
 
 
 def _build_section(name: str, values: dict, raws: dict):
@@ -282,14 +305,22 @@ def to_dict(config: Config) -> dict:
     return dataclasses.asdict(config)
 
 
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    return json.dumps(value)  # numbers, and strings (JSON's escapes are TOML's)
+
+
 def to_toml(config: Config) -> str:
     """The resolved config as TOML that load_config reads back unchanged."""
     lines = []
     for section, values in to_dict(config).items():
         lines.append(f"[{section}]")
-        for key, value in values.items():
-            text = str(value).lower() if isinstance(value, bool) else json.dumps(value)
-            lines.append(f"{key} = {text}")
+        lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
         lines.append("")
     return "\n".join(lines)
 

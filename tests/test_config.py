@@ -1,10 +1,12 @@
 """Config: typed defaults, TOML files, dotted overrides, and a resolved config that reads back unchanged."""
 
 import dataclasses
+import tomllib
+import typing
 
 import pytest
 
-from distrib.config import Config, TrainConfig, load_config, to_toml
+from distrib.config import Config, TrainConfig, _coerce, _toml_value, load_config, to_toml
 from distrib.errors import ConfigError
 
 
@@ -84,3 +86,17 @@ def test_shipped_configs_load():
 
     for path in sorted((REPO / "configs").glob("*.toml")):
         load_config(str(path))
+
+
+def test_lists_and_tables_coerce_and_write_back():
+    hints = {"shape": tuple[int, ...], "kwargs": dict, "normalize": str | tuple[tuple[float, ...], ...]}
+    assert _coerce("data", "shape", [3, 32, 32], hints["shape"], "[3,32,32]") == (3, 32, 32)
+    assert _coerce("data", "normalize", [[0.5], [2]], hints["normalize"], "[[0.5],[2]]") == ((0.5,), (2.0,))
+    assert _coerce("data", "normalize", "none", hints["normalize"], "none") == "none"
+    kwargs = {"depth": 18, "name": 'a "b"', "widths": [1.5, 2], "inner": {"flag": True}}
+    assert _coerce("model", "kwargs", kwargs, hints["kwargs"], None) == kwargs
+    assert tomllib.loads(f"v = {_toml_value(kwargs)}")["v"] == kwargs
+    for key, bad in (("shape", "x"), ("shape", [1, "a"]), ("kwargs", 3), ("normalize", 5)):
+        with pytest.raises(ConfigError, match=f"data.{key}|model.{key}"):
+            _coerce("data", key, bad, hints[key], None)
+    assert typing.get_type_hints(Config)  # the sections still resolve
