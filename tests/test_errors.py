@@ -65,12 +65,12 @@ def test_inconsistent_launch_env(env, expected):
 
 
 def test_missing_data_offline(capsys, tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "SYSTEM_DIRS", [tmp_path / "no-debian-package"])
+    monkeypatch.setitem(data.idx.SYSTEM_DIRS, "fashion-mnist", [tmp_path / "no-debian-package"])
 
-    def offline(root):
+    def offline(name, root):
         raise OSError("network unreachable")  # what a download on an offline machine gets; no network touched
 
-    monkeypatch.setattr(data, "_download", offline)
+    monkeypatch.setattr(data.idx, "download", offline)
     err = _fails(capsys, tmp_path, "data.name=fashion-mnist", f"data.root={tmp_path}/data")
     for text in ("data.root", "Fashion-MNIST not found", "no-debian-package", "apt-get install dataset-fashion-mnist",
                  "data.name=synthetic", "OSError"):
