@@ -105,6 +105,7 @@ class ModelConfig:
     name: str = "network"  # network: the seed Fashion-MNIST CNN
     factory: str = ""  # package.module:function returning any nn.Module; overrides name
     kwargs: dict = field(default_factory=dict)  # keyword arguments of the factory (besides num_classes, ...)
+    kwargs: dict = field(default_factory=dict)  # keyword arguments of the factory (besides num_classes, ...)
 
     def __post_init__(self):
         if self.factory:
@@ -134,8 +135,16 @@ class TrainConfig:
     eval_every_epochs: int = 1  # 0 = evaluate only at the end
     finite_check_every: int = 1  # steps between checks that the reduced gradients are finite; 0 = never
     sync_every: int = 10  # steps between the ranks' all-reduce of (loss, stop votes); log steps always sync
+    loss: str = "cross_entropy"  # cross_entropy | package.module:function, (outputs, targets) -> scalar mean
+    label_smoothing: float = 0.0  # cross_entropy only
 
     def __post_init__(self):
+        if self.loss != "cross_entropy" and not _FACTORY.match(self.loss):
+            _fail("train", "loss", self.loss, "must be cross_entropy or package.module:function",
+                  "e.g. --set train.loss=mypkg.losses:focal")
+        if not (0.0 <= self.label_smoothing < 1.0):
+            _fail("train", "label_smoothing", self.label_smoothing, "must be in [0, 1)",
+                  "e.g. --set train.label_smoothing=0.1")
         for key in ("epochs", "max_steps", "warmup_steps", "seed", "eval_every_epochs", "finite_check_every"):
             _at_least("train", self, key, 0)
         for key in ("global_batch_size", "grad_accum_steps", "log_every", "sync_every"):
@@ -167,6 +176,7 @@ class RunConfig:
 class DistConfig:
     device: str = "auto"  # auto (cuda when available, else cpu) | cpu | cuda
     timeout_s: float = 300.0  # a collective that waits longer fails instead of hanging
+    sync_batchnorm: bool = False  # BatchNorm statistics over the global batch (torch's SyncBatchNorm; GPUs only)
 
     def __post_init__(self):
         _choice("dist", self, "device", ("auto", "cpu", "cuda"))

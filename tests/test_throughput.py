@@ -15,7 +15,6 @@ from distrib.config import load_config
 from distrib.errors import ConfigError, UserError
 from distrib.metrics import Recorder
 from distrib.models import Network
-from distrib.runtime import Runtime
 from distrib.throughput import Throughput, count_flops_per_sample, peak_flops
 from distrib.train import Trainer
 from distrib.worker import run
@@ -147,18 +146,17 @@ def test_speed_options_train_to_the_same_weights(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_divergence_stops_before_the_weights_turn_nan(tmp_path, capsys):
+def test_divergence_is_one_line_and_saves_no_weights(tmp_path, capsys):
     argv = ["train", *[a for o in [*SMALL, f"run.dir={tmp_path}", "train.lr=1e4"] for a in ("--set", o)]]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("distrib: error: train gradients are not finite at step ") and "lower train.lr" in err
-    assert not (tmp_path / "model.pt").exists()
+    assert re.match(r"distrib: error: train gradients are not finite (at step \d+|between steps \d+ and \d+) ", err)
+    assert "lower train.lr" in err and not (tmp_path / "model.pt").exists()
 
 
-def _as_on_an_accelerator(monkeypatch) -> list[tuple[int, str]]:
-    """The accelerator path on the CPU: host reads deferred to sync steps as if each one stalled a device queue.
-    Returns the (step, method) of every host read made inside Trainer.step, filled in as the run goes."""
-    monkeypatch.setattr(Runtime, "host_sync_is_free", property(lambda self: False))
+def _count_host_reads(monkeypatch) -> list[tuple[int, str]]:
+    """The (step, method) of every host read made inside Trainer.step, filled in as the run goes. On an accelerator
+    each one would stall the device's queue of work; the CPU takes the same path, so the CPU tests prove it."""
     reads, current = [], []
     for name in ("item", "tolist", "__bool__", "__float__"):
         real = getattr(torch.Tensor, name)
@@ -167,7 +165,7 @@ def _as_on_an_accelerator(monkeypatch) -> list[tuple[int, str]]:
     real_step = Trainer.step
 
     def step(self, micro_batches):
-        current.append(self.progress.step + 1)
+        current.append(self.state.progress.step + 1)
         try:
             return real_step(self, micro_batches)
         finally:
@@ -178,16 +176,16 @@ def _as_on_an_accelerator(monkeypatch) -> list[tuple[int, str]]:
 
 
 @pytest.mark.timeout(60)
-def test_accelerators_read_nothing_on_the_host_between_sync_steps(tmp_path, monkeypatch):
-    reads = _as_on_an_accelerator(monkeypatch)
+def test_nothing_is_read_on_the_host_between_sync_steps(tmp_path, monkeypatch):
+    reads = _count_host_reads(monkeypatch)
     summary = run(load_config(None, [*SMALL, f"run.dir={tmp_path}", "train.sync_every=5"]))
     assert summary["steps"] == 24 and reads
     assert {step for step, _ in reads} == {5, 8, 10, 15, 16, 20, 24}  # every 5th step and the log steps
 
 
 @pytest.mark.timeout(60)
-def test_accelerators_stop_a_divergence_at_the_next_sync_step(tmp_path, monkeypatch, capsys):
-    _as_on_an_accelerator(monkeypatch)
+def test_a_divergence_stops_at_the_next_sync_step(tmp_path, monkeypatch, capsys):
+    _count_host_reads(monkeypatch)
     argv = ["train", *[a for o in [*SMALL, f"run.dir={tmp_path}", "train.lr=1e4", "train.sync_every=3"]
                        for a in ("--set", o)]]
     assert cli.main(argv) == 2
