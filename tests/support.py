@@ -47,6 +47,56 @@ def make_idx_dir(directory: Path, num_train: int = 300, num_test: int = 101, gz:
     return tuple(arrays)
 
 
+CIFAR_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+
+
+def make_cifar_dir(directory: Path, per_batch: int = 20, num_test: int = 30, seed: int = 0):
+    """CIFAR-10's python version: pickled dicts of uint8 rows (3 x 32 x 32, channel-major) and labels, five training
+    batches, a test batch and batches.meta; returns (train_images, train_labels, test_images, test_labels)."""
+    import pickle
+
+    directory.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    arrays = []
+    for names, n in ((("data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5"), per_batch),
+                     (("test_batch",), num_test)):
+        images, labels = [], []
+        for name in names:
+            x = torch.randint(0, 256, (n, 3, 32, 32), generator=g, dtype=torch.uint8)
+            y = torch.randint(0, 10, (n,), generator=g)
+            with open(directory / name, "wb") as f:
+                pickle.dump({"batch_label": name, "data": x.reshape(n, -1).numpy(), "labels": y.tolist()}, f)
+            images.append(x)
+            labels.append(y)
+        arrays += [torch.cat(images), torch.cat(labels)]
+    with open(directory / "batches.meta", "wb") as f:
+        pickle.dump({"label_names": list(CIFAR_CLASSES), "num_vis": 3072}, f)
+    return tuple(arrays)
+
+
+def make_image_folder(root: Path, classes=("cat", "dog", "owl"), per_class=(8, 4), size=(12, 10), mode="RGB",
+                      seed: int = 0):
+    """An ImageFolder tree of PNGs: root/train/CLASS/*.png and root/test/CLASS/*.png with random pixels; returns
+    {split: (images uint8 (N, C, H, W), labels)} in ImageFolder's order (classes sorted, then file names)."""
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    channels = 1 if mode == "L" else 3
+    out = {}
+    for split, count in zip(("train", "test"), per_class):
+        images, labels = [], []
+        for label, name in enumerate(sorted(classes)):
+            (root / split / name).mkdir(parents=True, exist_ok=True)
+            for i in range(count):
+                x = torch.randint(0, 256, (channels, size[1], size[0]), generator=g, dtype=torch.uint8)
+                array = x[0].numpy() if channels == 1 else x.permute(1, 2, 0).numpy()
+                Image.fromarray(array, mode).save(root / split / name / f"{i:03d}.png")
+                images.append(x)
+                labels.append(label)
+        out[split] = (torch.stack(images), torch.tensor(labels))
+    return out
+
+
 def _descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):

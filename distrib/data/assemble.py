@@ -45,7 +45,7 @@ def distributed(runtime: Runtime | None) -> bool:
 def on_rank0(runtime: Runtime | None, fn):
     """fn's result on rank 0, broadcast to every rank (the others wait in the broadcast); errors likewise."""
     message = [None, None]
-    if runtime is None or runtime.is_main:
+    if runtime is None or runtime.is_main or not distributed(runtime):  # no process group: every caller runs it
         try:
             message[0] = fn()
         except UserError as e:

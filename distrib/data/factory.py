@@ -34,7 +34,7 @@ def call_factory(spec: str, kwargs: dict) -> tuple[Any, Any]:
         raise UserError(f"{where}: calling it with data.kwargs = {kwargs!r} raised {_short(e)}; fix the factory or "
                         "its data.kwargs") from None
     if not (isinstance(result, (tuple, list)) and len(result) == 2):
-        raise UserError(f"{where}: returned {_describe(result)}; it must return {EXPECTED}")
+        raise UserError(f"{where}: returned {_describe(result)}; fix: make it return {EXPECTED}")
     return result[0], result[1]
 
 
@@ -60,13 +60,13 @@ def as_split_or_dataset(value, what: str) -> Split | Dataset:
         return Split(inputs.detach().cpu().contiguous(), labels.detach().cpu().long())
     if isinstance(value, Dataset) and hasattr(value, "__getitem__") and hasattr(value, "__len__"):
         if len(value) == 0:
-            raise UserError(f"{what}: an empty dataset; give at least one sample")
+            raise UserError(f"{what}: an empty dataset; fix: give at least one sample")
         first = value[0]
         if not (isinstance(first, (tuple, list)) and len(first) == 2 and isinstance(first[0], torch.Tensor)
                 and _is_label(first[1])):
-            raise UserError(f"{what}: its samples are {_describe(first)}; each must be (tensor, int label)")
+            raise UserError(f"{what}: its samples are {_describe(first)}; fix: make each one (tensor, int label)")
         return value
-    raise UserError(f"{what}: {_describe(value)}; give {EXPECTED}")
+    raise UserError(f"{what}: {_describe(value)}; fix: give {EXPECTED}")
 
 
 def _is_label(y) -> bool:

@@ -94,6 +94,9 @@ def find_sources(source: Path) -> dict[str, Path] | None:
 
 def _unpack(src: Path, dest: Path) -> None:
     """Copies (gunzips) src to dest through a temp name, after checking it: a bad source is the user's to fix."""
+    if src.stat().st_size == 0:
+        raise UserError(f"{src}: an empty file (0 bytes); fix: replace it with a good copy of the dataset file "
+                        "(re-download it) or remove it")
     tmp = dest.parent / f".{dest.name}.partial"
     opener = gzip.open if src.suffix == ".gz" else open
     try:

@@ -49,33 +49,30 @@ def cifar_found(root: Path) -> bool:
     return _cifar_folder(root) is not None
 
 
-def _cifar_class():
+def _cifar_reader(base_folder: str):
+    """torchvision's CIFAR-10 reader with the files' presence checked instead of their md5s (a second 170 MB read
+    each start, and small test files in the same format could never pass it); bad files fail in the reader."""
     from torchvision.datasets import CIFAR10
 
-    class Cifar10(CIFAR10):
-        """torchvision's reader; the files' presence is checked instead of their md5 (a second 170 MB read each
-        start, and small test files in the same format could never pass it). Bad files fail in the reader."""
+    def present(self) -> bool:
+        return all((Path(self.root) / self.base_folder / f).is_file() for f in CIFAR_FILES)
 
-        def _check_integrity(self) -> bool:
-            return all((Path(self.root) / self.base_folder / f).is_file() for f in CIFAR_FILES)
-
-    return Cifar10
+    return type("Cifar10", (CIFAR10,), {"base_folder": base_folder, "meta": {**CIFAR10.meta, "md5": None},
+                                        "_check_integrity": present})
 
 
 def load_cifar10(root: Path) -> tuple[Split, Split, tuple[str, ...]]:
     folder = _cifar_folder(root)
-    cls = _cifar_class()
+    reader = _cifar_reader(folder.name if folder != root else ".")
     splits = []
     for train in (True, False):
         try:
-            ds = cls.__new__(cls)
-            ds.base_folder = folder.name if folder != root else "."
-            ds.__init__(str(folder.parent if folder != root else root), train=train, download=False)
-        except (pickle.UnpicklingError, EOFError, KeyError, ValueError, TypeError, OSError) as e:
+            ds = reader(str(folder.parent if folder != root else root), train=train, download=False)
+            images = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()  # NHWC -> NCHW, uint8
+        except (pickle.UnpicklingError, EOFError, KeyError, ValueError, TypeError, AttributeError, OSError) as e:
             raise UserError(f"data.root = {str(root)!r}: the CIFAR-10 batches in {folder} cannot be read "
                             f"({type(e).__name__}: {str(e)[:120]}); fix: replace them with the python version of "
                             "CIFAR-10 (cifar-10-python.tar.gz, unpacked)") from None
-        images = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()  # NHWC -> NCHW, uint8
         splits.append(Split(images, torch.tensor(ds.targets, dtype=torch.long)))
     return splits[0], splits[1], tuple(ds.classes)
 

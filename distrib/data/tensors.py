@@ -81,15 +81,15 @@ def normalize(images: torch.Tensor, stats=FASHION_MNIST_STATS) -> torch.Tensor:
 def check_inputs(what: str, inputs: torch.Tensor, labels: torch.Tensor) -> None:
     """The one place that says which tensors a split may hold."""
     if inputs.dtype != torch.uint8 and not inputs.is_floating_point():
-        raise UserError(f"{what}: inputs of dtype {inputs.dtype}; give uint8 images or float tensors")
+        raise UserError(f"{what}: inputs of dtype {inputs.dtype}; fix: give uint8 images or float tensors")
     if labels.dim() != 1 or labels.is_floating_point() or labels.dtype == torch.bool:
-        raise UserError(f"{what}: labels of dtype {labels.dtype} and shape {list(labels.shape)}; give one integer "
+        raise UserError(f"{what}: labels of dtype {labels.dtype} and shape {list(labels.shape)}; fix: give one integer "
                         "class index per sample")
     if len(inputs) != len(labels) or len(labels) == 0:
-        raise UserError(f"{what}: {len(inputs)} inputs and {len(labels)} labels; give one label per input, and at "
+        raise UserError(f"{what}: {len(inputs)} inputs and {len(labels)} labels; fix: give one label per input, and at "
                         "least one sample")
     if inputs.dim() < 2:
-        raise UserError(f"{what}: inputs of shape {list(inputs.shape)}; give (N, C, H, W) or (N, features)")
+        raise UserError(f"{what}: inputs of shape {list(inputs.shape)}; fix: give (N, C, H, W) or (N, features)")
 
 
 def stats_indices(num_samples: int) -> torch.Tensor:
