@@ -331,9 +331,10 @@ def _read_toml(path: str) -> dict:
         raise ConfigError(f"--config {path!r}: not valid TOML ({e}); fix the file") from None
 
 
-def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Built-in defaults, then the TOML file, then each --set section.key=value in order."""
-    tree = _read_toml(path) if path else {}
+def load_config(path: str | None = None, overrides: typing.Sequence[str] = (), base: dict | None = None) -> Config:
+    """Built-in defaults, then the TOML file (or `base`, a stored config such as a checkpoint's), then each
+    --set section.key=value in order."""
+    tree = _read_toml(path) if path else {name: dict(values) for name, values in (base or {}).items()}
     raws: dict[str, dict] = {}
     for item in overrides:
         _apply_override(tree, raws, item)
