@@ -69,8 +69,8 @@ class Trained:
     source: Path  # the run directory or checkpoint file the user gave
     config: Config
     weights: dict
-    card: dict | None  # model.json, when the run directory has one
     step: int | None  # the checkpoint's step, or the run's last (summary.json's steps)
+    data: dict | None  # the DataInfo it was trained on, as recorded (summary.json, model.json, a checkpoint)
 
     @property
     def out_dir(self) -> Path:
@@ -89,7 +89,7 @@ def load_trained(source: str, config_path: str | None = None, overrides=()) -> T
     if path.is_file():
         state = read_checkpoint(path, torch.device("cpu"))  # a CheckpointError names the file and the reason
         config = load_config(config_path, overrides, base=None if config_path else state["config"])
-        return Trained(path, config, state["model"], None, state["progress"]["step"])
+        return Trained(path, config, state["model"], state["progress"]["step"], state.get("data"))
     raise UserError(f"{source!r}: no such run directory or checkpoint file; give a run.dir that holds model.pt, "
                     "or a checkpoint such as RUN_DIR/checkpoints/step_00000500.pt")
 
@@ -106,7 +106,8 @@ def _from_run_dir(run_dir: Path, config_path: str | None, overrides) -> Trained:
         raise UserError(f"run directory {run_dir}: no config.toml; give the config it was trained with: --config FILE")
     config = load_config(str(config_file), overrides)
     card, summary = (_read_json(run_dir / name) for name in ("model.json", "summary.json"))
-    return Trained(run_dir, config, _read_weights(weights_path), card, (summary or {}).get("steps"))
+    recorded = (summary or {}).get("data") or (card or {}).get("data")
+    return Trained(run_dir, config, _read_weights(weights_path), (summary or {}).get("steps"), recorded)
 
 
 def _read_json(path: Path) -> dict | None:
@@ -142,8 +143,19 @@ def placed_model(trained: Trained, info: DataInfo, runtime: Runtime) -> nn.Modul
     return parallelize(place_model(model, runtime.device), runtime, trained.config.speed)
 
 
-def _load_data(config: Config, runtime: Runtime):
-    return load_data(config.data, runtime, config.train.seed)
+def _load_data(trained: Trained, runtime: Runtime):
+    """The run's data, as its config loads it, refused when it is not the data the model was trained on."""
+    data = load_data(trained.config.data, runtime, trained.config.train.seed)
+    if trained.data is not None and trained.data != data.info.to_dict():
+        if trained.data.get("name") == "custom":
+            raise UserError(f"{trained.source}: trained through distrib.fit() on datasets given in Python, which "
+                            "distrib eval/predict cannot load; use distrib.evaluation.evaluate in Python, or predict "
+                            "a folder of images")
+        changed = [f"{key} {trained.data.get(key)!r} -> {value!r}" for key, value in data.info.to_dict().items()
+                   if trained.data.get(key) != value]
+        raise UserError(f"{trained.source}: the config loads other data than the model was trained on "
+                        f"({'; '.join(changed)[:300]}); give the run's data with --set data.name=..., data.root=...")
+    return data
 
 
 # ---------------------------------------------------------------- distrib eval
@@ -153,7 +165,7 @@ def evaluate_trained(trained: Trained, runtime: Runtime, out: Path) -> dict:
     """The trainer's own final evaluation (same function, loss, batches) on the trained weights; rank 0 writes `out`
     (eval.json)."""
     config = trained.config
-    data = _load_data(config, runtime)
+    data = _load_data(trained, runtime)
     model = placed_model(trained, data.info, runtime)
     metrics = evaluate(model, data.test, data.info.num_classes, config.data.eval_batch_size, runtime,
                        build_loss(config.train), config.train.precision, data.info.class_names)
@@ -175,22 +187,21 @@ def check_input(input_arg: str) -> None:
                         f"{' or '.join(SPLITS)}")
 
 
-def _card_info(card: dict | None) -> DataInfo | None:
-    """The DataInfo recorded in model.json, so a folder can be predicted without loading the training data."""
-    if not card or card.get("format") != CARD_FORMAT:
-        return None
+def _recorded_info(trained: Trained) -> DataInfo | None:
+    """The DataInfo the run recorded, so a folder can be predicted without loading the training data."""
     names = {f.name for f in dataclasses.fields(DataInfo)}
-    values = {k: tuple(v) if isinstance(v, list) else v for k, v in card["data"].items() if k in names}
-    return DataInfo(**values)
+    if not trained.data or not names <= trained.data.keys():
+        return None
+    return DataInfo(**{k: tuple(v) if isinstance(v, list) else v for k, v in trained.data.items() if k in names})
 
 
 def _inputs(trained: Trained, input_arg: str, runtime: Runtime):
     """(info, sources, batch source): `split:index` for a split, image paths (sorted) for a folder."""
     if input_arg in SPLITS:
-        data = _load_data(trained.config, runtime)
+        data = _load_data(trained, runtime)
         source = data.test if input_arg == "test" else data.train
         return data.info, [f"{input_arg}:{i}" for i in range(source.num_samples)], source
-    info = _card_info(trained.card) or _load_data(trained.config, runtime).info
+    info = _recorded_info(trained) or _load_data(trained, runtime).info
     config = trained.config.data
     paths, source = load_inputs(Path(input_arg), info, config.image_size or None, runtime, config.num_workers)
     return info, paths, source

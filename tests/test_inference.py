@@ -5,6 +5,7 @@ load reproduce the predictions; user mistakes are one line, exit 2."""
 import hashlib
 import json
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +47,7 @@ def _summary(run: Path) -> dict:
     return json.loads((run / "summary.json").read_text())
 
 
-def test_eval_gives_the_runs_final_metrics_and_touches_nothing_else(run_dir):
+def test_eval_gives_the_runs_final_metrics_and_touches_nothing_else(run_dir, tmp_path):
     before = _hashes(run_dir)
     expected = {k: v for k, v in _summary(run_dir).items() if k.startswith("test_")}
     assert set(METRICS) <= expected.keys()
@@ -70,6 +71,12 @@ def test_eval_gives_the_runs_final_metrics_and_touches_nothing_else(run_dir):
     assert got["step"] == 12 and {k: got[k] for k in expected} == expected
     (checkpoint.parent / "eval.json").unlink()
     assert _hashes(run_dir) == {**before, "eval.json": eval_hash}
+
+    # Any file in the checkpoint format is read by its content, not its name (best_*.pt of a keep-best run).
+    best = tmp_path / "best_00000012.pt"
+    shutil.copyfile(checkpoint, best)
+    assert cli.main(["eval", str(best), "--set", "dist.device=cpu"]) == 0
+    assert {k: json.loads((tmp_path / "eval.json").read_text())[k] for k in expected} == expected
 
 
 def _lines(path: Path) -> list[dict]:
@@ -145,8 +152,9 @@ def _fails(capsys, *argv) -> str:
     code = cli.main(list(argv))
     err = capsys.readouterr().err.strip()
     assert code == 2, err
-    assert err.count("\n") == 0 and err.startswith("distrib: error: ") and "Traceback" not in err, err
-    return err
+    last = err.splitlines()[-1]  # log lines (the data loaded) may come first; the error is one line, at the end
+    assert last.startswith("distrib: error: ") and err.count("distrib: error") == 1 and "Traceback" not in err, err
+    return last
 
 
 def test_user_mistakes_are_one_line_exit_2(capsys, run_dir, tmp_path):
@@ -165,3 +173,5 @@ def test_user_mistakes_are_one_line_exit_2(capsys, run_dir, tmp_path):
     assert "no image files" in _fails(capsys, "predict", str(run_dir), "--input", str(no_images), "--out",
                                  str(tmp_path / "o"))
     assert not (tmp_path / "o").exists()
+    other_data = _fails(capsys, "eval", str(run_dir), "--set", "data.num_classes=3")
+    assert "other data than the model was trained on" in other_data and "num_classes 4 -> 3" in other_data
