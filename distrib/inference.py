@@ -36,9 +36,11 @@ MAX_TOP_K = 5
 def model_card(config: Config, info: DataInfo) -> dict:
     """What inference needs beside model.pt: how to build the model, what goes in, what comes out."""
     factory, kwargs = factory_call(config.model, info)
+    model = {"factory": factory, "kwargs": json.loads(json.dumps(kwargs, default=str))}  # a TOML date as text
+    if not config.model.factory:
+        model["name"] = config.model.name
     return {"format": CARD_FORMAT, "version": CARD_VERSION, "distrib_version": _distrib_version(),
-            "weights": "model.pt",
-            "model": {"factory": factory, "kwargs": kwargs, "name": config.model.name},
+            "weights": "model.pt", "model": model,
             "data": info.to_dict(),
             "inputs": "float32 (N, C, H, W) shaped like data.input_shape: images as pixels / 255 (float data as "
                       "it is), then (x - mean) / std per channel; outputs: logits (N, num_classes), in "
