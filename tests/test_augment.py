@@ -87,3 +87,26 @@ def test_imagefolder_through_two_loader_workers_equals_the_device_path(tmp_path)
     lists = [torch.arange(12)[:5], torch.arange(12)[5:]]
     for (xa, ya), (xb, yb) in zip(loader.test.batches(lists), device.test.batches(lists), strict=True):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+def test_crop_flip_training_agrees_at_world_sizes_1_and_2(tmp_path):
+    """End to end through `distrib train`: the trainer passes (seed, epoch) to the data, so one process and two
+    workers train on the same augmented batches; without augmentation the weights differ."""
+    import os
+
+    from support import REPO, assert_ok, distrib, load_weights, max_relative_diff
+
+    from distrib import cli
+
+    common = ["data.name=synthetic", "data.synthetic_shape=[3,12,12]", "data.synthetic_train_size=256",
+              "data.synthetic_test_size=64", "model.factory=data_factories:tiny_cnn", "train.max_steps=12",
+              "train.global_batch_size=32", "run.progress=false", "checkpoint.every_steps=0", "dist.device=cpu"]
+    sets = lambda *items: [x for item in [*common, *items] for x in ("--set", item)]  # noqa: E731
+    assert cli.main(["train", *sets("data.augment=crop_flip", f"run.dir={tmp_path / 'one'}")]) == 0
+    assert cli.main(["train", *sets(f"run.dir={tmp_path / 'plain'}")]) == 0
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+    assert_ok(distrib("train", "--nproc-per-node", "2", *sets("data.augment=crop_flip", f"run.dir={tmp_path / 'two'}"),
+                      env=env, timeout=180))
+    one, two = load_weights(tmp_path / "one"), load_weights(tmp_path / "two")
+    assert max_relative_diff(two, one) < 1e-5
+    assert max_relative_diff(load_weights(tmp_path / "plain"), one) > 1e-3

@@ -39,19 +39,19 @@ class Augment:
     def __call__(self, images: torch.Tensor, indices: torch.Tensor, epoch: int) -> torch.Tensor:
         if self.mode == "none":
             return images
-        batch, _, height, width = images.shape
-        device = images.device
+        batch, channels, height, width = images.shape
+        pad, device = self.padding, images.device
         flip = draws(indices, self.seed, epoch, 0) & 1  # 1: mirror this sample
         cols = torch.arange(width, device=device)
         cols = torch.where(flip[:, None].bool(), width - 1 - cols, cols)  # (B, W)
-        if not self.padding:
-            return images.gather(3, cols[:, None, None, :].expand(images.shape))
-        span, pad = 2 * self.padding + 1, self.padding
-        dy = draws(indices, self.seed, epoch, 1) % span  # the crop's top-left corner in the padded image
-        dx = draws(indices, self.seed, epoch, 2) % span
-        rows = torch.arange(height, device=device)[None, :] + dy[:, None]  # (B, H) in padded coordinates
-        cols = cols + dx[:, None]
-        padded = torch.nn.functional.pad(images, (pad, pad, pad, pad))
-        # One gather for crop and flip together: for each sample its rows, then its (possibly mirrored) columns.
-        out = padded.gather(2, rows[:, None, :, None].expand(batch, images.shape[1], height, padded.shape[3]))
-        return out.gather(3, cols[:, None, None, :].expand(images.shape))
+        rows = torch.arange(height, device=device).expand(batch, height)  # (B, H)
+        if pad:
+            span = 2 * pad + 1  # the crop's top-left corner in the padded image: 0..2 * pad in each direction
+            rows = rows + (draws(indices, self.seed, epoch, 1) % span)[:, None]
+            cols = cols + (draws(indices, self.seed, epoch, 2) % span)[:, None]
+            images = torch.nn.functional.pad(images, (pad, pad, pad, pad))
+        # One gather does crop and flip: each output pixel's place in its (padded) image, the same for all channels.
+        padded_width = width + 2 * pad
+        flat = (rows[:, :, None] * padded_width + cols[:, None, :]).view(batch, 1, height * width)
+        out = images.reshape(batch, channels, -1).gather(2, flat.expand(batch, channels, height * width))
+        return out.view(batch, channels, height, width)

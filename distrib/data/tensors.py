@@ -44,14 +44,14 @@ class Split:
 
 
 class Normalizer:
-    """x -> (x * pixel - mean) / std per channel, where pixel = 1/255 for uint8 images and 1 for float inputs."""
+    """x -> (x / pixel - mean) / std per channel, where pixel = 255 for uint8 images and 1 for float inputs."""
 
     def __init__(self, mean: tuple[float, ...], std: tuple[float, ...], uint8: bool):
-        pixel = 1 / 255 if uint8 else 1.0
+        pixel = 255 if uint8 else 1  # uint8 images count in 1/255ths
         self.identity = not uint8 and all(m == 0 for m in mean) and all(s == 1 for s in std)
         self.single = len(set(mean)) == 1 and len(set(std)) == 1
         # The same floats as the seed's (x / 255 - MEAN) / STD = x * SCALE + SHIFT, computed in double precision.
-        self.scale = [pixel / s for s in std]
+        self.scale = [1 / (pixel * s) for s in std]
         self.shift = [-m / s for m, s in zip(mean, std)]
         self._shift0 = torch.tensor(self.shift[0])
         self._tensors: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -65,7 +65,7 @@ class Normalizer:
             return torch.add(self._shift0, x, alpha=self.scale[0])
         shift, scale = self._on(x.device)
         view = (-1, *[1] * (x.dim() - 2))
-        return torch.addcmul(shift.view(view), x.float(), scale.view(view))
+        return torch.mul(x, scale.view(view)).add_(shift.view(view))  # uint8 * float32 -> float32: two passes
 
     def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if device not in self._tensors:
