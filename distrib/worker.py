@@ -21,7 +21,7 @@ from distrib.config import Config, to_dict, write_resolved
 from distrib.data import Data, load_data, make_plan
 from distrib.evaluation import evaluate
 from distrib.factory import accepted, call_factory
-from distrib.losses import LossFn, build_loss
+from distrib.losses import Loss, LossFn, build_loss
 from distrib.metrics import Recorder
 from distrib.models import batchnorm_layers, build_model, data_kwargs
 from distrib.parallel import parallelize, place_model, sync_batchnorm, unwrap
@@ -118,21 +118,22 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
     recorder.info(f"{total_steps} steps of {plan.global_batch_size} samples ({runtime.world_size} ranks x "
                   f"{config.train.grad_accum_steps} micro-steps x {plan.micro_batch_size}), "
                   f"{type(data.train).__name__}")
-    metrics = _fit(config, runtime, data, state, loss, plan, total_steps, recorder, meter, checkpointer, on_step_end)
+    with stop_on_signals(parse_signals(config.checkpoint.signals)) as stop, \
+            collective_timeouts(config.dist.timeout_s, lambda: f"after step {state.progress.step}"):
+        agreement = RankAgreement(stop, runtime.device, runtime.world_size, synced_at=state.progress.step)
+        evaluator = _evaluator(config, runtime, data, loss)
+        trainer = Trainer(state, loss, config.train, runtime.device, plan, total_steps, evaluator, recorder, meter,
+                          agreement, checkpointer, on_step_end)
+        metrics = trainer.fit(data.train)
     return _finish(config, runtime, data, state, metrics, meter, recorder, resumed_from, start, model is None)
 
 
-def _fit(config, runtime, data, state, loss, plan, total_steps, recorder, meter, checkpointer, on_step_end) -> dict:
+def _evaluator(config: Config, runtime: Runtime, data: Data, loss: Loss) -> Callable[[nn.Module], dict]:
     def evaluate_model(model: nn.Module) -> dict:
         return evaluate(model, data.test, data.info.num_classes, config.data.eval_batch_size, runtime, loss,
                         config.train.precision, data.info.class_names)
 
-    with stop_on_signals(parse_signals(config.checkpoint.signals)) as stop, \
-            collective_timeouts(config.dist.timeout_s, lambda: f"after step {state.progress.step}"):
-        agreement = RankAgreement(stop, runtime.device, runtime.world_size, synced_at=state.progress.step)
-        trainer = Trainer(state, loss, config.train, runtime.device, plan, total_steps, evaluate_model, recorder,
-                          meter, agreement, checkpointer, on_step_end)
-        return trainer.fit(data.train)
+    return evaluate_model
 
 
 def _finish(config: Config, runtime: Runtime, data: Data, state: TrainState, metrics: dict, meter, recorder,
