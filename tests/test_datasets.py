@@ -229,3 +229,44 @@ def test_a_train_run_on_cifar_batches_records_the_data(tmp_path):
     assert cli.main(argv) == 0
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["data"]["input_shape"] == [3, 32, 32] and summary["data"]["class_names"][0] == "airplane"
+
+
+def test_imagefolder_mixed_modes_sizes_and_unreadable_files(tmp_path):
+    from PIL import Image
+
+    make_image_folder(tmp_path, per_class=(2, 1), size=(6, 6), mode="L")
+    Image.new("RGB", (6, 6), (200, 10, 10)).save(tmp_path / "train" / "dog" / "zz_colour.png")
+    data = _load(name="imagefolder", root=str(tmp_path), loader="device")
+    assert data.info.input_shape == (1, 6, 6)  # grey like the first image: the colour one is converted
+    Image.new("L", (7, 5)).save(tmp_path / "train" / "cat" / "zz_bigger.png")
+    _fails(r"zz_bigger.png: 7x5 pixels where the first image has 6x6; fix: --set data.image_size=N", name="imagefolder",
+           root=str(tmp_path), loader="device")
+    (tmp_path / "train" / "cat" / "zz_bigger.png").write_bytes(b"not a png")
+    _fails(r"zz_bigger.png: cannot be read as an image", name="imagefolder", root=str(tmp_path), image_size=6)
+
+
+def test_class_folders_without_train_and_test_are_not_fashion_mnist(tmp_path):
+    make_image_folder(tmp_path / "all", per_class=(1, 1))
+    shutil.move(tmp_path / "all" / "train", tmp_path / "mine")
+    message = _fails("holds image files, not Fashion-MNIST", root=str(tmp_path / "mine"))
+    assert "data.name=imagefolder" in message and not (tmp_path / "mine" / "FashionMNIST").exists()
+
+
+def test_load_inputs_for_prediction(tmp_path):
+    from PIL import Image
+
+    from distrib.data import DataInfo, load_inputs
+
+    (tmp_path / "in" / "sub").mkdir(parents=True)
+    Image.new("RGB", (20, 10), (255, 0, 0)).save(tmp_path / "in" / "b.png")
+    Image.new("L", (8, 8), 0).save(tmp_path / "in" / "sub" / "a.jpg")
+    (tmp_path / "in" / "notes.txt").write_text("not an image")
+    info = DataInfo("x", (3, 8, 8), 2, ("a", "b"), (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+    paths, source = load_inputs(tmp_path / "in", info)
+    assert paths == [str(tmp_path / "in" / "b.png"), str(tmp_path / "in" / "sub" / "a.jpg")]
+    (x, y), = source.batches([torch.arange(2)])
+    assert x.shape == (2, 3, 8, 8) and y.tolist() == [-1, -1]
+    assert torch.allclose(x[0, 0], torch.full((8, 8), 2.0)) and torch.allclose(x[1], torch.full((3, 8, 8), -2.0))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="holds no image files"):
+        load_inputs(tmp_path / "empty", info)

@@ -19,13 +19,5 @@ from distrib.data.tensors import DataInfo, Normalizer, Split, normalize
 
 __all__ = ["Augment", "Batch", "BatchPlan", "BatchSource", "Data", "DataInfo", "DeviceBatches", "LoaderBatches",
            "Normalizer", "Split", "data_from_datasets", "epoch_steps", "eval_batches", "load_data", "load_inputs",
-           "load_splits", "make_batches", "make_plan", "normalize"]
+           "load_splits", "make_plan", "normalize"]
 
-
-def make_batches(split: Split, config, runtime, total_bytes: int):
-    """Older entry, kept until every caller uses load_data: the device path when the data takes under half the
-    device's free memory, with Fashion-MNIST's normalisation."""
-    fits = total_bytes < runtime.free_memory_bytes() // 2
-    if config.loader == "device" or (config.loader == "auto" and fits):
-        return DeviceBatches(split, runtime)
-    return LoaderBatches(split, runtime, config.num_workers)

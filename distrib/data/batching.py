@@ -172,8 +172,8 @@ def collate(batch):
         return failed
     shapes = {tuple(x.shape) for x, _ in batch}
     if len(shapes) > 1:
-        return Failed(f"samples of different shapes {sorted(shapes)} in one batch; give inputs of one shape (for "
-                      "images: --set data.image_size=N resizes them all)")
+        return Failed(f"data: samples of different shapes {sorted(shapes)} in one batch; fix: give inputs of one "
+                      "shape")
     return torch.stack([x for x, _ in batch]), torch.tensor([int(y) for _, y in batch])
 
 

@@ -27,12 +27,16 @@ def what_is_in(root: Path) -> tuple[str, str] | None:
         return "CIFAR-10 batches", "cifar10"
     if (root / "train").is_dir() and any(p.is_dir() for p in (root / "train").iterdir()):
         return "an ImageFolder tree (train/CLASS/...)", "imagefolder"
-    if any(p.suffix.lower() in IMAGE_SUFFIXES for p in root.iterdir() if p.is_file()):
+    if _has_images(root) or any(_has_images(p) for p in sorted(root.iterdir())[:20] if p.is_dir()):
         return "image files", "imagefolder (with train/CLASS/ and test/CLASS/ subfolders)"
     names = {p.name.removesuffix(".gz") for p in root.iterdir()}
     if "train-images-idx3-ubyte" in names or (root / "FashionMNIST").is_dir() or (root / "MNIST").is_dir():
         return "IDX files (Fashion-MNIST or MNIST)", "fashion-mnist or mnist"
     return None
+
+
+def _has_images(folder: Path) -> bool:
+    return any(p.suffix.lower() in IMAGE_SUFFIXES for p in folder.iterdir() if p.is_file())
 
 
 # ---------------------------------------------------------------- CIFAR-10
@@ -87,10 +91,11 @@ def download_cifar10(root: Path) -> None:
 
 
 class ImageFiles(Dataset):
-    """An ImageFolder split as uint8 (C, H, W) tensors, resized to image_size when it is set; a file PIL cannot read
-    becomes a Failed sample naming it, which the batch source raises as one line."""
+    """An ImageFolder split as uint8 (C, H, W) tensors, resized to image_size when it is set, grey (1 channel) when
+    the first image is grey, else RGB; a file PIL cannot read becomes a Failed sample naming it, which the batch
+    source raises as one line."""
 
-    def __init__(self, folder: Path, image_size: int):
+    def __init__(self, folder: Path, image_size: int, first: tuple[str, tuple[int, int]] | None = None):
         from torchvision.datasets import ImageFolder
 
         try:
@@ -101,6 +106,16 @@ class ImageFiles(Dataset):
         self.image_size = image_size
         self.classes = tuple(self.inner.classes)
         self.targets = self.inner.targets
+        self.first = first or self._probe()  # (mode, size) of the first image: all become like it
+
+    def _probe(self) -> tuple[str, tuple[int, int]]:
+        from PIL import Image
+
+        try:
+            with Image.open(self.inner.samples[0][0]) as image:
+                return "L" if image.mode in ("1", "L", "I", "I;16", "F") else "RGB", image.size
+        except OSError:
+            return "RGB", (0, 0)  # unreadable: reading it again names the file
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -109,6 +124,8 @@ class ImageFiles(Dataset):
         path = self.inner.samples[index][0]
         try:
             return self.read(path), self.targets[index]
+        except _OtherSize as e:
+            return Failed(f"{path}: {e}")
         except Exception as e:  # noqa: BLE001 - reported by the main process as one line
             return Failed(f"{path}: cannot be read as an image ({type(e).__name__}: {str(e)[:100]}); fix: replace "
                           "or remove the file")
@@ -117,11 +134,19 @@ class ImageFiles(Dataset):
         from PIL import Image
         from torchvision.transforms import functional as F
 
+        mode, size = self.first
         with Image.open(path) as image:
-            image = image.convert("RGB") if image.mode not in ("L", "RGB") else image
+            image = image.convert(mode) if image.mode != mode else image
             if self.image_size:
                 image = image.resize((self.image_size, self.image_size), Image.BILINEAR)
+            elif image.size != size:
+                raise _OtherSize(f"{image.size[0]}x{image.size[1]} pixels where the first image has "
+                                 f"{size[0]}x{size[1]}; fix: --set data.image_size=N resizes all images")
             return F.pil_to_tensor(image)
+
+
+class _OtherSize(Exception):
+    """An image whose size differs from the first one's, with data.image_size unset."""
 
 
 def _is_image(path: str) -> bool:
@@ -133,7 +158,8 @@ def imagefolder_splits(root: Path, image_size: int) -> tuple[ImageFiles, ImageFi
         if not (root / split).is_dir():
             raise UserError(f"data.root = {str(root)!r}: no {split}/ folder; fix: put images in "
                             f"{root}/train/CLASS/ and {root}/test/CLASS/ (one subfolder per class)")
-    train, test = ImageFiles(root / "train", image_size), ImageFiles(root / "test", image_size)
+    train = ImageFiles(root / "train", image_size)
+    test = ImageFiles(root / "test", image_size, train.first)
     if test.classes != train.classes:
         missing = sorted(set(train.classes) ^ set(test.classes))
         raise UserError(f"data.root = {str(root)!r}: train/ and test/ have different class folders (only in one: "
