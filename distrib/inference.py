@@ -135,6 +135,7 @@ def _read_weights(path: Path) -> dict:
 def placed_model(trained: Trained, info: DataInfo, runtime: Runtime) -> nn.Module:
     """The trained model placed and wrapped exactly as training did (channels_last and all), so that its logits,
     and the metrics computed from them, are the same bits as at the end of training."""
+    torch.manual_seed(trained.config.train.seed)  # as in training: non-persistent buffers (not in model.pt) match
     model = build_model(trained.config.model, info)
     try:
         model.load_state_dict(trained.weights)
