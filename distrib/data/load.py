@@ -74,7 +74,7 @@ def _foreign(config: DataConfig, root: Path, title: str) -> None:
     found = named.what_is_in(root)
     if found and config.name not in found[1]:
         raise UserError(f"data.root = {config.root!r}: holds {found[0]}, not {title}; fix: --set "
-                        f"data.name={found[1].split(' ')[0]} to train on it, or point data.root at {title}")
+                        f"data.name={found[1][0]} to train on it, or point data.root at {title}")
 
 
 def _prepare(config: DataConfig, log) -> None:

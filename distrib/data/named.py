@@ -19,19 +19,19 @@ CIFAR_STATS = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))  # CIFAR-10 t
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
 
 
-def what_is_in(root: Path) -> tuple[str, str] | None:
-    """(what, the data.name for it) when data.root visibly holds a dataset of a known kind, else None."""
+def what_is_in(root: Path) -> tuple[str, tuple[str, ...]] | None:
+    """(what, the data.name values for it) when data.root itself visibly holds a dataset, else None. torchvision's
+    own subfolders (FashionMNIST/, MNIST/, cifar-10-batches-py/) do not count: one root may hold several of them."""
     if not root.is_dir():
         return None
-    if (root / "cifar-10-batches-py").is_dir() or (root / "data_batch_1").is_file():
-        return "CIFAR-10 batches", "cifar10"
+    if (root / "data_batch_1").is_file():
+        return "CIFAR-10 batches", ("cifar10",)
     if (root / "train").is_dir() and any(p.is_dir() for p in (root / "train").iterdir()):
-        return "an ImageFolder tree (train/CLASS/...)", "imagefolder"
+        return "an ImageFolder tree (train/CLASS/...)", ("imagefolder",)
     if _has_images(root) or any(_has_images(p) for p in sorted(root.iterdir())[:20] if p.is_dir()):
-        return "image files", "imagefolder (with train/CLASS/ and test/CLASS/ subfolders)"
-    names = {p.name.removesuffix(".gz") for p in root.iterdir()}
-    if "train-images-idx3-ubyte" in names or (root / "FashionMNIST").is_dir() or (root / "MNIST").is_dir():
-        return "IDX files (Fashion-MNIST or MNIST)", "fashion-mnist or mnist"
+        return "image files (imagefolder wants them in train/CLASS/ and test/CLASS/)", ("imagefolder",)
+    if "train-images-idx3-ubyte" in {p.name.removesuffix(".gz") for p in root.iterdir()}:
+        return "IDX files (Fashion-MNIST or MNIST)", ("fashion-mnist", "mnist")
     return None
 
 
