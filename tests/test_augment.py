@@ -110,3 +110,22 @@ def test_crop_flip_training_agrees_at_world_sizes_1_and_2(tmp_path):
     one, two = load_weights(tmp_path / "one"), load_weights(tmp_path / "two")
     assert max_relative_diff(two, one) < 1e-5
     assert max_relative_diff(load_weights(tmp_path / "plain"), one) > 1e-3
+
+
+def test_bench_augment_runs_and_prints_its_table(capsys):
+    """The bench's numbers are for scripts, not tests; here only that it runs and reports both kinds of rows."""
+    import importlib.util
+
+    from support import REPO
+
+    spec = importlib.util.spec_from_file_location("bench_augment", REPO / "scripts" / "bench_augment.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    threads = torch.get_num_threads()
+    try:
+        bench.main(["--samples", "256", "--batch", "64", "--repeats", "1", "--workers", "0"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "distrib crop_flip (device-resident, batched)" in out and "torchvision per-sample, 0 workers" in out
+    assert "distrib / best torchvision row:" in out
