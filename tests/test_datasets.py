@@ -187,6 +187,7 @@ def test_data_root_holding_another_dataset_is_refused(tmp_path, holds, name):
     ("data_factories:returns_a_dict", r"returned a dict; fix: make it return \(train, test\)"),
     ("data_factories:returns_strings", r"train: a str; fix: give \(train, test\)"),
     ("data_factories:bad_samples", r"train: a list of 1 \(tuple\)"),
+    ("data_factories:mismatched", r"train inputs are \[3, 8, 8\] float, test inputs \[3, 4, 8\] float"),
 ])
 def test_factory_mistakes(factory, match):
     _fails(match, factory=factory)

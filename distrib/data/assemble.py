@@ -64,6 +64,10 @@ def build(loaded: Loaded, config: DataConfig, runtime: Runtime, seed: int, log) 
     if device_path:
         train, test = materialize(train, config), materialize(test, config)
     shape, uint8 = _input_kind(train)
+    if _input_kind(test) != (shape, uint8):
+        kinds = [f"{list(k[0])} {'uint8' if k[1] else 'float'}" for k in (_input_kind(train), _input_kind(test))]
+        raise UserError(f"data {loaded.name}: train inputs are {kinds[0]}, test inputs {kinds[1]}; fix: give both "
+                        "splits inputs of one shape and type")
     info = on_rank0(runtime, lambda: _info(loaded, train, test, shape, uint8, config))
     normalizer = Normalizer(info.mean, info.std, uint8)
     augment = _augment(config, seed, shape)
