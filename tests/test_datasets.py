@@ -271,3 +271,32 @@ def test_load_inputs_for_prediction(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="holds no image files"):
         load_inputs(tmp_path / "empty", info)
+
+
+@pytest.mark.parametrize("override, match", [
+    ("data.name=cifar100", r"data.name = 'cifar100': must be one of fashion-mnist, mnist, cifar10, imagefolder"),
+    ("data.augment=rotate", r"data.augment = 'rotate': must be one of none, flip, crop_flip"),
+    ("data.factory=mydata", r"data.factory = 'mydata': must look like package.module:function"),
+    ("data.normalize=zscore", r"data.normalize = 'zscore': must be auto, none or \[\[means\], \[stds\]\]"),
+    ("data.normalize=[[0.5],[0]]", r"data.normalize = \[\[0.5\], \[0.0\]\]: .* stds > 0"),
+    ("data.normalize=[[0.5,0.5],[1]]", r"data.normalize = .*two lists of one number per channel"),
+    ("data.synthetic_shape=[28,28]", r"data.synthetic_shape = \[28, 28\]: must be \[C, H, W\]"),
+    ("data.prefetch_factor=0", r"data.prefetch_factor = 0: must be a finite number >= 1"),
+])
+def test_data_keys_are_checked_when_the_config_loads(override, match):
+    from distrib.config import load_config
+    from distrib.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, [override])
+
+
+def test_data_keys_round_trip_through_toml(tmp_path):
+    from distrib.config import load_config, to_toml
+
+    config = load_config(None, ["data.factory=pkg.data:build", "data.kwargs={size = 3, name = 'x'}",
+                                "data.normalize=[[0.5,0.4,0.3],[0.2,0.2,0.2]]", "data.synthetic_shape=[3,32,32]"])
+    assert config.data.normalize == ((0.5, 0.4, 0.3), (0.2, 0.2, 0.2))
+    assert config.data.kwargs == {"size": 3, "name": "x"}
+    (tmp_path / "config.toml").write_text(to_toml(config))
+    assert load_config(str(tmp_path / "config.toml")).data == config.data
