@@ -1,11 +1,9 @@
-"""Shared test helpers: IDX files in the real on-disk format, subprocesses that can never hang CI, weight diffs."""
+"""Shared test helpers: the one SMALL run, datasets written in their real on-disk formats, `distrib` and torchrun
+commands through the one runner (processes.py, whose names are re-exported here), weight diffs."""
 
 from __future__ import annotations
 
-import contextlib
 import gzip
-import os
-import signal
 import socket
 import struct
 import subprocess
@@ -13,8 +11,25 @@ import sys
 from pathlib import Path
 
 import torch
+from processes import REPO, Done, Launches, kill_tree, run, run_one  # noqa: F401 - the one runner, re-exported
 
-REPO = Path(__file__).resolve().parents[1]
+# The one small run of the tests: synthetic data, two steps on the CPU, no progress bar, no periodic checkpoints; as
+# section.key=value items. A test appends its own items (later ones win); sets() turns them into --set arguments.
+SMALL = ("data.name=synthetic", "data.synthetic_train_size=256", "data.synthetic_test_size=64", "train.max_steps=2",
+         "train.global_batch_size=32", "train.warmup_steps=2", "run.progress=false", "dist.device=cpu",
+         "checkpoint.every_steps=0")
+
+
+def sets(*overrides: str) -> list[str]:
+    """["--set", item, ...] for `distrib train`."""
+    return [arg for item in overrides for arg in ("--set", str(item))]
+
+
+def small_config(run_dir: Path, *overrides: str):
+    """SMALL plus overrides as a Config, writing to run_dir."""
+    from distrib.config import load_config
+
+    return load_config(None, [*SMALL, f"run.dir={run_dir}", *overrides])
 
 
 def free_port() -> int:
@@ -95,53 +110,6 @@ def make_image_folder(root: Path, classes=("cat", "dog", "owl"), per_class=(8, 4
                 labels.append(label)
         out[split] = (torch.stack(images), torch.tensor(labels))
     return out
-
-
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL a running process, its group and every descendant, also those in sessions of their own (torch's
-    elastic agent starts each worker in a new session, so killing the launcher's group alone leaves them)."""
-    if proc.poll() is not None:
-        return  # ended: its pid may belong to someone else by now
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(proc.pid, signal.SIGSTOP)  # no new children while we look for them
-    pids = _descendants(proc.pid)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-    proc.wait()
-
-
-def run(cmd: list[str], timeout: float, env: dict | None = None,
-        cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """Runs cmd in its own session; on timeout its whole process tree is killed and the test fails."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
-                            cwd=cwd or REPO, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc)
-        out, err = proc.communicate()
-        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-3000:]}\n{err[-3000:]}") from None
-    finally:
-        kill_tree(proc)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def distrib(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from support import assert_ok, distrib, load_weights, max_relative_diff, torchrun_train
+from support import SMALL, assert_ok, distrib, load_weights, max_relative_diff, sets, torchrun_train
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from distrib.agreement import RankAgreement
@@ -21,8 +21,8 @@ from distrib.throughput import Throughput
 from distrib.train import Trainer, lr_factor, new_state
 from distrib.worker import run
 
-SYNTHETIC = ["data.name=synthetic", "data.synthetic_train_size=1536", "data.synthetic_test_size=200",
-             "run.progress=false", "train.log_every=5", "train.warmup_steps=3"]
+SYNTHETIC = [*SMALL, "data.synthetic_train_size=1536", "data.synthetic_test_size=200", "train.log_every=5",
+             "train.warmup_steps=3"]
 
 
 def _config(run_dir, *overrides):
@@ -105,8 +105,7 @@ def test_non_final_micro_steps_make_no_all_reduce(tmp_path):
 
 @pytest.mark.timeout(420)
 def test_world_sizes_1_2_3_train_the_same_weights(tmp_path):
-    overrides = [*SYNTHETIC, "train.max_steps=25", "train.global_batch_size=48", "dist.device=cpu"]
-    args = [a for o in overrides for a in ("--set", o)]
+    args = sets(*SYNTHETIC, "train.max_steps=25", "train.global_batch_size=48")
     assert_ok(distrib("train", *args, "--set", f"run.dir={tmp_path}/ws1", timeout=120))
     reference = load_weights(tmp_path / "ws1")
     for nproc in (2, 3):

@@ -2,19 +2,15 @@
 
 import pytest
 import torch
-from support import distrib
+from support import SMALL, distrib, sets
 
 from distrib import cli, data
 from distrib.errors import UserError
 from distrib.runtime import read_launch_env, select_device
 
-SMALL = ["--set", "data.name=synthetic", "--set", "data.synthetic_train_size=256",
-         "--set", "data.synthetic_test_size=64",
-         "--set", "train.max_steps=2", "--set", "run.progress=false"]
-
 
 def _fails(capsys, tmp_path, *overrides, config=None):
-    argv = ["train", *SMALL, "--set", f"run.dir={tmp_path}/run", *[a for o in overrides for a in ("--set", o)]]
+    argv = ["train", *sets(*SMALL, f"run.dir={tmp_path}/run", *overrides)]
     if config:
         argv += ["--config", config]
     code = cli.main(argv)

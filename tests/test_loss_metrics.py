@@ -4,7 +4,7 @@ reference (test loss of the training loss, top-1, top-5, per class), and the Bat
 import pytest
 import torch
 import torch.nn.functional as F
-from support import load_weights
+from support import SMALL, load_weights, sets
 from user_package import write_user_package
 
 from distrib import cli
@@ -17,9 +17,7 @@ from distrib.models import Network
 from distrib.runtime import open_runtime
 from distrib.worker import run
 
-SYNTHETIC = ["data.name=synthetic", "data.synthetic_train_size=256", "data.synthetic_test_size=64",
-             "train.max_steps=8", "train.global_batch_size=32", "train.warmup_steps=2", "run.progress=false",
-             "dist.device=cpu", "checkpoint.every_steps=0"]
+SYNTHETIC = [*SMALL, "train.max_steps=8"]
 
 
 @pytest.mark.timeout(120)
@@ -87,11 +85,9 @@ def test_few_classes_have_no_top5(tmp_path):
 @pytest.mark.timeout(120)
 def test_a_batchnorm_model_says_once_that_world_sizes_no_longer_agree(tmp_path, monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(write_user_package(tmp_path / "outside")))
-    argv = ["train", *[a for o in ["data.factory=userpkg.data:cifar100_like",
-                                   "data.kwargs={num_train = 32, num_test = 8}", "data.num_classes=100",
-                                   "model.factory=userpkg.models:with_batchnorm", "train.max_steps=1",
-                                   "train.global_batch_size=16", "run.progress=false", "dist.device=cpu",
-                                   f"run.dir={tmp_path}/run"] for a in ("--set", o)]]
+    argv = ["train", *sets(*SMALL, "data.factory=userpkg.data:cifar100_like", "data.num_classes=100",
+                           "data.kwargs={num_train = 32, num_test = 8}", "model.factory=userpkg.models:with_batchnorm",
+                           "train.max_steps=1", "train.global_batch_size=16", f"run.dir={tmp_path}/run")]
     assert cli.main(argv) == 0
     err = capsys.readouterr().err
     assert err.count("BatchNorm layers") == 1 and "per micro-batch" in err and "dist.sync_batchnorm=true" in err

@@ -8,14 +8,13 @@ import sys
 import textwrap
 
 import pytest
-from support import REPO, assert_ok, distrib, load_weights, max_relative_diff, run
+from support import REPO, SMALL, assert_ok, distrib, load_weights, max_relative_diff, run, sets
 from user_package import write_user_package
 
 # 30 SGD steps of a small ResNet (GroupNorm) on 3x32x32 samples in 100 classes.
-USER_RUN = ["data.factory=userpkg.data:cifar100_like", "data.kwargs={num_train = 256, num_test = 100}",
+USER_RUN = [*SMALL, "data.factory=userpkg.data:cifar100_like", "data.kwargs={num_train = 256, num_test = 100}",
             "model.factory=userpkg.models:resnet", "model.kwargs={width = 4}", "train.max_steps=30", "train.epochs=0",
-            "train.global_batch_size=16", "train.warmup_steps=5", "train.log_every=10", "run.progress=false",
-            "dist.device=cpu", "checkpoint.every_steps=0"]
+            "train.global_batch_size=16", "train.warmup_steps=5", "train.log_every=10"]
 COUNTS = ("test_accuracy", "test_top5_accuracy", "test_count", "test_per_class_accuracy")
 
 FIT_SCRIPT = '''
@@ -46,10 +45,6 @@ def _env(user_root) -> dict:
     return {"PYTHONPATH": os.pathsep.join([str(user_root), str(REPO), os.environ.get("PYTHONPATH", "")])}
 
 
-def _sets(*overrides) -> list[str]:
-    return [a for o in overrides for a in ("--set", o)]
-
-
 def _summary(run_dir) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
@@ -57,7 +52,7 @@ def _summary(run_dir) -> dict:
 @pytest.fixture(scope="module")
 def one_process_run(user_root, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("ws1")
-    assert_ok(distrib("train", *_sets(*USER_RUN, f"run.dir={run_dir}"), timeout=240, env=_env(user_root)))
+    assert_ok(distrib("train", *sets(*USER_RUN, f"run.dir={run_dir}"), timeout=240, env=_env(user_root)))
     return run_dir
 
 
@@ -77,7 +72,7 @@ def test_user_data_and_model_through_distrib_train_at_world_sizes_1_and_2(user_r
     summary = _summary(one_process_run)
     assert summary["data"]["input_shape"] == [3, 32, 32] and summary["data"]["num_classes"] == 100
     assert len(summary["test_per_class_accuracy"]) == 100
-    assert_ok(distrib("train", "--nproc-per-node", "2", *_sets(*USER_RUN, f"run.dir={tmp_path}"), timeout=300,
+    assert_ok(distrib("train", "--nproc-per-node", "2", *sets(*USER_RUN, f"run.dir={tmp_path}"), timeout=300,
                       env=_env(user_root)))
     assert _summary(tmp_path)["world_size"] == 2
     _assert_same_training(tmp_path, one_process_run)
@@ -101,9 +96,8 @@ def test_user_script_with_fit_as_one_process_and_under_torchrun(user_root, one_p
 
 EARLIER = {"config.toml": b"[run]\ndir = 'earlier'\n", "summary.json": b'{"test_accuracy": 0.9}\n',
            "model.pt": b"earlier weights", "metrics.jsonl": b'{"step": 1}\n'}
-SMALL_USER_DATA = ["data.factory=userpkg.data:cifar100_like", "data.kwargs={num_train = 64, num_test = 16}",
-                   "data.num_classes=100",
-                   "train.max_steps=2", "train.global_batch_size=8", "run.progress=false", "dist.device=cpu"]
+SMALL_USER_DATA = [*SMALL, "data.factory=userpkg.data:cifar100_like", "data.kwargs={num_train = 64, num_test = 16}",
+                   "data.num_classes=100", "train.global_batch_size=8"]
 
 
 @pytest.mark.parametrize("overrides, expected", [
@@ -127,7 +121,7 @@ def test_mismatches_are_one_line_and_leave_run_dir_untouched(user_root, tmp_path
     run_dir.mkdir()
     for name, content in EARLIER.items():
         (run_dir / name).write_bytes(content)
-    code = cli.main(["train", *_sets(*SMALL_USER_DATA, *overrides, f"run.dir={run_dir}")])
+    code = cli.main(["train", *sets(*SMALL_USER_DATA, *overrides, f"run.dir={run_dir}")])
     err = capsys.readouterr().err.strip()
     assert code == 2, err
     last = err.splitlines()[-1]
