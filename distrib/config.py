@@ -105,7 +105,6 @@ class ModelConfig:
     name: str = "network"  # network: the seed Fashion-MNIST CNN
     factory: str = ""  # package.module:function returning any nn.Module; overrides name
     kwargs: dict = field(default_factory=dict)  # keyword arguments of the factory (besides num_classes, ...)
-    kwargs: dict = field(default_factory=dict)  # keyword arguments of the factory (besides num_classes, ...)
 
     def __post_init__(self):
         if self.factory:
