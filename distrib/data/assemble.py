@@ -76,10 +76,17 @@ def build(loaded: Loaded, config: DataConfig, runtime: Runtime, seed: int, log) 
     else:
         sources = tuple(LoaderBatches(split, runtime, config.num_workers, normalizer, aug, config)
                         for split, aug in ((train, augment), (test, None)))
+    if config.normalize == "auto" and loaded.stats is None:
+        log(f"data.normalize = auto: per-channel mean {_rounded(info.mean)}, std {_rounded(info.std)} from "
+            f"{len(stats_indices(len(train)))} training samples (recorded in summary.json)")
     log(f"data {info.name}: {len(train)} train / {len(test)} test samples of {list(shape)}, {info.num_classes} "
         f"classes, {'device-resident' if device_path else f'DataLoader ({config.num_workers} workers)'}"
         + (f", augment {config.augment}" if augment else ""))
     return Data(info, *sources)
+
+
+def _rounded(values: tuple[float, ...]) -> list[float]:
+    return [round(v, 4) for v in values]
 
 
 def _device_path(loaded: Loaded, config: DataConfig, runtime: Runtime) -> bool:
