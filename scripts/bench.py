@@ -190,7 +190,8 @@ def measure_all(args, runtime, out_dir: Path) -> dict[str, list[dict]]:
     from distrib.config import load_config
     from distrib.data import load_data
 
-    train = load_data(load_config(None, common_overrides(args, out_dir)).data, runtime, seed=0).train
+    config = load_config(None, common_overrides(args, out_dir))
+    train = load_data(config.data, runtime, seed=0, log=lambda _: None).train
     # the hand loop's data: the whole set, normalised once, in memory
     images, labels = next(train.batches([torch.arange(train.num_samples)]))
     names = args.variants
