@@ -12,29 +12,23 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from support import REPO, assert_ok, distrib
+from support import REPO, SMALL, assert_ok, distrib, sets
 
 from distrib import cli
 from distrib.config import load_config
 from distrib.data import load_splits
 
 NUM_CLASSES = 4  # <= 5: top-k holds every class, so its probabilities sum to 1
-TRAIN = ["data.name=synthetic", "data.synthetic_train_size=256", "data.synthetic_test_size=203",
-         f"data.num_classes={NUM_CLASSES}", "data.eval_batch_size=50", "train.global_batch_size=32",
-         "train.max_steps=12", "train.warmup_steps=2", "train.log_every=6", "train.eval_every_epochs=0",
-         "checkpoint.every_steps=6", "run.progress=false", "dist.device=cpu"]
+TRAIN = (*SMALL, "data.synthetic_test_size=203", f"data.num_classes={NUM_CLASSES}", "data.eval_batch_size=50",
+         "train.max_steps=12", "train.log_every=6", "train.eval_every_epochs=0", "checkpoint.every_steps=6")
 METRICS = ("test_loss", "test_accuracy", "test_count")
-
-
-def _sets(*overrides: str) -> list[str]:
-    return [a for o in overrides for a in ("--set", o)]
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
     """A finished 12-step run (203 test samples in 5 evaluation batches: 2 ranks get uneven shares)."""
     run = tmp_path_factory.mktemp("inference") / "run"
-    assert_ok(distrib("train", *_sets(*TRAIN, f"run.dir={run}")))
+    assert_ok(distrib("train", *sets(*TRAIN, f"run.dir={run}")))
     return run
 
 
