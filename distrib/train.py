@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from distrib.agreement import RankAgreement
+from distrib.checkpoint import Checkpointer
 from distrib.config import TrainConfig
 from distrib.data import BatchPlan, epoch_steps
 from distrib.errors import UserError
@@ -109,7 +110,7 @@ class Trainer:
     recorder: Recorder
     meter: Throughput
     agreement: RankAgreement
-    checkpointer: object | None  # a distrib.checkpoint.Checkpointer, or None: no checkpoints
+    checkpointer: Checkpointer | None  # None: no checkpoints
     on_step_end: Callable[[int], None] | None = None  # called with the step after each step's bookkeeping
 
     def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -119,14 +120,17 @@ class Trainer:
         losses = [self._micro_step(inputs, targets, micro_step == num_micro_steps - 1, num_micro_steps)
                   for micro_step, (inputs, targets) in enumerate(micro_batches)]
         local = torch.stack(losses).sum()
-        if self.config.finite_check_every and step % self.config.finite_check_every == 0 \
-                and self.config.precision != "fp16":  # fp16's GradScaler skips non-finite steps by itself
-            # The gradients after DDP's all-reduce are the same on every rank, so all ranks decide alike.
-            self.agreement.check_finite([p.grad for group in self.state.optimizer.param_groups
-                                         for p in group["params"] if p.grad is not None])
+        self._check_finite(step)
         loss = self._agree(local, step) if self.is_sync_step(step) else local
         self._optimizer_step()
         return loss
+
+    def _check_finite(self, step: int) -> None:
+        every = self.config.finite_check_every
+        if every and step % every == 0 and self.config.precision != "fp16":  # fp16's GradScaler skips such steps
+            # After DDP's all-reduce the gradients are the same on every rank, so all ranks decide alike.
+            self.agreement.check_finite([p.grad for group in self.state.optimizer.param_groups
+                                         for p in group["params"] if p.grad is not None])
 
     def _micro_step(self, inputs: torch.Tensor, targets: torch.Tensor, sync: bool, num_micro_steps: int):
         model = self.state.model
