@@ -18,7 +18,7 @@ import torch.nn as nn
 from distrib.agreement import RankAgreement
 from distrib.checkpoint import Checkpointer, check_compatible, load_for_resume, save_atomic, set_rng_state
 from distrib.config import Config, to_dict, write_resolved
-from distrib.data import Data, load_data, make_plan
+from distrib.data import Data, DataInfo, load_data, make_plan
 from distrib.evaluation import evaluate
 from distrib.factory import accepted, call_factory
 from distrib.losses import Loss, LossFn, build_loss
@@ -46,13 +46,14 @@ def _total_steps(config: Config, steps_per_epoch: int) -> int:
     return min(by_epochs, by_steps) if by_epochs and by_steps else by_epochs or by_steps
 
 
-def _checkpointer(config: Config, runtime: Runtime, state: TrainState, global_batch_size: int) -> Checkpointer:
+def _checkpointer(config: Config, runtime: Runtime, state: TrainState, global_batch_size: int,
+                  info: DataInfo) -> Checkpointer:
     ckpt = config.checkpoint
     directory = Path(ckpt.dir or Path(config.run.dir) / "checkpoints")
     return Checkpointer(directory, ckpt.every_steps, ckpt.keep_last, runtime,
                         lambda: {**state.state_dict(global_batch_size), "config": to_dict(config),
                                  "world_size": runtime.world_size, "data_seed": config.train.seed,
-                                 "global_batch_size": global_batch_size})
+                                 "global_batch_size": global_batch_size, "data": info.to_dict()})
 
 
 def _resume(state: TrainState, config: Config, runtime: Runtime, checkpointer: Checkpointer,
@@ -107,7 +108,7 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
     meter = meter_for(config, runtime)
     meter.flops_per_sample = count_flops_per_sample(placed, inputs, targets)
     state = new_state(parallelize(placed, runtime, config.speed), config.train, total_steps, runtime.device)
-    checkpointer = _checkpointer(config, runtime, state, plan.global_batch_size)
+    checkpointer = _checkpointer(config, runtime, state, plan.global_batch_size, data.info)
     resumed_from = _resume(state, config, runtime, checkpointer, plan.global_batch_size, notes)
     recorder = Recorder(Path(config.run.dir), runtime.is_main, config.run.progress, config.metrics.tensorboard)
     if runtime.is_main:  # only now: a run that failed above left the earlier run's config.toml as it was
