@@ -169,3 +169,6 @@ def test_user_mistakes_are_one_line_exit_2(capsys, run_dir, tmp_path):
     assert not (tmp_path / "o").exists()
     other_data = _fails(capsys, "eval", str(run_dir), "--set", "data.num_classes=3")
     assert "other data than the model was trained on" in other_data and "num_classes 4 -> 3" in other_data
+    newest = sorted((run_dir / "checkpoints").glob("step_*.pt"))[-1]  # a checkpoint records its data too
+    other_data = _fails(capsys, "eval", str(newest), "--set", "data.num_classes=3")
+    assert "other data than the model was trained on" in other_data and "num_classes 4 -> 3" in other_data
