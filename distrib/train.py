@@ -19,7 +19,16 @@ from distrib.config import TrainConfig
 from distrib.data import BatchPlan, epoch_steps, eval_batches
 from distrib.errors import UserError
 from distrib.metrics import Recorder
-from distrib.parallel import check_batch, explain_device_errors, grad_sync, unwrap
+from distrib.parallel import (
+    check_batch,
+    explain_device_errors,
+    grad_sync,
+    is_sharded,
+    load_training_state,
+    local_tensor,
+    training_state,
+    unwrap,
+)
 from distrib.preempt import Preempted, StopFlag
 from distrib.runtime import Runtime
 from distrib.throughput import Throughput, count_flops_per_sample
@@ -59,13 +68,22 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
 def evaluate(model: nn.Module, source, num_samples: int, batch_size: int, runtime: Runtime,
              precision: str = "fp32") -> dict:
     """Exact metrics over the whole test set: every sample once, no padding, one all-reduce.
-    Runs the unwrapped module, so no DDP hooks fire and ranks may see different numbers of batches."""
+    Runs the unwrapped module, so no DDP hooks fire and ranks may see different numbers of batches; an FSDP module
+    all-gathers in every forward, so there each rank makes as many forward calls as the busiest one."""
     model = unwrap(model)
     stats = torch.zeros(3, dtype=torch.int64, device=runtime.device)  # loss (fixed point), correct, count
+    mine = eval_batches(num_samples, batch_size, runtime.rank, runtime.world_size)
+    num_counted = len(mine)
+    if is_sharded(model):  # pad with one-sample batches whose results are not counted
+        busiest = max(len(eval_batches(num_samples, batch_size, r, runtime.world_size))
+                      for r in range(runtime.world_size))
+        mine = mine + [torch.arange(1)] * (busiest - len(mine))
     model.eval()
     with torch.no_grad(), autocast(precision, runtime.device):
-        for inputs, targets in source.batches(eval_batches(num_samples, batch_size, runtime.rank, runtime.world_size)):
+        for batch_index, (inputs, targets) in enumerate(source.batches(mine)):
             logits = model(inputs).float()
+            if batch_index >= num_counted:
+                continue
             losses = F.cross_entropy(logits, targets, reduction="none").double()
             stats[0] += (losses * _FIXED_POINT).round().long().sum()
             stats[1] += (logits.argmax(dim=1) == targets).sum()
@@ -174,14 +192,21 @@ class Trainer:
             return
         # The optimizer's list, not model.parameters() (a walk of the module tree), and _foreach_norm (one fused kernel
         # per device and dtype on accelerators).
-        grads = [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        # Under FSDP each rank holds only its shard of each gradient: it checks that, and the ranks agree below.
+        grads = [local_tensor(p.grad) for group in self.optimizer.param_groups for p in group["params"]
+                 if p.grad is not None]
         if not grads:
             return
         norms = torch._foreach_norm(grads)
         if self.runtime.host_sync_is_free:
             # The CPU reads it now, before the optimizer writes NaN into the weights; summing in Python skips
             # stack/isfinite/all, which cost three times the norms themselves (bench: 1-2% of a small CPU step).
-            if not math.isfinite(sum(norm.item() for norm in norms)):
+            finite = math.isfinite(sum(norm.item() for norm in norms))
+            if is_sharded(self.model):  # one small all-reduce, so that every rank stops at this same step
+                verdict = torch.tensor(float(not finite), device=local.device)
+                dist.all_reduce(verdict)
+                finite = verdict.item() == 0
+            if not finite:
                 self._diverged(f"at step {step}", local)
         else:
             # Accelerators keep a flag on the device and read it on the next sync step (checkpoint steps among them),
@@ -203,14 +228,13 @@ class Trainer:
     def state_dict(self) -> dict:
         """Everything but the RNGs (gathered from every rank by the Checkpointer); no module. prefixes."""
         p = self.progress
-        return {"model": unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict(),
+        return {**training_state(self.model, self.optimizer),  # under FSDP: this rank's shards (DTensors)
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "progress": {"step": p.step, "epoch": p.epoch, "step_in_epoch": p.step_in_epoch,
                              "samples_in_epoch": p.step_in_epoch * self.plan.global_batch_size}}
 
     def load_state_dict(self, state: dict) -> None:
-        unwrap(self.model).load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_training_state(self.model, self.optimizer, state)
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         saved = state["progress"]

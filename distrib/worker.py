@@ -13,12 +13,13 @@ from pathlib import Path
 
 import torch
 
-from distrib.checkpoint import Checkpointer, check_compatible, load_for_resume, save_atomic, set_rng_state
+from distrib.checkpoint import check_compatible, save_atomic, set_rng_state
+from distrib.checkpoint_sharded import committing, make_checkpointer
 from distrib.config import Config, to_dict, write_resolved
 from distrib.data import load_splits, make_batches, make_plan
 from distrib.metrics import Recorder
 from distrib.models import build_model
-from distrib.parallel import parallelize, place_model, unwrap
+from distrib.parallel import full_model_state, memory_report, parallelize, place_model
 from distrib.preempt import parse_signals, stop_on_signals
 from distrib.runtime import LaunchEnv, Runtime, collective_timeouts, open_runtime
 from distrib.throughput import meter_for
@@ -44,11 +45,11 @@ def _checkpoint_dir(config: Config) -> Path:
 def _resume(trainer: Trainer, config: Config, runtime: Runtime, recorder: Recorder) -> int | None:
     """Loads the checkpoint that rank 0 chose into the trainer and arms periodic checkpoints; the resumed step."""
     ckpt = config.checkpoint
-    trainer.checkpointer = Checkpointer(_checkpoint_dir(config), ckpt.every_steps, ckpt.keep_last, runtime,
-                                        lambda: {**trainer.state_dict(), "config": to_dict(config),
-                                                 "world_size": runtime.world_size, "data_seed": config.train.seed,
-                                                 "global_batch_size": config.train.global_batch_size})
-    state = load_for_resume(ckpt.resume, _checkpoint_dir(config), runtime, recorder.info)
+    trainer.checkpointer = make_checkpointer(ckpt, config.dist.strategy, _checkpoint_dir(config), runtime,
+                                             lambda: {**trainer.state_dict(), "config": to_dict(config),
+                                                      "world_size": runtime.world_size, "data_seed": config.train.seed,
+                                                      "global_batch_size": config.train.global_batch_size})
+    state = trainer.checkpointer.load(ckpt.resume, recorder.info)
     if state is None:
         return None
     changed = check_compatible(ckpt.resume, state["config"], to_dict(config), ckpt.allow_config_change)
@@ -72,7 +73,8 @@ def train_on(config: Config, runtime: Runtime) -> dict:
     train_split, test_split = load_splits(config.data, runtime)
     plan = make_plan(len(train_split), config.train, runtime)
     torch.manual_seed(config.train.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's too)
-    model = parallelize(place_model(build_model(config.model), runtime.device), runtime, config.speed)
+    model = parallelize(place_model(build_model(config.model), runtime.device), runtime, config.speed, config.dist,
+                        config.train.precision)  # placed before sharding: the device-mismatch listing sees it whole
     data_bytes = train_split.nbytes() + test_split.nbytes()
     train_source = make_batches(train_split, config.data, runtime, data_bytes)
     test_source = make_batches(test_split, config.data, runtime, data_bytes)
@@ -86,16 +88,22 @@ def train_on(config: Config, runtime: Runtime) -> dict:
                   f"{config.train.grad_accum_steps} micro-steps x {plan.micro_batch_size}), "
                   f"{type(train_source).__name__}")
     with stop_on_signals(parse_signals(config.checkpoint.signals)) as trainer.stop, \
-            collective_timeouts(config.dist.timeout_s, lambda: f"after step {trainer.progress.step}"):
+            collective_timeouts(config.dist.timeout_s, lambda: f"after step {trainer.progress.step}"), \
+            committing(trainer.checkpointer):
         metrics = trainer.fit(train_source, test_source, len(test_split), config.data.eval_batch_size)
 
+    weights = full_model_state(model)  # every rank: under fsdp this gathers the shards onto rank 0
     if runtime.is_main:
-        save_atomic(unwrap(model).state_dict(), run_dir / "model.pt")
+        save_atomic(weights, run_dir / "model.pt")
+    memory = memory_report(model, optimizer, runtime)
+    recorder.info(f"parameters + gradients + optimizer state: {memory['state_bytes_per_rank'] / 2**20:.1f} MiB on "
+                  f"the fullest rank ({config.dist.strategy})" + (f"; peak device memory "
+                  f"{memory['peak_memory_bytes'] / 2**20:.1f} MiB" if memory["peak_memory_bytes"] else ""))
     elapsed = time.perf_counter() - start
     summary = {"world_size": runtime.world_size, "device": str(runtime.device), "backend": runtime.backend,
                "steps": trainer.progress.step, "epochs": trainer.progress.epoch, **metrics,
                "resumed_from_step": resumed_from, "restart_count": runtime.restart_count,
-               **trainer.meter.summary(), "elapsed_seconds": elapsed}
+               **trainer.meter.summary(), **memory, "elapsed_seconds": elapsed}
     recorder.write_summary(summary)
     recorder.info(f"done in {elapsed:.1f}s: test accuracy {100 * metrics['test_accuracy']:.2f}%, "
                   f"summary in {run_dir / 'summary.json'}")
