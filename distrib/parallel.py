@@ -184,7 +184,8 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, device: torc
 
 
 def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer, runtime: Runtime) -> dict:
-    """state_bytes_per_rank and peak_memory_bytes (None off CUDA): the largest over ranks. A collective."""
+    """state_bytes_per_rank and peak_memory_bytes (None where the device has no allocator statistics): the largest
+    over ranks. A collective."""
     peak = runtime.peak_memory_bytes()
     stats = torch.tensor([state_bytes(model, optimizer, runtime.device), peak or 0], device=runtime.device)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
