@@ -113,12 +113,18 @@ def _choose(resume: str, directory: Path, device: torch.device, say) -> tuple[Pa
     if resume == "never":
         return None, None
     if resume != "auto":
+        if Path(resume).is_file():
+            raise CheckpointError(f"checkpoint {resume}: a one-file (ddp) checkpoint, and dist.strategy = 'fsdp' "
+                                  "resumes from sharded directories; resume it with --set dist.strategy=ddp")
         return Path(resume), verify(Path(resume), device)
     for path in list_sharded(directory):
         try:
             return path, verify(path, device)
         except CheckpointError as e:
             say(f"{e}; falling back to the previous checkpoint")
+    if any(Path(directory).glob("step_*.pt")):  # never start over silently beside another strategy's progress
+        raise CheckpointError(f"checkpoint.dir {directory}: holds one-file (ddp) checkpoints and no sharded ones; "
+                              "resume with --set dist.strategy=ddp, or start afresh with a new checkpoint.dir")
     return None, None
 
 

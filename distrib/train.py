@@ -211,7 +211,7 @@ class Trainer:
         else:
             # Accelerators keep a flag on the device and read it on the next sync step (checkpoint steps among them),
             # in the all-reduce that goes then anyway: no host sync of its own, which would stall the queue each step.
-            bad = ~torch.stack(norms).isfinite().all()
+            bad = (~torch.stack(norms).isfinite().all()).to(local.device)  # dist.cpu_offload: norms on the host
             self.nonfinite = bad if self.nonfinite is None else self.nonfinite | bad
 
     def _diverged(self, where: str, loss: torch.Tensor):
