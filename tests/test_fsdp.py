@@ -92,24 +92,21 @@ def test_fsdp_and_ddp_at_world_size_2_equal_one_process(tmp_path, fsdp_whole):
 
 
 @pytest.mark.timeout(300)
-def test_sharded_checkpoint_resumes_bitwise_and_at_world_sizes_1_and_3(tmp_path, fsdp_whole):
-    """The step-10 checkpoint of the 2-worker run, resumed at 2 (bitwise), 1 and 3 (float noise); at world size 1
-    the step-20 one lacks rank 1's shard file, so it is refused and step 10 used (with activation checkpointing)."""
+def test_sharded_checkpoint_resumes_at_world_sizes_1_and_3(tmp_path, fsdp_whole, capsys):
+    """The step-10 checkpoint of the 2-worker run, resumed at 1 and 3 (float noise; at 2 it is bitwise: the killed
+    worker's test); at world size 1 the step-20 one lacks rank 1's shard file, so it is refused and step 10 used
+    (there with activation checkpointing, which must not change the result)."""
     source = fsdp_whole / "checkpoints"
-    for name in ("same", "one", "three"):
+    for name in ("one", "three"):
         (tmp_path / name / "checkpoints").mkdir(parents=True)
         shutil.copytree(source / "step_00000010", tmp_path / name / "checkpoints" / "step_00000010")
     broken = tmp_path / "one" / "checkpoints" / "step_00000020"
     shutil.copytree(source / "step_00000020", broken)
     (broken / "__1_0.distcp").unlink()
 
-    assert_ok(torchrun_train(2, *_sets(tmp_path / "same", *FSDP)))
-    assert _summary(tmp_path / "same")["resumed_from_step"] == 10
-    _assert_bitwise(_final_shards(tmp_path / "same", tmp_path), _final_shards(fsdp_whole, tmp_path))
-    _assert_bitwise(load_weights(tmp_path / "same"), load_weights(fsdp_whole))
-
     one = run(load_config(None, [*BASE, f"run.dir={tmp_path}/one", *FSDP, "speed.activation_checkpointing=blocks"]))
     assert one["world_size"] == 1 and one["resumed_from_step"] == 10
+    assert "step_00000020: __1_0.distcp is missing" in capsys.readouterr().err
     assert max_relative_diff(load_weights(tmp_path / "one"), load_weights(fsdp_whole)) < 1e-5
 
     assert_ok(torchrun_train(3, *_sets(tmp_path / "three", *FSDP)))
@@ -119,6 +116,8 @@ def test_sharded_checkpoint_resumes_bitwise_and_at_world_sizes_1_and_3(tmp_path,
 
 @pytest.mark.timeout(300)
 def test_killed_fsdp_worker_is_restarted_and_resumes_bitwise(tmp_path, fsdp_whole):
+    """The launcher stops both workers when one dies and starts them again: a stop after 10 or 20 steps and a resume
+    from the sharded checkpoint at the same world size, ending bitwise equal to the uninterrupted run."""
     marker = f"run.dir={tmp_path}/killed"
     cmd = [sys.executable, "-m", "distrib", "launch", "--nproc-per-node=2", "--max-restarts=1", "-m", "distrib",
            "train", *_sets(tmp_path / "killed", *FSDP)]
@@ -142,6 +141,7 @@ def test_a_kill_during_an_async_write_is_never_resumed_from(tmp_path):
 
     directory = tmp_path / "checkpoints"
     for _ in range(3):  # the kill must land while a write is in flight: nearly always on the first try
+        shutil.rmtree(directory, ignore_errors=True)  # each try counts from step 1 again
         proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "async_save_loop.py"), str(directory)],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         try:
