@@ -179,7 +179,9 @@ def test_a_nan_in_one_ranks_shard_stops_every_rank_at_the_same_step(tmp_path):
             kill_tree(proc)
     for rank, (proc, out) in enumerate(zip(procs, outs)):
         assert proc.returncode == 2, (rank, out[-3000:])
-        assert re.search(r"^distrib: error: train gradients are not finite at step 1 ", out, re.M), (rank, out[-3000:])
+        # at once on the CPU, or at the next sync step (step 10) where the flags ride the agreement's all-reduce
+        assert re.search(r"^distrib: error: train gradients are not finite (at step 1|between steps 1 and 10) ", out,
+                         re.M), (rank, out[-3000:])
 
 
 @pytest.mark.parametrize("overrides, message", [
