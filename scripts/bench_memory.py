@@ -2,7 +2,7 @@
 of ddp and fsdp at world sizes 1, 2 and 4, for a ~50M-parameter MLP from a model factory (this file's wide_mlp);
 then the step time around checkpoint steps with synchronous and asynchronous sharded saves.
 
-    python scripts/bench_memory.py [--steps 8] [--world-sizes 1,2,4] [--json bench_memory.json]
+    python scripts/bench_memory.py [--steps 6] [--world-sizes 1,2,4] [--json bench_memory.json]
 Each configuration is one `distrib train` run (its own launcher); the figures come from its summary.json and
 metrics.jsonl. Targets (issue 11): fsdp / ddp bytes <= 0.55 at world size 2 and <= 0.3 at 4; async saves raise the
 step time around a checkpoint less than synchronous ones."""
@@ -24,8 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 TARGETS = {2: 0.55, 4: 0.3}
 
 
-def wide_mlp(width: int = 4096, depth: int = 3) -> nn.Module:
-    """784 -> width, then depth-1 width x width blocks, then 10 classes: 3.2M + 2 x 16.8M + 41k = ~50M parameters."""
+def wide_mlp(width: int = 4864, depth: int = 3) -> nn.Module:
+    """784 -> width, then depth-1 width x width blocks, then 10 classes: 3.8M + 2 x 23.7M + 49k = 51.2M parameters."""
     blocks = [nn.Sequential(nn.Linear(28 * 28, width), nn.ReLU())]
     blocks += [nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(depth - 1)]
     return nn.Sequential(nn.Flatten(), *blocks, nn.Linear(width, 10))
@@ -104,7 +104,7 @@ def async_table(work: Path, steps: int, every: int, batch: int) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8, help="optimizer steps per memory run")
+    parser.add_argument("--steps", type=int, default=6, help="optimizer steps per memory run")
     parser.add_argument("--batch", type=int, default=16, help="global batch size (divisible by each world size)")
     parser.add_argument("--world-sizes", default="1,2,4")
     parser.add_argument("--checkpoint-steps", type=int, default=16, help="steps of each checkpoint-timing run")
