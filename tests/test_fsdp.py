@@ -209,3 +209,14 @@ def test_named_blocks_that_the_model_lacks_are_refused():
 def test_only_the_runtime_names_the_accelerator():
     for name in ("fsdp.py", "checkpoint_sharded.py", "parallel.py"):
         assert not re.search(r"cuda|nccl|gloo", (REPO / "distrib" / name).read_text().lower()), name
+
+
+@pytest.mark.parametrize("factory, expected", [("pinned_buffer", "buffer offset is on meta"),
+                                               ("forward_makes_meta", "forward() made a tensor elsewhere")])
+def test_device_mismatch_listing_works_under_fsdp(capsys, tmp_path, factory, expected):
+    from distrib import cli
+
+    argv = ["train", *_sets(tmp_path, *FSDP, "train.max_steps=1", f"model.factory=factories:{factory}")]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "device mismatch, expected cpu" in err and expected in err
