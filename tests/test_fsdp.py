@@ -220,3 +220,16 @@ def test_device_mismatch_listing_works_under_fsdp(capsys, tmp_path, factory, exp
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "device mismatch, expected cpu" in err and expected in err
+
+
+def test_fsdp_never_starts_over_silently_beside_ddp_checkpoints(tmp_path):
+    from distrib.checkpoint import CheckpointError
+
+    (tmp_path / "step_00000010.pt").write_bytes(b"a ddp checkpoint")
+    with pytest.raises(CheckpointError, match="holds one-file \\(ddp\\) checkpoints and no sharded ones"):
+        _choose("auto", tmp_path, torch.device("cpu"), print)
+    with pytest.raises(CheckpointError, match="a one-file \\(ddp\\) checkpoint, and dist.strategy = 'fsdp'"):
+        _choose(str(tmp_path / "step_00000010.pt"), tmp_path, torch.device("cpu"), print)
+    with pytest.raises(CheckpointError, match="no manifest.json, so it was never completed"):
+        (tmp_path / "step_00000020").mkdir()
+        _choose(str(tmp_path / "step_00000020"), tmp_path, torch.device("cpu"), print)
