@@ -36,11 +36,16 @@ class RankAgreement:
     def check_finite(self, grads: list[torch.Tensor]) -> None:
         """Sets the flag if any gradient has a non-finite entry, in GradScaler's fused check (grads x 1.0, unchanged):
         one pass over the gradients per dtype; on a CPU a seventh of the cost of norms, stack, isfinite and all."""
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for grad in grads:
-            by_dtype.setdefault(grad.dtype, []).append(grad)
-        for same_dtype in by_dtype.values():
-            torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, self.nonfinite, self._one)
+            groups.setdefault((grad.device, grad.dtype), []).append(grad)
+        for (device, _), same_kind in groups.items():
+            if device == self.nonfinite.device:
+                torch._amp_foreach_non_finite_check_and_unscale_(same_kind, self.nonfinite, self._one)
+            else:  # dist.cpu_offload: FSDP's gradient shards in host memory, a flag of their own there
+                found = torch.zeros((), device=device)
+                torch._amp_foreach_non_finite_check_and_unscale_(same_kind, found, torch.ones((), device=device))
+                self.nonfinite += found.to(self.nonfinite.device)
 
     def agree(self, local_loss: torch.Tensor, step: int) -> Agreed:
         """SUM, then divide: the global mean of equal-sized micro-batches. Every rank must call it at the same step."""

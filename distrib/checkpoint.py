@@ -207,6 +207,9 @@ class Checkpointer:
         dist.barrier()  # nobody moves on (or exits) before the checkpoint is on disk
         return path
 
+    def load(self, resume: str, say: Callable[[str], None]) -> dict | None:
+        return load_for_resume(resume, self.directory, self.runtime, say)
+
 
 # Keys whose change makes a resumed run a different optimisation (another model, data stream or batch).
 RESUME_KEYS = ("model.name", "model.factory", "data.name", "train.global_batch_size", "train.seed", "train.optimizer")

@@ -175,11 +175,23 @@ class RunConfig:
 class DistConfig:
     device: str = "auto"  # auto (cuda when available, else cpu) | cpu | cuda
     timeout_s: float = 300.0  # a collective that waits longer fails instead of hanging
+    strategy: str = "ddp"  # ddp (a whole replica per rank) | fsdp (FSDP2: parameters, gradients, optimizer sharded)
+    shard_modules: str | tuple[str, ...] = "auto"  # fsdp units (and checkpointed blocks): class names, or auto
+    reshard_after_forward: bool = True  # fsdp: free gathered parameters after forward (less memory, one more gather)
+    cpu_offload: bool = False  # fsdp: keep parameter, gradient and optimizer shards in host memory
     sync_batchnorm: bool = False  # BatchNorm statistics over the global batch (torch's SyncBatchNorm; GPUs only)
 
     def __post_init__(self):
         _choice("dist", self, "device", ("auto", "cpu", "cuda"))
         _positive("dist", self, "timeout_s", 300)
+        _choice("dist", self, "strategy", ("ddp", "fsdp"))
+        names = (self.shard_modules,) if isinstance(self.shard_modules, str) else self.shard_modules
+        if not names or not all(isinstance(n, str) and n.isidentifier() for n in names):
+            _fail("dist", "shard_modules", self.shard_modules, "must be auto or a list of module class names",
+                  "e.g. --set 'dist.shard_modules=[\"TransformerBlock\"]'")
+        if self.cpu_offload and self.strategy != "fsdp":
+            _fail("dist", "cpu_offload", self.cpu_offload, "offloads FSDP shards, and dist.strategy is ddp",
+                  "set --set dist.strategy=fsdp or --set dist.cpu_offload=false")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -190,6 +202,8 @@ class CheckpointConfig:
     keep_last: int = 2
     signals: str = "SIGTERM,SIGUSR1"  # checkpoint and exit 75 on these (SLURM: #SBATCH --signal)
     allow_config_change: bool = False  # resume even if model, data or global batch differ from the checkpoint's
+    async_save: bool = False  # fsdp: write sharded checkpoints in the background (dcp.async_save); the TOML key is
+    # async_save, not async: a Python keyword cannot name a dataclass field
 
     def __post_init__(self):
         _at_least("checkpoint", self, "every_steps", 0)
@@ -213,10 +227,12 @@ class SpeedConfig:
     gradient_as_bucket_view: bool = False  # DDP: gradients are views into its all-reduce buckets (one copy less)
     static_graph: bool = False  # DDP: the same parameters get gradients every step (lets DDP skip some checks)
     bucket_cap_mb: float = 0.0  # DDP: gradient bucket size in MB; 0 = DDP's default (25, and a 1 MB first bucket)
+    activation_checkpointing: str = "none"  # none | blocks: recompute each dist.shard_modules block in backward
 
     def __post_init__(self):
         _choice("speed", self, "compile_mode", ("default", "reduce-overhead", "max-autotune",
                                                 "max-autotune-no-cudagraphs"))
+        _choice("speed", self, "activation_checkpointing", ("none", "blocks"))
         _at_least("speed", self, "bucket_cap_mb", 0.0)
 
 
@@ -247,6 +263,12 @@ class Config:
             raise ConfigError(f"speed.static_graph = true: does not work with train.grad_accum_steps = "
                               f"{self.train.grad_accum_steps} (DDP's static graph has no no_sync); "
                               "set --set speed.static_graph=false or --set train.grad_accum_steps=1")
+        if self.dist.strategy == "fsdp" and self.train.precision == "fp16":  # GradScaler would skip per shard
+            raise ConfigError("train.precision = 'fp16': not supported with dist.strategy = 'fsdp' (a GradScaler's "
+                              "skip decision would differ between shards); use --set train.precision=bf16")
+        if self.checkpoint.async_save and self.dist.strategy != "fsdp":
+            raise ConfigError("checkpoint.async_save = true: asynchronous saves write sharded (fsdp) checkpoints; "
+                              "set --set dist.strategy=fsdp or --set checkpoint.async_save=false")
 
 
 def _sections() -> dict[str, type]:

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from distrib.data import eval_batches
 from distrib.losses import Loss, cross_entropy
-from distrib.parallel import unwrap
+from distrib.parallel import is_sharded, unwrap
 from distrib.runtime import Runtime
 
 _FIXED_POINT = 2.0 ** 32  # losses summed as integers: exact, whatever the order of the sum
@@ -49,16 +49,25 @@ def _batch_stats(logits: torch.Tensor, targets: torch.Tensor, loss: Loss, num_cl
 def evaluate(model: nn.Module, source, num_classes: int, batch_size: int, runtime: Runtime, loss: Loss | None = None,
              precision: str = "fp32", class_names: tuple[str, ...] = ()) -> dict:
     """Exact metrics over the whole test set: every sample once, no padding, one all-reduce. Runs the unwrapped
-    module, so no DDP hooks fire and ranks may see different numbers of batches. Keys: test_loss, test_accuracy
-    (top-1), test_top5_accuracy (more than 5 classes only), test_count, test_per_class_accuracy {name: accuracy}."""
+    module, so no DDP hooks fire and ranks may see different numbers of batches (an FSDP module all-gathers in every
+    forward, so there each rank makes as many forward calls as the busiest, the extra ones not counted). Keys:
+    test_loss, test_accuracy (top-1), test_top5_accuracy (more than 5 classes only), test_count,
+    test_per_class_accuracy {name: accuracy}."""
     model, loss = unwrap(model), loss or cross_entropy()
     stats = torch.zeros(4 + 2 * num_classes, dtype=torch.int64, device=runtime.device)
     was_training = model.training
     model.eval()
     batches = eval_batches(source.num_samples, batch_size, runtime.rank, runtime.world_size)
+    num_counted = len(batches)
+    if is_sharded(model):  # pad with one-sample batches
+        busiest = max(len(eval_batches(source.num_samples, batch_size, r, runtime.world_size))
+                      for r in range(runtime.world_size))
+        batches = batches + [torch.arange(1)] * (busiest - num_counted)
     with torch.no_grad(), autocast(precision, runtime.device):
-        for inputs, targets in source.batches(batches):
-            stats += _batch_stats(model(inputs).float(), targets, loss, num_classes)
+        for batch_index, (inputs, targets) in enumerate(source.batches(batches)):
+            logits = model(inputs).float()
+            if batch_index < num_counted:
+                stats += _batch_stats(logits, targets, loss, num_classes)
     model.train(was_training)
     dist.all_reduce(stats)
     loss_sum, correct, correct_k, count, *per_class = stats.tolist()

@@ -1,4 +1,5 @@
-"""Model placement and data parallelism: .to(device) with device-mismatch diagnostics, then DDP; unwrap; grad sync.
+"""Model placement and data parallelism: .to(device) with device-mismatch diagnostics, then DDP or FSDP2 (see
+distrib.fsdp); unwrap; grad sync; the state dicts and memory of either strategy.
 
 A mismatch error names every parameter, buffer or batch tensor that is off the worker's device, and where it is."""
 
@@ -8,10 +9,13 @@ import contextlib
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distrib.config import SpeedConfig
+from distrib import fsdp
+from distrib.config import DistConfig, SpeedConfig
 from distrib.errors import DeviceMismatchError, UserError
 from distrib.runtime import Runtime
 
@@ -94,15 +98,22 @@ def _inputs_channels_last(module: nn.Module, args: tuple) -> tuple:
                  else a for a in args)
 
 
-def parallelize(model: nn.Module, runtime: Runtime, speed: SpeedConfig) -> nn.Module:
-    """A placed model made ready to train with the [speed] options: channels_last, DDP, then torch.compile.
-    Compiling the DDP module (not the reverse) lets dynamo split graphs at DDP's buckets, so all-reduce overlaps."""
+def parallelize(model: nn.Module, runtime: Runtime, speed: SpeedConfig, strategy: DistConfig = DistConfig(),
+                precision: str = "fp32") -> nn.Module:
+    """A placed model made ready to train with the [speed] options: channels_last, activation checkpointing, DDP or
+    FSDP2 (dist.strategy), then torch.compile. Compiling the DDP module (not the reverse) lets dynamo split graphs
+    at DDP's buckets, so all-reduce overlaps."""
     if speed.channels_last:
         model.to(memory_format=torch.channels_last)
         model.register_forward_pre_hook(_inputs_channels_last)  # inputs follow, whoever feeds the model
-    ddp = wrap_ddp(model, runtime, gradient_as_bucket_view=speed.gradient_as_bucket_view,
-                   static_graph=speed.static_graph, bucket_cap_mb=speed.bucket_cap_mb or None)
-    return torch.compile(ddp, mode=speed.compile_mode) if speed.compile else ddp
+    if speed.activation_checkpointing == "blocks":
+        fsdp.checkpoint_activations(model, strategy.shard_modules)
+    if strategy.strategy == "fsdp":
+        wrapped = fsdp.shard(model, runtime, strategy, precision)
+    else:
+        wrapped = wrap_ddp(model, runtime, gradient_as_bucket_view=speed.gradient_as_bucket_view,
+                           static_graph=speed.static_graph, bucket_cap_mb=speed.bucket_cap_mb or None)
+    return torch.compile(wrapped, mode=speed.compile_mode) if speed.compile else wrapped
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -117,9 +128,76 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def grad_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
-    """Wrap the whole forward AND backward of a micro-step: DDP decides in the forward whether to all-reduce."""
-    ddp = getattr(model, "_orig_mod", model)  # torch.compile wraps the DDP module
-    if enabled or not isinstance(ddp, DDP):
+    """Wrap the whole forward AND backward of a micro-step: DDP decides in the forward whether to all-reduce; FSDP
+    reduce-scatters in the backward unless told not to (it then keeps unsharded gradients until the final one)."""
+    wrapped = getattr(model, "_orig_mod", model)  # torch.compile wraps the DDP or FSDP module
+    if fsdp.is_sharded(wrapped):
+        return _fsdp_grad_sync(wrapped, enabled)
+    if enabled or not isinstance(wrapped, DDP):
         return contextlib.nullcontext()
-    return ddp.no_sync()
+    return wrapped.no_sync()
+
+
+@contextlib.contextmanager
+def _fsdp_grad_sync(module, enabled: bool) -> Iterator[None]:
+    module.set_requires_gradient_sync(enabled)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether each rank holds only a shard of the parameters and gradients (dist.strategy = fsdp)."""
+    return fsdp.is_sharded(model)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: the local shard of a DTensor, a plain tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """{"model", "optimizer"}: whole plain state dicts under DDP (no module. prefix); DTensor shards under FSDP."""
+    if fsdp.is_sharded(model):
+        return fsdp.sharded_state(unwrap(model), optimizer)
+    return {"model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict()}
+
+
+def load_training_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    if fsdp.is_sharded(model):
+        fsdp.load_sharded_state(unwrap(model), optimizer, state)
+    else:
+        unwrap(model).load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+
+
+def full_model_state(model: nn.Module) -> dict:
+    """What model.pt holds: the whole plain state_dict, the same keys and shapes under either strategy. A collective
+    under FSDP (every rank calls it; rank 0 gets the gathered weights, the others {})."""
+    return fsdp.full_model_state(unwrap(model)) if fsdp.is_sharded(model) else unwrap(model).state_dict()
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> int:
+    """Bytes of parameters, gradients and optimizer state this rank holds on `device` (local shards of DTensors).
+    Gradients are counted as one per trainable parameter, same shard and dtype: they live from each backward to
+    zero_grad, so at the peak of every step."""
+    def on_device(tensor: torch.Tensor) -> int:
+        part = local_tensor(tensor)
+        return part.numel() * part.element_size() if _same_device(part, device) else 0
+
+    params = list(model.parameters())
+    total = sum(on_device(p) for p in params) + sum(on_device(p) for p in params if p.requires_grad)
+    return total + sum(on_device(value) for state in optimizer.state.values() for value in state.values()
+                       if isinstance(value, torch.Tensor))
+
+
+def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer, runtime: Runtime) -> dict:
+    """state_bytes_per_rank and peak_memory_bytes (None where the device has no allocator statistics): the largest
+    over ranks. A collective."""
+    peak = runtime.peak_memory_bytes()
+    stats = torch.tensor([state_bytes(model, optimizer, runtime.device), peak or 0], device=runtime.device)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    largest_state, largest_peak = stats.tolist()
+    return {"state_bytes_per_rank": largest_state, "peak_memory_bytes": largest_peak if peak is not None else None}
 

@@ -118,6 +118,16 @@ class Runtime:
         if self.device.type == "cuda" and state is not None:
             torch.cuda.set_rng_state(state.cpu(), self.device)
 
+    def peak_memory_bytes(self) -> int | None:
+        """The most device memory this worker's tensors held at once (CUDA's caching allocator); None on the CPU."""
+        return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+
+    def new_cpu_group(self) -> dist.ProcessGroup:
+        """A gloo group of all ranks, for collectives that run on a background thread (asynchronous checkpoint
+        writes) beside the training's own: two threads sharing one group would interleave their collectives.
+        Every rank must call it, in the same order."""
+        return dist.new_group(backend="gloo")
+
     def device_name(self) -> str:
         """The accelerator's marketing name ('NVIDIA H100 80GB HBM3'), or the CPU's; keys the peak FLOP/s table."""
         return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else cpu_name()

@@ -16,13 +16,14 @@ import torch.nn as nn
 
 from distrib.agreement import RankAgreement
 from distrib.checkpoint import Checkpointer
+from distrib.checkpoint_sharded import ShardedCheckpointer
 from distrib.config import TrainConfig
 from distrib.data import BatchPlan, epoch_steps
 from distrib.errors import UserError
 from distrib.evaluation import autocast, evaluate
 from distrib.losses import Loss
 from distrib.metrics import Recorder
-from distrib.parallel import explain_device_errors, grad_sync, unwrap
+from distrib.parallel import explain_device_errors, grad_sync, load_training_state, local_tensor, training_state
 from distrib.preempt import Preempted
 from distrib.throughput import Throughput
 
@@ -74,14 +75,13 @@ class TrainState:
     def state_dict(self, global_batch_size: int) -> dict:
         """Everything but the RNGs (gathered from every rank by the Checkpointer); no module. prefixes."""
         p = self.progress
-        return {"model": unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict(),
+        return {**training_state(self.model, self.optimizer),  # under FSDP: this rank's shards (DTensors)
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "progress": {"step": p.step, "epoch": p.epoch, "step_in_epoch": p.step_in_epoch,
                              "samples_in_epoch": p.step_in_epoch * global_batch_size}}
 
     def load_state_dict(self, state: dict, global_batch_size: int) -> None:
-        unwrap(self.model).load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_training_state(self.model, self.optimizer, state)
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         saved = state["progress"]
@@ -110,7 +110,7 @@ class Trainer:
     recorder: Recorder
     meter: Throughput
     agreement: RankAgreement
-    checkpointer: Checkpointer | None  # None: no checkpoints
+    checkpointer: Checkpointer | ShardedCheckpointer | None  # None: no checkpoints
     on_step_end: Callable[[int], None] | None = None  # called with the step after each step's bookkeeping
 
     def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -128,8 +128,9 @@ class Trainer:
     def _check_finite(self, step: int) -> None:
         every = self.config.finite_check_every
         if every and step % every == 0 and self.config.precision != "fp16":  # fp16's GradScaler skips such steps
-            # After DDP's all-reduce the gradients are the same on every rank, so all ranks decide alike.
-            self.agreement.check_finite([p.grad for group in self.state.optimizer.param_groups
+            # After DDP's all-reduce the gradients are the same on every rank; under FSDP each rank checks its own
+            # shard. Either way the agreement's all-reduce sums the flags, so all ranks stop at the same step.
+            self.agreement.check_finite([local_tensor(p.grad) for group in self.state.optimizer.param_groups
                                          for p in group["params"] if p.grad is not None])
 
     def _micro_step(self, inputs: torch.Tensor, targets: torch.Tensor, sync: bool, num_micro_steps: int):

@@ -16,7 +16,8 @@ import torch
 import torch.nn as nn
 
 from distrib.agreement import RankAgreement
-from distrib.checkpoint import Checkpointer, check_compatible, load_for_resume, save_atomic, set_rng_state
+from distrib.checkpoint import Checkpointer, check_compatible, save_atomic, set_rng_state
+from distrib.checkpoint_sharded import ShardedCheckpointer, committing, make_checkpointer
 from distrib.config import Config, to_dict, write_resolved
 from distrib.data import Data, DataInfo, load_data, make_plan
 from distrib.evaluation import evaluate
@@ -24,7 +25,7 @@ from distrib.factory import accepted, call_factory
 from distrib.losses import Loss, LossFn, build_loss
 from distrib.metrics import Recorder
 from distrib.models import batchnorm_layers, build_model, data_kwargs
-from distrib.parallel import parallelize, place_model, sync_batchnorm, unwrap
+from distrib.parallel import full_model_state, memory_report, parallelize, place_model, sync_batchnorm
 from distrib.preempt import parse_signals, stop_on_signals
 from distrib.preflight import dry_batch
 from distrib.runtime import LaunchEnv, Runtime, collective_timeouts, open_runtime
@@ -47,19 +48,19 @@ def _total_steps(config: Config, steps_per_epoch: int) -> int:
 
 
 def _checkpointer(config: Config, runtime: Runtime, state: TrainState, global_batch_size: int,
-                  info: DataInfo) -> Checkpointer:
+                  info: DataInfo) -> Checkpointer | ShardedCheckpointer:
     ckpt = config.checkpoint
     directory = Path(ckpt.dir or Path(config.run.dir) / "checkpoints")
-    return Checkpointer(directory, ckpt.every_steps, ckpt.keep_last, runtime,
-                        lambda: {**state.state_dict(global_batch_size), "config": to_dict(config),
-                                 "world_size": runtime.world_size, "data_seed": config.train.seed,
-                                 "global_batch_size": global_batch_size, "data": info.to_dict()})
+    return make_checkpointer(ckpt, config.dist.strategy, directory, runtime,
+                             lambda: {**state.state_dict(global_batch_size), "config": to_dict(config),
+                                      "world_size": runtime.world_size, "data_seed": config.train.seed,
+                                      "global_batch_size": global_batch_size, "data": info.to_dict()})
 
 
-def _resume(state: TrainState, config: Config, runtime: Runtime, checkpointer: Checkpointer,
+def _resume(state: TrainState, config: Config, runtime: Runtime, checkpointer: Checkpointer | ShardedCheckpointer,
             global_batch_size: int, notes: list[str]) -> int | None:
     """Loads the checkpoint that rank 0 chose into the state; the resumed step, or None for a fresh start."""
-    loaded = load_for_resume(config.checkpoint.resume, checkpointer.directory, runtime, notes.append)
+    loaded = checkpointer.load(config.checkpoint.resume, notes.append)
     if loaded is None:
         return None
     changed = check_compatible(config.checkpoint.resume, loaded["config"], to_dict(config),
@@ -107,7 +108,9 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
     inputs, targets = dry_batch(placed, data.train, data.info, runtime.device)
     meter = meter_for(config, runtime)
     meter.flops_per_sample = count_flops_per_sample(placed, inputs, targets)
-    state = new_state(parallelize(placed, runtime, config.speed), config.train, total_steps, runtime.device)
+    # Placed before sharding (in _model), so the device-mismatch listing sees the whole model.
+    state = new_state(parallelize(placed, runtime, config.speed, config.dist, config.train.precision), config.train,
+                      total_steps, runtime.device)
     checkpointer = _checkpointer(config, runtime, state, plan.global_batch_size, data.info)
     resumed_from = _resume(state, config, runtime, checkpointer, plan.global_batch_size, notes)
     recorder = Recorder(Path(config.run.dir), runtime.is_main, config.run.progress, config.metrics.tensorboard)
@@ -120,7 +123,8 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
                   f"{config.train.grad_accum_steps} micro-steps x {plan.micro_batch_size}), "
                   f"{type(data.train).__name__}")
     with stop_on_signals(parse_signals(config.checkpoint.signals)) as stop, \
-            collective_timeouts(config.dist.timeout_s, lambda: f"after step {state.progress.step}"):
+            collective_timeouts(config.dist.timeout_s, lambda: f"after step {state.progress.step}"), \
+            committing(checkpointer):
         agreement = RankAgreement(stop, runtime.device, runtime.world_size, synced_at=state.progress.step)
         evaluator = _evaluator(config, runtime, data, loss)
         trainer = Trainer(state, loss, config.train, runtime.device, plan, total_steps, evaluator, recorder, meter,
@@ -137,12 +141,24 @@ def _evaluator(config: Config, runtime: Runtime, data: Data, loss: Loss) -> Call
     return evaluate_model
 
 
+def _memory(config: Config, runtime: Runtime, state: TrainState, recorder: Recorder) -> dict:
+    """state_bytes_per_rank (and peak_memory_bytes on CUDA), the fullest rank's, into the log. A collective."""
+    memory = memory_report(state.model, state.optimizer, runtime)
+    peak = memory["peak_memory_bytes"]
+    recorder.info(f"parameters + gradients + optimizer state: {memory['state_bytes_per_rank'] / 2**20:.1f} MiB on "
+                  f"the fullest rank ({config.dist.strategy})"
+                  + (f"; peak device memory {peak / 2**20:.1f} MiB" if peak else ""))
+    return memory
+
+
 def _finish(config: Config, runtime: Runtime, data: Data, state: TrainState, metrics: dict, meter, recorder,
             resumed_from: int | None, start: float, from_config: bool) -> dict:
     """model.pt (and model.json, which says how to rebuild a config's model), summary.json, the last log line."""
     run_dir = Path(config.run.dir)
+    weights = full_model_state(state.model)  # every rank: under fsdp this gathers the shards onto rank 0
+    memory = _memory(config, runtime, state, recorder)
     if runtime.is_main:
-        save_atomic(unwrap(state.model).state_dict(), run_dir / "model.pt")
+        save_atomic(weights, run_dir / "model.pt")
         if from_config:  # a model given to distrib.fit in Python has no factory that model.json could name
             from distrib.inference import write_model_card
 
@@ -151,7 +167,7 @@ def _finish(config: Config, runtime: Runtime, data: Data, state: TrainState, met
     summary = {"world_size": runtime.world_size, "device": str(runtime.device), "backend": runtime.backend,
                "steps": state.progress.step, "epochs": state.progress.epoch, **metrics,
                "resumed_from_step": resumed_from, "restart_count": runtime.restart_count,
-               **meter.summary(), "elapsed_seconds": elapsed, "data": data.info.to_dict()}
+               **meter.summary(), **memory, "elapsed_seconds": elapsed, "data": data.info.to_dict()}
     recorder.write_summary(summary)
     recorder.info(f"done in {elapsed:.1f}s: test accuracy {100 * metrics['test_accuracy']:.2f}%, "
                   f"summary in {run_dir / 'summary.json'}")

@@ -1,5 +1,6 @@
 """The GPU check behind scripts/gpu_check.sh: DDP equivalence at world size 1 against a plain model (NCCL on a GPU),
-the device-mismatch listing, and the seed Network's throughput at several global batches; prints one table.
+FSDP2 against DDP, the device-mismatch listing, and the seed Network's throughput at several global batches (DDP,
+and FSDP2 with the bf16 mixed-precision policy); prints one table.
 
     python scripts/gpu_check.py --device cuda [--json gpu_check.json]      (what gpu_check.sh runs)
     python scripts/gpu_check.py --device cpu --quick                        (a smoke test of the same code on gloo)
@@ -24,6 +25,7 @@ MODES = {  # label -> --set overrides; compile last: its warm-up is the slowest 
     "fp32": ["train.precision=fp32"],
     "bf16": ["train.precision=bf16"],
     "bf16 dataloader": ["train.precision=bf16", "data.loader=dataloader"],  # the data path's cost on this device
+    "fsdp bf16": ["train.precision=bf16", "dist.strategy=fsdp"],  # FSDP2: bf16 parameters, fp32 gradient reduction
     "bf16+compile": ["train.precision=bf16", "speed.compile=true"],
 }
 
@@ -74,6 +76,31 @@ def check_equivalence(runtime, steps: int) -> dict:
     diff = max(((plain[k] - ddp[k]).abs().max() / plain[k].abs().max().clamp_min(1e-12)).item() for k in plain)
     return {"check": f"DDP ({runtime.backend}, world size 1) = plain model, {steps} steps", "ok": diff <= 1e-6,
             "detail": "bitwise equal" if diff == 0 else f"max relative difference {diff:.2e}"}
+
+
+def check_fsdp(runtime, steps: int, run_dir: Path) -> dict:
+    """FSDP2 (fully_shard on this backend) trains the same weights as DDP through distrib's own path, fp32."""
+    import torch
+
+    from distrib.config import load_config
+    from distrib.worker import train_on
+
+    weights = {}
+    for strategy in ("ddp", "fsdp"):
+        overrides = ["data.name=synthetic", "data.synthetic_train_size=2048", "data.synthetic_test_size=100",
+                     "train.global_batch_size=64", "train.epochs=0", f"train.max_steps={steps}", "run.progress=false",
+                     f"run.dir={run_dir / strategy}", "checkpoint.every_steps=0", "checkpoint.resume=never",
+                     f"dist.device={runtime.device.type}", f"dist.strategy={strategy}"]
+        with contextlib.redirect_stderr(io.StringIO()):
+            train_on(load_config(None, overrides), runtime)
+        weights[strategy] = torch.load(run_dir / strategy / "model.pt", weights_only=True, map_location="cpu")
+    ddp, fsdp = weights["ddp"], weights["fsdp"]
+    same_keys = list(ddp) == list(fsdp) and all(ddp[k].shape == fsdp[k].shape for k in ddp)
+    diff = max(((ddp[k] - fsdp[k]).abs().max() / ddp[k].abs().max().clamp_min(1e-12)).item() for k in ddp)
+    return {"check": f"FSDP2 ({runtime.backend}, world size {runtime.world_size}) = DDP, {steps} steps, model.pt",
+            "ok": same_keys and diff <= 1e-5,
+            "detail": ("same keys and shapes; " if same_keys else "keys or shapes differ; ")
+            + ("bitwise equal" if diff == 0 else f"max relative difference {diff:.2e}")}
 
 
 def check_mismatch(runtime) -> list[dict]:
@@ -154,7 +181,8 @@ def run_all(args) -> tuple[list[dict], list[dict]]:
     deadline = time.monotonic() + args.budget_s
     with open_runtime(DistConfig(device=args.device, timeout_s=600)) as runtime, \
             tempfile.TemporaryDirectory() as tmp:
-        checks += [check_equivalence(runtime, args.equivalence_steps), *check_mismatch(runtime)]
+        checks += [check_equivalence(runtime, args.equivalence_steps), *check_mismatch(runtime),
+                   check_fsdp(runtime, args.equivalence_steps, Path(tmp) / "fsdp_check")]
         args.device_name = runtime.device_name()
         for mode in args.modes:
             for batch in args.batches:
@@ -195,7 +223,7 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     args.batches, args.modes = (512, 1024, 4096), list(MODES)
     if args.quick:
-        args.batches, args.modes = (64, 128), ["fp32", "bf16", "bf16 dataloader"]
+        args.batches, args.modes = (64, 128), ["fp32", "bf16", "bf16 dataloader", "fsdp bf16"]
         args.steps, args.skip, args.equivalence_steps = 8, 2, 3
     return args
 

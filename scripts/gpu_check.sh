@@ -2,8 +2,10 @@
 # The GPU check, one prepared run of under 5 minutes on a machine with a CUDA GPU; prints one table:
 #   - DDP over NCCL at world size 1 takes bitwise the same steps as the plain model,
 #   - the device-mismatch errors name the culprit on CUDA (a pinned buffer, a tensor made in forward()),
-#   - throughput of the seed Network at global batch 512, 1024, 4096: fp32, bf16, bf16 + torch.compile, and bf16
-#     through the DataLoader (the device-resident data path's gain on this GPU); samples/s, step time, MFU.
+#   - FSDP2 (fully_shard over NCCL) trains the same weights as DDP, and its model.pt has the same keys and shapes,
+#   - throughput of the seed Network at global batch 512, 1024, 4096: fp32, bf16, bf16 + torch.compile, bf16
+#     through the DataLoader (the device-resident data path's gain on this GPU), and fsdp with the bf16
+#     mixed-precision policy (bf16 parameters, fp32 gradient reduction); samples/s, step time, MFU.
 # From the repository root, installing nothing (torch >= 2.10 is all it needs; the GPU image has 2.11):
 #   bash scripts/gpu_check.sh [--json gpu_check.json] [--budget-s 240]
 set -euo pipefail

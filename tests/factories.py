@@ -45,3 +45,19 @@ def forward_makes_meta():
 
 def not_a_module():
     return "not a model"
+
+
+class _NanGradInOneShard(Network):
+    """A finite forward whose gradient is NaN in the second element of `probe` only: d/dp sqrt(p - p) = inf - inf.
+    Under fsdp at world size 2, rank 1 holds that element and rank 0 the finite one."""
+
+    def __init__(self):
+        super().__init__()
+        self.probe = nn.Parameter(torch.ones(2))
+
+    def forward(self, t):
+        return super().forward(t) + torch.sqrt(self.probe[1] - self.probe[1])
+
+
+def nan_grad_in_one_shard():
+    return _NanGradInOneShard()

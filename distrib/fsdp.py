@@ -1,0 +1,105 @@
+"""The fsdp strategy (FSDP2): fully_shard on each block then the root, its mixed-precision and offload policies,
+and the state dicts of a sharded model (sharded for checkpoints, gathered on rank 0 for model.pt).
+
+Blocks (dist.shard_modules) are also what speed.activation_checkpointing recomputes, under either strategy."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint
+
+from distrib.config import DistConfig
+from distrib.errors import ConfigError
+from distrib.runtime import Runtime
+
+# auto: a child (looking inside ModuleList / ModuleDict / Sequential containers) holding at least this share of the
+# model's parameters is a block; so the layers of a model up to 64 layers deep each become one.
+AUTO_MIN_SHARE = 1 / 64
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+def _num_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _auto_blocks(module: nn.Module, threshold: int) -> list[nn.Module]:
+    found = []
+    for child in module.children():
+        if isinstance(child, _CONTAINERS):
+            found += _auto_blocks(child, threshold)
+        elif _num_params(child) >= threshold:
+            found.append(child)
+    return found
+
+
+def find_blocks(model: nn.Module, spec: str | tuple[str, ...]) -> list[nn.Module]:
+    """The modules dist.shard_modules names, innermost first (fully_shard goes bottom-up); never the root."""
+    if spec == "auto":
+        return _auto_blocks(model, max(1, int(_num_params(model) * AUTO_MIN_SHARE)))
+    names = (spec,) if isinstance(spec, str) else spec
+    found = [m for m in reversed(list(model.modules())) if m is not model and type(m).__name__ in names]
+    if not found:
+        classes = sorted({type(m).__name__ for m in model.modules() if m is not model})
+        raise ConfigError(f"dist.shard_modules = {spec!r}: no module of the model has that class; "
+                          f"its classes are {', '.join(classes)}; name some of them or use auto")
+    return found
+
+
+def _checkpointed(forward, *args, **kwargs):
+    # Non-reentrant: works with FSDP's hooks and with inputs that do not require grad.
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def checkpoint_activations(model: nn.Module, spec: str | tuple[str, ...]) -> int:
+    """Each block keeps only its inputs in forward and recomputes the rest in backward; the module tree and the
+    state_dict keys stay as they were (the forward is wrapped in place). Returns the number of blocks."""
+    blocks = find_blocks(model, spec)
+    for block in blocks:
+        block.forward = functools.partial(_checkpointed, block.forward)
+    return len(blocks)
+
+
+def shard(model: nn.Module, runtime: Runtime, config: DistConfig, precision: str) -> FSDPModule:
+    """fully_shard on each block, then on the root (which takes the rest). Every rank holds the same initial weights
+    (the worker seeds before building) and keeps its own 1/world_size slice of each: no broadcast is needed."""
+    mesh = init_device_mesh(runtime.device.type, (runtime.world_size,))  # explicit: CPU runs on a GPU host too
+    mixed = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16"
+             else MixedPrecisionPolicy())
+    offload = CPUOffloadPolicy(pin_memory=runtime.pin_memory) if config.cpu_offload else OffloadPolicy()
+    options = dict(mesh=mesh, reshard_after_forward=config.reshard_after_forward, mp_policy=mixed,
+                   offload_policy=offload)
+    for block in find_blocks(model, config.shard_modules):
+        fully_shard(block, **options)
+    return fully_shard(model, **options)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return isinstance(getattr(model, "_orig_mod", model), FSDPModule)
+
+
+def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Model and optimizer state as DTensors holding this rank's shards, keyed by parameter names (no prefixes):
+    what torch.distributed.checkpoint saves, and reshards on load to any world size."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def load_sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def full_model_state(model: nn.Module) -> dict:
+    """The whole model's plain state_dict, gathered shard by shard into host memory on rank 0 ({} on the others).
+    A collective: every rank calls it."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -1,0 +1,31 @@
+"""Saves a 32 MB sharded checkpoint asynchronously (checkpoint.async_save) over and over until killed, each step's
+weights all equal to the step (for the test that a kill during an asynchronous write is never resumed from).
+
+argv: DIR"""
+
+import sys
+
+import torch
+import torch.nn as nn
+
+from distrib.checkpoint_sharded import ShardedCheckpointer
+from distrib.config import DistConfig
+from distrib.fsdp import shard
+from distrib.parallel import training_state
+from distrib.runtime import open_runtime
+
+if __name__ == "__main__":
+    with open_runtime(DistConfig(device="cpu")) as runtime:
+        model = shard(nn.Linear(2048, 2048), runtime, DistConfig(strategy="fsdp"), "fp32")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        progress = {"step": 0}
+        checkpointer = ShardedCheckpointer(sys.argv[1], 1, 2, runtime, async_save=True,
+                                           collect=lambda: {**training_state(model, optimizer),
+                                                            "progress": dict(progress)})
+        while True:
+            progress["step"] += 1
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.fill_(float(progress["step"]))
+            checkpointer.save(progress["step"])
+            print(progress["step"], flush=True)
