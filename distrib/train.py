@@ -15,8 +15,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from distrib.best import BestCheckpoints
 from distrib.config import TrainConfig
 from distrib.data import BatchPlan, epoch_steps, eval_batches
+from distrib.early_stop import EarlyStopping
+from distrib.ema import EMA
 from distrib.errors import UserError
 from distrib.metrics import Recorder
 from distrib.parallel import check_batch, explain_device_errors, grad_sync, unwrap
@@ -104,6 +107,10 @@ class Trainer:
     meter: Throughput = None  # step times, data wait and MFU; see distrib.throughput
     nonfinite: torch.Tensor = None  # accelerators: a device-side flag, set by any finite check since the last sync
     synced_at: int = 0  # the last sync step
+    ema: EMA | None = None  # train.ema_decay > 0: the weights' moving average (distrib.ema)
+    early_stop: EarlyStopping | None = None  # train.early_stop_metric set (distrib.early_stop)
+    best: BestCheckpoints | None = None  # checkpoint.keep_best > 0 (distrib.best)
+    last_eval: tuple[int, dict] | None = None  # (step, metrics) of the latest evaluation
 
     def __post_init__(self):
         if self.scaler is None:
@@ -138,6 +145,8 @@ class Trainer:
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        if self.ema is not None:
+            self.ema.update()
         return loss
 
     def is_log_step(self, step: int) -> bool:
@@ -206,7 +215,13 @@ class Trainer:
         return {"model": unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "progress": {"step": p.step, "epoch": p.epoch, "step_in_epoch": p.step_in_epoch,
-                             "samples_in_epoch": p.step_in_epoch * self.plan.global_batch_size}}
+                             "samples_in_epoch": p.step_in_epoch * self.plan.global_batch_size},
+                **{name: part.state_dict() for name, part in self._watchers().items()}}
+
+    def _watchers(self) -> dict:
+        """The optional parts with state of their own, by the key their state has in a checkpoint."""
+        parts = {"ema": self.ema, "early_stop": self.early_stop, "best": self.best}
+        return {name: part for name, part in parts.items() if part is not None}
 
     def load_state_dict(self, state: dict) -> None:
         unwrap(self.model).load_state_dict(state["model"])
@@ -217,9 +232,37 @@ class Trainer:
         # Position in the epoch by samples, so a changed global batch (forced) lands on the right sample.
         step_in_epoch = saved["samples_in_epoch"] // self.plan.global_batch_size
         self.progress = Progress(saved["step"], saved["epoch"], step_in_epoch)
+        if self.ema is not None:  # a run that turns EMA on when resumed starts the average at the loaded weights
+            self.ema.load_state_dict(state["ema"]) if "ema" in state else self.ema.reset()
+        if self.early_stop is not None and "early_stop" in state:
+            self.early_stop.load_state_dict(state["early_stop"])
+        if self.best is not None and "best" in state:
+            self.best.load_state_dict(state["best"], saved["step"])
 
     def evaluate(self, source, num_samples: int, batch_size: int) -> dict:
-        return evaluate(self.model, source, num_samples, batch_size, self.runtime, self.config.precision)
+        metrics = evaluate(self.model, source, num_samples, batch_size, self.runtime, self.config.precision)
+        if self.ema is not None:  # the averaged weights too, on the same samples
+            with self.ema.swapped_in():
+                averaged = evaluate(self.model, source, num_samples, batch_size, self.runtime, self.config.precision)
+            metrics.update({f"{key}_ema": averaged[key] for key in ("test_loss", "test_accuracy")})
+        return metrics
+
+    def _evaluated(self, metrics: dict) -> dict:
+        """Logs an evaluation, keeps the best checkpoints, and decides on early stopping. The metrics are exact and
+        the same on every rank, so every rank decides alike, with no collective of its own."""
+        step = self.progress.step
+        self.recorder.log_eval(step, self.progress.epoch, metrics)
+        if self.best is not None:
+            self.best.consider(step, metrics)
+        if self.early_stop is not None and not self.early_stop.stopped and self.early_stop.update(step, metrics):
+            self.recorder.info(self.early_stop.reason())
+        self.last_eval = (step, metrics)
+        return metrics
+
+    def stop_reason(self) -> dict:
+        if self.early_stop is not None and self.early_stop.stopped:
+            return {"stop_reason": "early_stop", "stop_detail": self.early_stop.reason()}
+        return {"stop_reason": "completed", "stop_detail": f"trained {self.total_steps} steps"}
 
     def fit(self, train_source, test_source, num_test: int, eval_batch_size: int) -> dict:
         """Trains from self.progress to total_steps; evaluates each eval_every_epochs and at the end."""
@@ -227,7 +270,8 @@ class Trainer:
         bar = rec.progress_bar(self.total_steps, initial=p.step)
         self.synced_at = p.step
         self.meter.restart_clock()
-        while p.step < self.total_steps:
+        stopped = self.early_stop is not None and self.early_stop.stopped  # a resumed run that had stopped early
+        while p.step < self.total_steps and not stopped:
             for micro_batches in epoch_steps(train_source, self.plan, p.epoch, p.step_in_epoch):
                 self.meter.data_ready()  # the time since the previous step ended was spent getting this batch
                 loss = self.step(micro_batches)
@@ -246,11 +290,14 @@ class Trainer:
             if p.step_in_epoch == self.plan.steps_per_epoch:
                 p.epoch, p.step_in_epoch = p.epoch + 1, 0
                 if cfg.eval_every_epochs and p.epoch % cfg.eval_every_epochs == 0 and p.step < self.total_steps:
-                    rec.log_eval(p.step, p.epoch, self.evaluate(test_source, num_test, eval_batch_size))
+                    self._evaluated(self.evaluate(test_source, num_test, eval_batch_size))
                     self.meter.restart_clock()  # keep evaluation out of the step times
+                    stopped = self.early_stop is not None and self.early_stop.stopped
         bar.close()
-        if self.checkpointer and not self.checkpointer.due(p.step):
-            self.checkpointer.save(p.step)  # the final state, so that a later run can extend this one
-        metrics = self.evaluate(test_source, num_test, eval_batch_size)
-        rec.log_eval(p.step, p.epoch, metrics)
-        return {**metrics, "train_loss": rec.last_loss}
+        if self.checkpointer and (not self.checkpointer.due(p.step) or stopped):
+            self.checkpointer.save(p.step)  # the final state (after the stopping evaluation), to extend this run
+        if self.last_eval is not None and self.last_eval[0] == p.step:
+            metrics = self.last_eval[1]  # stopped early right after evaluating these weights
+        else:
+            metrics = self._evaluated(self.evaluate(test_source, num_test, eval_batch_size))
+        return {**metrics, "train_loss": rec.last_loss, **self.stop_reason()}

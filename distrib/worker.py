@@ -13,13 +13,16 @@ from pathlib import Path
 
 import torch
 
+from distrib.best import BestCheckpoints
 from distrib.checkpoint import Checkpointer, check_compatible, load_for_resume, save_atomic, set_rng_state
 from distrib.config import Config, to_dict, write_resolved
 from distrib.data import load_splits, make_batches, make_plan
+from distrib.early_stop import EarlyStopping
+from distrib.ema import EMA
 from distrib.metrics import Recorder
 from distrib.models import build_model
 from distrib.parallel import parallelize, place_model, unwrap
-from distrib.preempt import parse_signals, stop_on_signals
+from distrib.preempt import Preempted, parse_signals, stop_on_signals
 from distrib.runtime import LaunchEnv, Runtime, collective_timeouts, open_runtime
 from distrib.throughput import meter_for
 from distrib.train import Trainer, build_optimizer, build_scheduler
@@ -37,6 +40,12 @@ def _total_steps(config: Config, steps_per_epoch: int) -> int:
     return min(by_epochs, by_steps) if by_epochs and by_steps else by_epochs or by_steps
 
 
+def _early_stopping(train) -> EarlyStopping | None:
+    if not train.early_stop_metric:
+        return None
+    return EarlyStopping(train.early_stop_metric, train.early_stop_patience, train.early_stop_min_delta)
+
+
 def _checkpoint_dir(config: Config) -> Path:
     return Path(config.checkpoint.dir or Path(config.run.dir) / "checkpoints")
 
@@ -45,14 +54,18 @@ def _resume(trainer: Trainer, config: Config, runtime: Runtime, recorder: Record
     """Loads the checkpoint that rank 0 chose into the trainer and arms periodic checkpoints; the resumed step."""
     ckpt = config.checkpoint
     trainer.checkpointer = Checkpointer(_checkpoint_dir(config), ckpt.every_steps, ckpt.keep_last, runtime,
-                                        lambda: {**trainer.state_dict(), "config": to_dict(config),
+                                        lambda: {**trainer.state_dict(), "recorder": recorder.state_dict(),
+                                                 "config": to_dict(config),
                                                  "world_size": runtime.world_size, "data_seed": config.train.seed,
                                                  "global_batch_size": config.train.global_batch_size})
+    if ckpt.keep_best:
+        trainer.best = BestCheckpoints(ckpt.keep_best, ckpt.best_metric, trainer.checkpointer, runtime.is_main)
     state = load_for_resume(ckpt.resume, _checkpoint_dir(config), runtime, recorder.info)
     if state is None:
         return None
     changed = check_compatible(ckpt.resume, state["config"], to_dict(config), ckpt.allow_config_change)
     trainer.load_state_dict(state)
+    recorder.load_state_dict(state.get("recorder", {}))  # the tracker runs to continue
     if state["world_size"] == runtime.world_size:  # per-rank RNG streams only map onto the same ranks
         set_rng_state(state["rng"][runtime.rank], runtime)
     recorder.info(f"resumed at step {trainer.progress.step} (epoch {trainer.progress.epoch}) from a checkpoint "
@@ -64,7 +77,7 @@ def _resume(trainer: Trainer, config: Config, runtime: Runtime, recorder: Record
 def train_on(config: Config, runtime: Runtime) -> dict:
     start = time.perf_counter()
     run_dir = Path(config.run.dir)
-    recorder = Recorder(run_dir, runtime.is_main, config.run.progress, config.metrics.tensorboard)
+    recorder = Recorder(run_dir, runtime.is_main, config.run.progress, metrics=config.metrics)
     if runtime.is_main:
         write_resolved(config, run_dir)
     recorder.info(f"world size {runtime.world_size}, device {runtime.device}, backend {runtime.backend}")
@@ -80,21 +93,32 @@ def train_on(config: Config, runtime: Runtime) -> dict:
     total_steps = _total_steps(config, plan.steps_per_epoch)
     optimizer = build_optimizer(model, config.train)
     trainer = Trainer(model, optimizer, build_scheduler(optimizer, total_steps, config.train), config.train,
-                      runtime, plan, total_steps, recorder, meter=meter_for(config, runtime))
+                      runtime, plan, total_steps, recorder, meter=meter_for(config, runtime),
+                      ema=EMA(unwrap(model), config.train.ema_decay) if config.train.ema_decay else None,
+                      early_stop=_early_stopping(config.train))
     resumed_from = _resume(trainer, config, runtime, recorder)
+    recorder.start(to_dict(config), resumed_from, runtime.restart_count)  # trackers: fail here, not mid-run
     recorder.info(f"{total_steps} steps of {plan.global_batch_size} samples ({runtime.world_size} ranks x "
                   f"{config.train.grad_accum_steps} micro-steps x {plan.micro_batch_size}), "
                   f"{type(train_source).__name__}")
-    with stop_on_signals(parse_signals(config.checkpoint.signals)) as trainer.stop, \
-            collective_timeouts(config.dist.timeout_s, lambda: f"after step {trainer.progress.step}"):
-        metrics = trainer.fit(train_source, test_source, len(test_split), config.data.eval_batch_size)
+    try:
+        with stop_on_signals(parse_signals(config.checkpoint.signals)) as trainer.stop, \
+                collective_timeouts(config.dist.timeout_s, lambda: f"after step {trainer.progress.step}"):
+            metrics = trainer.fit(train_source, test_source, len(test_split), config.data.eval_batch_size)
+    except BaseException as e:
+        recorder.close("preempted" if isinstance(e, Preempted) else "failed")  # the trackers see the run end
+        raise
 
+    ema_state = trainer.ema.full_state_dict() if trainer.ema else None  # every rank: a gather under FSDP
     if runtime.is_main:
         save_atomic(unwrap(model).state_dict(), run_dir / "model.pt")
+        if ema_state is not None:
+            save_atomic(ema_state, run_dir / "model_ema.pt")
     elapsed = time.perf_counter() - start
     summary = {"world_size": runtime.world_size, "device": str(runtime.device), "backend": runtime.backend,
                "steps": trainer.progress.step, "epochs": trainer.progress.epoch, **metrics,
                "resumed_from_step": resumed_from, "restart_count": runtime.restart_count,
+               **({"best_checkpoints": trainer.best.describe()} if trainer.best else {}),
                **trainer.meter.summary(), "elapsed_seconds": elapsed}
     recorder.write_summary(summary)
     recorder.info(f"done in {elapsed:.1f}s: test accuracy {100 * metrics['test_accuracy']:.2f}%, "
