@@ -47,19 +47,23 @@ class BestCheckpoints:
     def state_dict(self) -> dict:
         return {"metric": self.metric, "entries": [dict(entry) for entry in self.entries]}
 
-    def load_state_dict(self, state: dict, resumed_step: int) -> None:
-        """The set as of the checkpoint. A best_*.pt past the resumed step came from the abandoned attempt's future:
-        rank 0 deletes it (if it is still among the best, the run writes it again when it gets there)."""
-        if state.get("metric") == self.metric:  # ranked by another metric before: start a new set
+    def load_state_dict(self, state: dict) -> None:
+        """The set as of the checkpoint; ranked by another metric before, a new set starts."""
+        if state.get("metric") == self.metric:
             self.entries = sorted(state["entries"], key=self._rank)[:self.keep]
-        if self.is_main:
-            kept = {entry["step"] for entry in self.entries}
-            for path in Path(self.checkpointer.directory).glob("best_*.pt"):
-                match = _NAME.match(path.name)
-                if match and int(match.group(1)) > resumed_step and int(match.group(1)) not in kept:
-                    path.unlink(missing_ok=True)
-            for stale in Path(self.checkpointer.directory).glob(".best_*.tmp"):
-                stale.unlink(missing_ok=True)
+
+    def drop_abandoned(self, resumed_step: int) -> None:
+        """After an automatic resume: a best_*.pt past the resumed step that the set does not hold came from the
+        abandoned attempt's future, so rank 0 deletes it (if it is among the best again, the run rewrites it)."""
+        if not self.is_main:
+            return
+        kept = {entry["step"] for entry in self.entries}
+        for path in Path(self.checkpointer.directory).glob("best_*.pt"):
+            match = _NAME.match(path.name)
+            if match and int(match.group(1)) > resumed_step and int(match.group(1)) not in kept:
+                path.unlink(missing_ok=True)
+        for stale in Path(self.checkpointer.directory).glob(".best_*.tmp"):
+            stale.unlink(missing_ok=True)
 
     def describe(self) -> list[dict]:
         return [{**entry, "path": str(best_path(self.checkpointer.directory, entry["step"]))}

@@ -237,7 +237,7 @@ class Trainer:
         if self.early_stop is not None and "early_stop" in state:
             self.early_stop.load_state_dict(state["early_stop"])
         if self.best is not None and "best" in state:
-            self.best.load_state_dict(state["best"], saved["step"])
+            self.best.load_state_dict(state["best"])
 
     def evaluate(self, source, num_samples: int, batch_size: int) -> dict:
         metrics = evaluate(self.model, source, num_samples, batch_size, self.runtime, self.config.precision)

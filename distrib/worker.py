@@ -66,6 +66,8 @@ def _resume(trainer: Trainer, config: Config, runtime: Runtime, recorder: Record
     changed = check_compatible(ckpt.resume, state["config"], to_dict(config), ckpt.allow_config_change)
     trainer.load_state_dict(state)
     recorder.load_state_dict(state.get("recorder", {}))  # the tracker runs to continue
+    if trainer.best and ckpt.resume == "auto":
+        trainer.best.drop_abandoned(trainer.progress.step)
     if state["world_size"] == runtime.world_size:  # per-rank RNG streams only map onto the same ranks
         set_rng_state(state["rng"][runtime.rank], runtime)
     recorder.info(f"resumed at step {trainer.progress.step} (epoch {trainer.progress.epoch}) from a checkpoint "

@@ -45,12 +45,11 @@ class Recorder:
     def start(self, params: dict, resumed_step: int | None = None, restart_count: int = 0) -> None:
         """Opens the loggers on rank 0 (a resumed run continues its tracker runs); every rank calls it and learns
         whether rank 0 failed, so all stop together, with one line, before the first step."""
-        error = None
-        if self.enabled:
+        error = self._open_trackers(params, resumed_step) if self.enabled else None
+        if self.enabled and not error:  # a run that fails here leaves metrics.jsonl as it was
             self._jsonl.open(params, None, resumed_step)
             if resumed_step is not None:
                 self._jsonl.mark_resume(resumed_step, restart_count)
-            error = self._open_trackers(params, resumed_step)
         error = _agree(error)
         if error:
             self.close("failed")
