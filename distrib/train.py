@@ -232,8 +232,10 @@ class Trainer:
         # Position in the epoch by samples, so a changed global batch (forced) lands on the right sample.
         step_in_epoch = saved["samples_in_epoch"] // self.plan.global_batch_size
         self.progress = Progress(saved["step"], saved["epoch"], step_in_epoch)
-        if self.ema is not None:  # a run that turns EMA on when resumed starts the average at the loaded weights
-            self.ema.load_state_dict(state["ema"]) if "ema" in state else self.ema.reset()
+        if self.ema is not None and "ema" in state:
+            self.ema.load_state_dict(state["ema"])
+        elif self.ema is not None:  # a run that turns EMA on when resumed starts the average at the loaded weights
+            self.ema.reset()
         if self.early_stop is not None and "early_stop" in state:
             self.early_stop.load_state_dict(state["early_stop"])
         if self.best is not None and "best" in state:
