@@ -24,6 +24,9 @@ def _train(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.set)  # fail on a bad config before starting any worker
     if args.nproc_per_node is not None:
         from distrib.launcher import launch_trainer
+        from distrib.metrics import require_loggers
+
+        require_loggers(config.metrics)  # a missing tracker package: one line here, not one per worker
 
         return launch_trainer(args.nproc_per_node, args.argv)
     from torch.distributed.elastic.multiprocessing.errors import record

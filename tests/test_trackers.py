@@ -3,6 +3,7 @@ and MLflow (a file store), each once; the resumed run continues the same tracker
 missing login is one line and exit 2 before training, or a warning where metrics.logger_errors = warn."""
 
 import json
+import os
 import sys
 
 import pytest
@@ -122,6 +123,18 @@ def test_a_missing_tracker_package_is_one_line_and_exit_2_before_training(tmp_pa
     assert code == 2 and err.count("\n") == 1 and err.startswith("distrib: error: "), err
     assert f"pip install '{extra}'" in err
     assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("name, package", [("wandb", "wandb"), ("mlflow", "mlflow"), ("tensorboard", "tensorboard")])
+def test_a_missing_tracker_package_stops_the_launch_before_any_worker(tmp_path, name, package):
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / f"{package}.py").write_text(f'raise ImportError("No module named {package}")\n')  # as if not installed
+    result = distrib("train", "--nproc-per-node", "2", *_args(f"run.dir={tmp_path}/run", f'metrics.loggers=["{name}"]'),
+                     env={"PYTHONPATH": f"{shim}{os.pathsep}{REPO}"}, timeout=60)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("distrib: error: ") and f"pip install 'distrib[{name}]'" in result.stderr
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.timeout(120)

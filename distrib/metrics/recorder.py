@@ -140,6 +140,12 @@ def logger_names(metrics, tensorboard: bool = False) -> list[str]:
     return names
 
 
+def require_loggers(metrics) -> None:
+    """Imports every optional logger's package that `metrics` names; the one-line error of the first missing."""
+    for name in logger_names(metrics):
+        importlib.import_module(TRACKERS[name][0]).require()
+
+
 def _check_installed(name: str) -> None:
     module, _, package = TRACKERS[name]
     try:
