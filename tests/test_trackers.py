@@ -7,7 +7,7 @@ import os
 import sys
 
 import pytest
-from support import REPO, assert_ok, distrib, torchrun_train
+from support import REPO, assert_ok, distrib, free_port, torchrun_train
 from wandb_records import read_run
 
 from distrib import cli
@@ -154,3 +154,16 @@ def test_no_wandb_login_fails_at_start_or_warns_and_trains_on(tmp_path, capsys, 
     assert "warning: metrics.loggers includes wandb" in err and "continuing without wandb" in err
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["resumed_from_step"] is None
+
+
+@pytest.mark.timeout(120)
+def test_an_unreachable_mlflow_server_is_one_line_and_exit_2_before_training(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # MLflow's own retries would take minutes
+    uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    code = cli.main(["train", *_args(f"run.dir={tmp_path}", 'metrics.loggers=["mlflow"]', f"metrics.mlflow_uri={uri}",
+                                     "train.max_steps=4")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith(f"distrib: error: metrics.loggers includes mlflow: MLflow did not start "
+                                            f"a run at {uri} ("), err
+    assert "check metrics.mlflow_uri and that the server is up" in err[-1]
+    assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "summary.json").exists()
