@@ -18,9 +18,9 @@ def best_path(directory: Path, step: int) -> Path:
 
 
 class BestCheckpoints:
-    def __init__(self, keep: int, metric: str, checkpointer, is_main: bool):
+    def __init__(self, keep: int, metric: str, directory: Path, is_main: bool):
         self.keep, self.metric = keep, metric
-        self.checkpointer, self.is_main = checkpointer, is_main
+        self.directory, self.is_main = Path(directory), is_main
         self.entries: list[dict] = []  # {"step", "value"}, best first
 
     def _rank(self, entry: dict) -> tuple:
@@ -28,8 +28,9 @@ class BestCheckpoints:
         sign = 1.0 if "loss" in self.metric else -1.0
         return sign * entry["value"], entry["step"]
 
-    def consider(self, step: int, metrics: dict) -> Path | None:
-        """Saves a best_STEP.pt if this evaluation is among the k best, and drops the one it pushes out."""
+    def consider(self, step: int, metrics: dict, checkpointer) -> Path | None:
+        """Saves a best_STEP.pt with `checkpointer` (every rank calls it) if this evaluation is among the k best, and
+        deletes the one it pushes out."""
         value = metrics[self.metric]
         if any(entry["step"] == step for entry in self.entries):
             return None  # this step is kept already (its evaluation redone after a restart)
@@ -37,11 +38,10 @@ class BestCheckpoints:
         if {"step": step, "value": value} not in entries[:self.keep]:
             return None
         self.entries, dropped = entries[:self.keep], entries[self.keep:]
-        directory = Path(self.checkpointer.directory)
-        path = self.checkpointer.save(step, best_path(directory, step))
+        path = checkpointer.save(step, best_path(self.directory, step))
         if self.is_main:  # only after the new one is safely in place
             for entry in dropped:
-                best_path(directory, entry["step"]).unlink(missing_ok=True)
+                best_path(self.directory, entry["step"]).unlink(missing_ok=True)
         return path
 
     def state_dict(self) -> dict:
@@ -58,13 +58,13 @@ class BestCheckpoints:
         if not self.is_main:
             return
         kept = {entry["step"] for entry in self.entries}
-        for path in Path(self.checkpointer.directory).glob("best_*.pt"):
+        for path in self.directory.glob("best_*.pt"):
             match = _NAME.match(path.name)
             if match and int(match.group(1)) > resumed_step and int(match.group(1)) not in kept:
                 path.unlink(missing_ok=True)
-        for stale in Path(self.checkpointer.directory).glob(".best_*.tmp"):
+        for stale in self.directory.glob(".best_*.tmp"):
             stale.unlink(missing_ok=True)
 
     def describe(self) -> list[dict]:
-        return [{**entry, "path": str(best_path(self.checkpointer.directory, entry["step"]))}
+        return [{**entry, "path": str(best_path(self.directory, entry["step"]))}
                 for entry in self.entries]

@@ -255,7 +255,7 @@ class Trainer:
         step = self.progress.step
         self.recorder.log_eval(step, self.progress.epoch, metrics)
         if self.best is not None:
-            self.best.consider(step, metrics)
+            self.best.consider(step, metrics, self.checkpointer)
         if self.early_stop is not None and not self.early_stop.stopped and self.early_stop.update(step, metrics):
             self.recorder.info(self.early_stop.reason())
         self.last_eval = (step, metrics)

@@ -59,7 +59,7 @@ def _resume(trainer: Trainer, config: Config, runtime: Runtime, recorder: Record
                                                  "world_size": runtime.world_size, "data_seed": config.train.seed,
                                                  "global_batch_size": config.train.global_batch_size})
     if ckpt.keep_best:
-        trainer.best = BestCheckpoints(ckpt.keep_best, ckpt.best_metric, trainer.checkpointer, runtime.is_main)
+        trainer.best = BestCheckpoints(ckpt.keep_best, ckpt.best_metric, _checkpoint_dir(config), runtime.is_main)
     state = load_for_resume(ckpt.resume, _checkpoint_dir(config), runtime, recorder.info)
     if state is None:
         return None

@@ -178,9 +178,6 @@ def test_bad_settings_are_one_line_naming_the_key(overrides, message):
 
 
 class _FakeCheckpointer:
-    def __init__(self, directory: Path):
-        self.directory = directory
-
     def save(self, step: int, path: Path) -> Path:
         path.write_text(str(step))
         return path
@@ -189,15 +186,15 @@ class _FakeCheckpointer:
 def test_best_set_keeps_the_k_best_and_an_automatic_resume_drops_the_abandoned_future(tmp_path):
     from distrib.best import BestCheckpoints
 
-    best = BestCheckpoints(2, "test_accuracy", _FakeCheckpointer(tmp_path), is_main=True)
+    best = BestCheckpoints(2, "test_accuracy", tmp_path, is_main=True)
     for step, accuracy in ((4, 0.5), (8, 0.7), (12, 0.6), (16, 0.6), (20, 0.4)):
-        best.consider(step, {"test_accuracy": accuracy})
+        best.consider(step, {"test_accuracy": accuracy}, _FakeCheckpointer())
     assert [e["step"] for e in best.entries] == [8, 12]  # 16 ties with 12: the earlier stays
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best_00000008.pt", "best_00000012.pt"]
     saved = best.state_dict()
 
     (tmp_path / "best_00000024.pt").write_text("from the killed attempt, past its last checkpoint")
-    restarted = BestCheckpoints(2, "test_accuracy", _FakeCheckpointer(tmp_path), is_main=True)
+    restarted = BestCheckpoints(2, "test_accuracy", tmp_path, is_main=True)
     restarted.load_state_dict(saved)
     restarted.drop_abandoned(resumed_step=20)
     assert restarted.entries == best.entries
