@@ -25,14 +25,15 @@ TRACKERS = {"tensorboard": ("distrib.metrics.tensorboard", "TensorBoardLogger", 
 
 class Recorder:
     def __init__(self, run_dir: Path, enabled: bool, show_progress: bool | str = True, tensorboard: bool = False,
-                 metrics=None):
+                 metrics=None, run_ids: dict | None = None):
         self.run_dir = Path(run_dir)
         self.enabled = enabled
         # auto: a bar only on a terminal; a log file gets plain lines and no carriage returns.
         self.show_progress = enabled and (show_progress is True or show_progress == "auto" and sys.stderr.isatty())
         self.last_loss = float("nan")
         self.warn_only = metrics is not None and metrics.logger_errors == "warn"
-        self.run_ids: dict[str, str] = {}  # tracker name -> its run id, kept in checkpoints to continue the run
+        # Tracker name -> its run id, kept in checkpoints to continue the run; a caller's dict is filled in place.
+        self.run_ids: dict[str, str] = {} if run_ids is None else run_ids
         names = logger_names(metrics, tensorboard)
         for name in names:  # every rank checks, so all fail alike and before training
             _check_installed(name)
@@ -74,7 +75,7 @@ class Recorder:
         return {"run_ids": dict(self.run_ids)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.run_ids = dict(state.get("run_ids", {}))
+        self.run_ids.update(state.get("run_ids", {}))
 
     def info(self, message: str) -> None:
         if self.enabled:
