@@ -22,11 +22,11 @@ def _train(args: argparse.Namespace) -> int:
     from distrib.config import load_config
 
     config = load_config(args.config, args.set)  # fail on a bad config before starting any worker
+    from distrib.metrics import require_loggers
+
+    require_loggers(config.metrics)  # a missing tracker package: one line here, not one per worker
     if args.nproc_per_node is not None:
         from distrib.launcher import launch_trainer
-        from distrib.metrics import require_loggers
-
-        require_loggers(config.metrics)  # a missing tracker package: one line here, not one per worker
 
         return launch_trainer(args.nproc_per_node, args.argv)
     from torch.distributed.elastic.multiprocessing.errors import record
