@@ -212,3 +212,34 @@ def test_readers_see_one_history_after_restarts():
     history = last_attempt(records)
     assert [(r["step"], r.get("loss", r.get("test_loss"))) for r in history if "event" not in r] == [
         (2, 3.0), (4, 2.0), (4, 2.5), (6, 1.8)]
+
+
+@pytest.mark.timeout(120)
+def test_ema_works_on_fsdp_sharded_parameters():
+    """FSDP2 (issue 11) makes the parameters DTensors: EMA lerps each rank's shard and gathers only for model_ema.pt."""
+    from torch.distributed.fsdp import fully_shard
+
+    from distrib.config import DistConfig
+    from distrib.ema import EMA
+    from distrib.models import Network
+    from distrib.runtime import open_runtime
+
+    with open_runtime(DistConfig(device="cpu")) as runtime:
+        assert runtime.world_size == 1
+        torch.manual_seed(0)
+        model = Network()
+        fully_shard(model)
+        assert all(hasattr(p, "to_local") for p in model.parameters())  # DTensors
+        ema = EMA(model, 0.5)
+        before = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.randn(4, 1, 28, 28)).sum().backward()
+        optimizer.step()
+        ema.update()
+        after = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+        averaged = ema.full_state_dict()
+        for key in averaged:
+            assert torch.allclose(averaged[key], 0.5 * before[key] + 0.5 * after[key], rtol=0, atol=1e-6), key
+        with ema.swapped_in():
+            assert all(torch.equal(v.full_tensor(), averaged[k]) for k, v in model.state_dict().items())
+        assert all(torch.equal(v.full_tensor(), after[k]) for k, v in model.state_dict().items())  # restored
