@@ -29,12 +29,12 @@ class EMA:
         with torch.no_grad():
             self._live = [_local(t.detach()) for t in live.values()]
             self.shadow = {name: t.detach().clone() for name, t in live.items()}
+            self._average = [_local(self.shadow[name]) for name in self.names]  # ours: only ever written in place
         self._averaged = [i for i, t in enumerate(self._live) if t.is_floating_point()]
         self._copied = [i for i, t in enumerate(self._live) if not t.is_floating_point()]
 
     def _pairs(self, indices):
-        shadow = [_local(self.shadow[name]) for name in self.names]
-        return [shadow[i] for i in indices], [self._live[i] for i in indices]
+        return [self._average[i] for i in indices], [self._live[i] for i in indices]
 
     @torch.no_grad()
     def update(self) -> None:
