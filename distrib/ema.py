@@ -11,6 +11,8 @@ import contextlib
 import torch
 import torch.nn as nn
 
+from distrib.errors import UserError
+
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's shard on this rank, or the tensor itself; shares storage with it."""
@@ -56,7 +58,8 @@ class EMA:
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         if set(state) != set(self.names):
-            raise KeyError(f"EMA state and model differ in {sorted(set(state) ^ set(self.names))[:5]}")
+            raise UserError(f"the checkpoint's EMA weights do not fit the model (they differ in "
+                            f"{sorted(set(state) ^ set(self.names))[:3]}); resume the model they were taken from")
         for name in self.names:
             _local(self.shadow[name]).copy_(_local(state[name]))
 
