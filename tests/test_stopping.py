@@ -12,6 +12,7 @@ from support import REPO, assert_ok, torchrun_train
 
 from distrib.checkpoint import read_checkpoint
 from distrib.config import load_config
+from distrib.inference import load_trained
 from distrib.metrics import Recorder
 from distrib.parallel import unwrap
 from distrib.plot import make_figure, read_records
@@ -109,8 +110,11 @@ def _assert_best_kept(run_dir: Path) -> None:
     assert _names(run_dir, "best_*.pt") == [f"best_{step:08d}.pt" for step in sorted(best)]
     assert _names(run_dir, "step_*.pt") == ["step_00000009.pt", "step_00000012.pt"]  # keep_last = 2
     for step in best:
-        state = read_checkpoint(run_dir / "checkpoints" / f"best_{step:08d}.pt", torch.device("cpu"))
+        path = run_dir / "checkpoints" / f"best_{step:08d}.pt"
+        state = read_checkpoint(path, torch.device("cpu"))
         assert state["progress"]["step"] == step  # a verified checkpoint: checkpoint.resume=PATH can name it
+        trained = load_trained(str(path))  # what `distrib eval PATH` loads
+        assert trained.step == step and all(torch.equal(trained.weights[k], v) for k, v in state["model"].items())
     assert [entry["step"] for entry in _summary(run_dir)["best_checkpoints"]] == best
 
 
@@ -120,7 +124,7 @@ def test_ema_weights_match_a_reference_from_every_steps_weights(tmp_path, monkey
     real_step = Trainer.step
 
     def step_and_keep(trainer, micro_batches):
-        state = lambda: {k: v.detach().clone().double() for k, v in unwrap(trainer.model).state_dict().items()}  # noqa: E731
+        state = lambda: {k: v.detach().clone().double() for k, v in unwrap(trainer.state.model).state_dict().items()}  # noqa: E731
         if not weights:
             weights.append(state())
         loss = real_step(trainer, micro_batches)

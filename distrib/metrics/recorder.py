@@ -71,12 +71,6 @@ class Recorder:
         self._pending = []
         return None
 
-    def state_dict(self) -> dict:
-        return {"run_ids": dict(self.run_ids)}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.run_ids.update(state.get("run_ids", {}))
-
     def info(self, message: str) -> None:
         if self.enabled:
             if self.show_progress:
