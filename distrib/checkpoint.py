@@ -194,16 +194,19 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return bool(self.every_steps) and step % self.every_steps == 0
 
-    def save(self, step: int) -> Path:
-        """Called by every rank: gathers the RNG states, rank 0 writes, all pass a barrier after the rename."""
+    def save(self, step: int, path: Path | None = None) -> Path:
+        """Called by every rank: gathers the RNG states, rank 0 writes, all pass a barrier after the rename.
+        `path` (a best_*.pt of distrib.best) names another file of the same format, which keep_last never prunes."""
         states = [None] * self.runtime.world_size
         dist.all_gather_object(states, rng_state(self.runtime))
-        path = checkpoint_path(self.directory, step)
+        periodic = path is None
+        path = checkpoint_path(self.directory, step) if periodic else Path(path)
         if self.runtime.is_main:
             state = {"format": FORMAT, "version": VERSION, **self.collect(), "rng": states}
             state["checksum"] = digest(state)
             save_atomic(state, path)
-            _prune(self.directory, self.keep_last)  # only now: the new checkpoint is safely in place
+            if periodic:
+                _prune(self.directory, self.keep_last)  # only now: the new checkpoint is safely in place
         dist.barrier()  # nobody moves on (or exits) before the checkpoint is on disk
         return path
 

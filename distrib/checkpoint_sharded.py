@@ -41,7 +41,7 @@ from distrib.runtime import Runtime
 
 _NAME = re.compile(r"^step_(\d{8})$")
 MANIFEST, TRAINER = "manifest.json", "trainer.pt"
-SHARDED = ("model", "optimizer")  # the parts DCP writes; the rest of the state goes into trainer.pt
+SHARDED = ("model", "optimizer", "ema")  # the parts DCP writes (ema: when on); the rest goes into trainer.pt
 
 
 def checkpoint_dir(directory: Path, step: int) -> Path:
@@ -173,7 +173,7 @@ class ShardedCheckpointer:
         rngs = [None] * self.runtime.world_size
         dist.all_gather_object(rngs, rng_state(self.runtime))
         state = self.collect()
-        shards = {key: state.pop(key) for key in SHARDED}
+        shards = {key: state.pop(key) for key in SHARDED if key in state}
         final = checkpoint_dir(self.directory, step)
         tmp = final.with_name(f".{final.name}.tmp")
         if self.runtime.is_main:

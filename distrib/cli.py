@@ -24,6 +24,9 @@ def _train(args: argparse.Namespace) -> int:
     from distrib.config import load_config
 
     config = load_config(args.config, args.set)  # fail on a bad config before starting any worker
+    from distrib.metrics import require_loggers
+
+    require_loggers(config.metrics)  # a missing tracker package: one line here, not one per worker
     if args.nproc_per_node is not None:
         from distrib.launcher import launch_trainer
 

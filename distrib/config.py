@@ -45,6 +45,16 @@ def _positive(section: str, obj, key: str, example) -> None:
         _fail(section, key, value, "must be a finite number > 0", f"e.g. --set {section}.{key}={example}")
 
 
+# What early stopping and best-k checkpoints can watch: lower is better for losses, higher for accuracies.
+EVAL_METRICS = ("test_loss", "test_accuracy", "test_loss_ema", "test_accuracy_ema")
+
+
+def _needs_ema(section: str, key: str, value: str, ema_decay: float) -> None:
+    if value.endswith("_ema") and not ema_decay:
+        _fail(section, key, value, "watches the EMA weights, and train.ema_decay = 0 keeps none",
+              "e.g. --set train.ema_decay=0.999")
+
+
 @dataclass(kw_only=True, frozen=True, slots=True)
 class DataConfig:
     name: str = "fashion-mnist"  # fashion-mnist | mnist | cifar10 | imagefolder | synthetic
@@ -134,6 +144,10 @@ class TrainConfig:
     eval_every_epochs: int = 1  # 0 = evaluate only at the end
     finite_check_every: int = 1  # steps between checks that the reduced gradients are finite; 0 = never
     sync_every: int = 10  # steps between the ranks' all-reduce of (loss, stop votes); log steps always sync
+    early_stop_metric: str = ""  # "" = off | test_loss | test_accuracy | test_loss_ema | test_accuracy_ema
+    early_stop_patience: int = 3  # evaluations without improvement before every rank stops
+    early_stop_min_delta: float = 0.0  # an improvement must exceed this to reset the patience
+    ema_decay: float = 0.0  # exponential moving average of the weights, updated every step; 0 = off
     loss: str = "cross_entropy"  # cross_entropy | package.module:function, (outputs, targets) -> scalar mean
     label_smoothing: float = 0.0  # cross_entropy only
 
@@ -159,16 +173,27 @@ class TrainConfig:
         _at_least("train", self, "grad_clip", 0.0)
         if not (0.0 <= self.momentum < 1.0):
             _fail("train", "momentum", self.momentum, "must be in [0, 1)", "e.g. --set train.momentum=0.9")
+        if not (0.0 <= self.ema_decay < 1.0):
+            _fail("train", "ema_decay", self.ema_decay, "must be in [0, 1)", "e.g. --set train.ema_decay=0.999")
+        _choice("train", self, "early_stop_metric", EVAL_METRICS + ("",))
+        _at_least("train", self, "early_stop_patience", 1)
+        _at_least("train", self, "early_stop_min_delta", 0.0)
+        _needs_ema("train", "early_stop_metric", self.early_stop_metric, self.ema_decay)
+        if self.early_stop_metric and not self.eval_every_epochs:
+            _fail("train", "early_stop_metric", self.early_stop_metric, "needs evaluations during training, and "
+                  "train.eval_every_epochs = 0", "--set train.eval_every_epochs=1")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class RunConfig:
     dir: str = "runs/default"  # config, metrics, summary and model are written here
-    progress: bool = True  # tqdm progress bar on rank 0
+    progress: bool | str = "auto"  # tqdm bar on rank 0: auto (only when stderr is a terminal) | true | false
 
     def __post_init__(self):
         if not self.dir:
             _fail("run", "dir", self.dir, "must not be empty", "e.g. --set run.dir=runs/exp1")
+        if isinstance(self.progress, str) and self.progress != "auto":
+            _fail("run", "progress", self.progress, "must be auto, true or false", "e.g. --set run.progress=auto")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -204,6 +229,8 @@ class CheckpointConfig:
     allow_config_change: bool = False  # resume even if model, data or global batch differ from the checkpoint's
     async_save: bool = False  # fsdp: write sharded checkpoints in the background (dcp.async_save); the TOML key is
     # async_save, not async: a Python keyword cannot name a dataclass field
+    keep_best: int = 0  # also keep the k best evaluations' checkpoints as best_STEP.pt (never pruned); 0 = off
+    best_metric: str = "test_loss"  # what keep_best ranks by: test_loss | test_accuracy | test_loss_ema | ..._ema
 
     def __post_init__(self):
         _at_least("checkpoint", self, "every_steps", 0)
@@ -217,6 +244,8 @@ class CheckpointConfig:
         if not self.resume:
             _fail("checkpoint", "resume", self.resume, "must be auto, never or a path",
                   "e.g. --set checkpoint.resume=auto")
+        _at_least("checkpoint", self, "keep_best", 0)
+        _choice("checkpoint", self, "best_metric", EVAL_METRICS)
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -236,15 +265,33 @@ class SpeedConfig:
         _at_least("speed", self, "bucket_cap_mb", 0.0)
 
 
+LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow")
+
+
 @dataclass(kw_only=True, frozen=True, slots=True)
 class MetricsConfig:
-    tensorboard: bool = False  # also write run.dir/tensorboard (rank 0; pip install 'distrib[tensorboard]')
+    loggers: tuple[str, ...] = ("jsonl",)  # jsonl (always on) | tensorboard | wandb | mlflow; rank 0 only
+    tensorboard: bool = False  # the same as naming tensorboard in loggers (run.dir/tensorboard)
+    project: str = "distrib"  # the W&B project / MLflow experiment
+    run_name: str = ""  # the tracker run's name; "" = the name of run.dir
+    tags: tuple[str, ...] = ()  # W&B tags / MLflow tags
+    mlflow_uri: str = ""  # http://host:5000 or file:/path; "" = MLFLOW_TRACKING_URI if set, else file:RUN_DIR/mlruns
+    logger_errors: str = "fail"  # a tracker that cannot start: fail (exit 2 before training) | warn (go on without)
     peak_flops: float = 0.0  # peak FLOP/s of one device for MFU; 0 = from distrib.throughput's table
     timing_skip_steps: int = 5  # first optimizer steps left out of samples/s (compile and warm-up)
 
     def __post_init__(self):
         _at_least("metrics", self, "peak_flops", 0.0)
         _at_least("metrics", self, "timing_skip_steps", 0)
+        for name in self.loggers:
+            if name not in LOGGERS:
+                _fail("metrics", "loggers", list(self.loggers), f"{name!r} is not a logger; allowed: "
+                      f"{', '.join(LOGGERS)}", 'e.g. --set metrics.loggers=["jsonl","tensorboard"]')
+        if len(set(self.loggers)) != len(self.loggers):
+            _fail("metrics", "loggers", list(self.loggers), "names a logger twice", "name each once")
+        _choice("metrics", self, "logger_errors", ("fail", "warn"))
+        if not self.project:
+            _fail("metrics", "project", self.project, "must not be empty", "e.g. --set metrics.project=mnist")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -269,6 +316,11 @@ class Config:
         if self.checkpoint.async_save and self.dist.strategy != "fsdp":
             raise ConfigError("checkpoint.async_save = true: asynchronous saves write sharded (fsdp) checkpoints; "
                               "set --set dist.strategy=fsdp or --set checkpoint.async_save=false")
+        if self.checkpoint.keep_best and self.dist.strategy == "fsdp":  # best_*.pt are single-file checkpoints
+            raise ConfigError(f"checkpoint.keep_best = {self.checkpoint.keep_best}: not yet with dist.strategy = "
+                              "'fsdp' (sharded checkpoints keep only the last ones); set --set checkpoint.keep_best=0")
+        _needs_ema("checkpoint", "best_metric", self.checkpoint.best_metric if self.checkpoint.keep_best else "",
+                   self.train.ema_decay)
 
 
 def _sections() -> dict[str, type]:

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from distrib.errors import UserError
+from distrib.metrics.jsonl import last_attempt
 
 PLOT_NAME = "curves.png"
 
@@ -23,6 +24,7 @@ def read_records(run_dir: Path) -> list[dict]:
                 records.append(json.loads(line))
             except json.JSONDecodeError:
                 raise UserError(f"{path}:{number}: not a JSON line; remove or fix that line") from None
+    records = last_attempt(records)  # a restarted run: one history, not the abandoned attempts' steps too
     if not any("loss" in r for r in records):
         raise UserError(f"{path}: no training steps logged yet; plot again after the first log step")
     return records

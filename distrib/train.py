@@ -15,15 +15,18 @@ import torch
 import torch.nn as nn
 
 from distrib.agreement import RankAgreement
+from distrib.best import BestCheckpoints
 from distrib.checkpoint import Checkpointer
 from distrib.checkpoint_sharded import ShardedCheckpointer
 from distrib.config import TrainConfig
 from distrib.data import BatchPlan, epoch_steps
+from distrib.early_stop import EarlyStopping
+from distrib.ema import EMA
 from distrib.errors import UserError
 from distrib.evaluation import autocast, evaluate
 from distrib.losses import Loss
 from distrib.metrics import Recorder
-from distrib.parallel import explain_device_errors, grad_sync, load_training_state, local_tensor, training_state
+from distrib.parallel import explain_device_errors, grad_sync, load_training_state, local_tensor, training_state, unwrap
 from distrib.preempt import Preempted
 from distrib.throughput import Throughput
 
@@ -64,13 +67,18 @@ class Progress:
 
 @dataclass
 class TrainState:
-    """What a checkpoint restores: the model (DDP-wrapped), optimizer, LR schedule, grad scaler, and progress."""
+    """What a checkpoint restores: the model (DDP-wrapped), optimizer, LR schedule, grad scaler, and progress; and
+    where asked, the EMA weights, the early-stopping count, the best-k set, and the tracker runs to continue."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
     progress: Progress = field(default_factory=Progress)
+    ema: EMA | None = None  # train.ema_decay > 0 (distrib.ema)
+    early_stop: EarlyStopping | None = None  # train.early_stop_metric set (distrib.early_stop)
+    best: BestCheckpoints | None = None  # checkpoint.keep_best > 0 (distrib.best)
+    tracker_ids: dict = field(default_factory=dict)  # logger name -> its run id (the Recorder fills it)
 
     def state_dict(self, global_batch_size: int) -> dict:
         """Everything but the RNGs (gathered from every rank by the Checkpointer); no module. prefixes."""
@@ -78,7 +86,14 @@ class TrainState:
         return {**training_state(self.model, self.optimizer),  # under FSDP: this rank's shards (DTensors)
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "progress": {"step": p.step, "epoch": p.epoch, "step_in_epoch": p.step_in_epoch,
-                             "samples_in_epoch": p.step_in_epoch * global_batch_size}}
+                             "samples_in_epoch": p.step_in_epoch * global_batch_size},
+                **{name: part.state_dict() for name, part in self._parts().items()},
+                "trackers": dict(self.tracker_ids)}
+
+    def _parts(self) -> dict:
+        """The optional parts with state of their own, by the key their state has in a checkpoint."""
+        parts = {"ema": self.ema, "early_stop": self.early_stop, "best": self.best}
+        return {name: part for name, part in parts.items() if part is not None}
 
     def load_state_dict(self, state: dict, global_batch_size: int) -> None:
         load_training_state(self.model, self.optimizer, state)
@@ -87,12 +102,23 @@ class TrainState:
         saved = state["progress"]
         # Position in the epoch by samples, so a changed global batch (forced) lands on the right sample.
         self.progress = Progress(saved["step"], saved["epoch"], saved["samples_in_epoch"] // global_batch_size)
+        for name, part in self._parts().items():
+            if name in state:
+                part.load_state_dict(state[name])
+        if self.ema is not None and "ema" not in state:  # EMA turned on when resumed: it starts at these weights
+            self.ema.reset()
+        self.tracker_ids.update(state.get("trackers", {}))
 
 
-def new_state(model: nn.Module, config: TrainConfig, total_steps: int, device: torch.device) -> TrainState:
+def new_state(model: nn.Module, config: TrainConfig, total_steps: int, device: torch.device,
+              best: BestCheckpoints | None = None) -> TrainState:
     optimizer = build_optimizer(model, config)
     scaler = torch.amp.GradScaler(device.type, enabled=config.precision == "fp16")
-    return TrainState(model, optimizer, build_scheduler(optimizer, total_steps, config), scaler)
+    ema = EMA(unwrap(model), config.ema_decay) if config.ema_decay else None
+    early_stop = EarlyStopping(config.early_stop_metric, config.early_stop_patience,
+                               config.early_stop_min_delta) if config.early_stop_metric else None
+    return TrainState(model, optimizer, build_scheduler(optimizer, total_steps, config), scaler, ema=ema,
+                      early_stop=early_stop, best=best)
 
 
 @dataclass
@@ -112,6 +138,7 @@ class Trainer:
     agreement: RankAgreement
     checkpointer: Checkpointer | ShardedCheckpointer | None  # None: no checkpoints
     on_step_end: Callable[[int], None] | None = None  # called with the step after each step's bookkeeping
+    last_eval: tuple[int, dict] | None = None  # (step, metrics) of the latest evaluation
 
     def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """One optimizer step; returns the loss averaged over the global batch (the same on every rank) on sync steps
@@ -152,6 +179,8 @@ class Trainer:
         state.scaler.update()
         state.optimizer.zero_grad(set_to_none=True)
         state.scheduler.step()
+        if state.ema is not None:
+            state.ema.update()
 
     def is_log_step(self, step: int) -> bool:
         return step % self.config.log_every == 0 or step == self.total_steps
@@ -194,19 +223,44 @@ class Trainer:
         progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
         every = self.config.eval_every_epochs
         if every and progress.epoch % every == 0 and progress.step < self.total_steps:
-            self._log_eval(self.evaluate(self.state.model))
+            self._log_eval(self._evaluate())
             self.meter.restart_clock()  # keep evaluation out of the step times
 
-    def _log_eval(self, metrics: dict) -> None:
+    def _evaluate(self) -> dict:
+        metrics = self.evaluate(self.state.model)
+        if self.state.ema is not None:  # the averaged weights too, on the same samples
+            with self.state.ema.swapped_in():
+                averaged = self.evaluate(self.state.model)
+            metrics.update({f"{key}_ema": averaged[key] for key in ("test_loss", "test_accuracy")})
+        return metrics
+
+    def _log_eval(self, metrics: dict) -> dict:
+        """Logs an evaluation, keeps the best checkpoints, and decides on early stopping. The metrics are exact and
+        the same on every rank, so every rank decides alike, with no collective of its own."""
+        state, step = self.state, self.state.progress.step
         scalars = {key: value for key, value in metrics.items() if not isinstance(value, dict)}  # per class: summary
-        self.recorder.log_eval(self.state.progress.step, self.state.progress.epoch, scalars)
+        self.recorder.log_eval(step, state.progress.epoch, scalars)
+        if state.best is not None:
+            state.best.consider(step, metrics, self.checkpointer)
+        if state.early_stop is not None and not state.early_stop.stopped and state.early_stop.update(step, metrics):
+            self.recorder.info(state.early_stop.reason())
+        self.last_eval = (step, metrics)
+        return metrics
+
+    def stopped_early(self) -> bool:
+        return self.state.early_stop is not None and self.state.early_stop.stopped
+
+    def stop_reason(self) -> dict:
+        if self.stopped_early():
+            return {"stop_reason": "early_stop", "stop_detail": self.state.early_stop.reason()}
+        return {"stop_reason": "completed", "stop_detail": f"trained {self.total_steps} steps"}
 
     def fit(self, train_source) -> dict:
         """Trains from the state's progress to total_steps; evaluates each eval_every_epochs and at the end."""
         progress = self.state.progress
         bar = self.recorder.progress_bar(self.total_steps, initial=progress.step)
         self.meter.restart_clock()
-        while progress.step < self.total_steps:
+        while progress.step < self.total_steps and not self.stopped_early():  # a resumed run may have stopped
             for micro_batches in epoch_steps(train_source, self.plan, progress.epoch, progress.step_in_epoch):
                 self.meter.data_ready()  # the time since the previous step ended was spent getting this batch
                 loss = self.step(micro_batches)
@@ -218,8 +272,10 @@ class Trainer:
             if progress.step_in_epoch == self.plan.steps_per_epoch:
                 self._end_epoch()
         bar.close()
-        if self.checkpointer and not self.checkpointer.due(progress.step):
-            self.checkpointer.save(progress.step)  # the final state, so that a later run can extend this one
-        metrics = self.evaluate(self.state.model)
-        self._log_eval(metrics)
-        return {**metrics, "train_loss": self.recorder.last_loss}
+        if self.checkpointer and (not self.checkpointer.due(progress.step) or self.stopped_early()):
+            self.checkpointer.save(progress.step)  # the final state (after the stopping evaluation), to extend it
+        if self.last_eval is not None and self.last_eval[0] == progress.step:
+            metrics = self.last_eval[1]  # stopped early right after evaluating these weights
+        else:
+            metrics = self._log_eval(self._evaluate())
+        return {**metrics, "train_loss": self.recorder.last_loss, **self.stop_reason()}

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from distrib.agreement import RankAgreement
+from distrib.best import BestCheckpoints
 from distrib.checkpoint import Checkpointer, check_compatible, save_atomic, set_rng_state
 from distrib.checkpoint_sharded import ShardedCheckpointer, committing, make_checkpointer
 from distrib.config import Config, to_dict, write_resolved
@@ -26,7 +27,7 @@ from distrib.losses import Loss, LossFn, build_loss
 from distrib.metrics import Recorder
 from distrib.models import batchnorm_layers, build_model, data_kwargs
 from distrib.parallel import full_model_state, memory_report, parallelize, place_model, sync_batchnorm
-from distrib.preempt import parse_signals, stop_on_signals
+from distrib.preempt import Preempted, parse_signals, stop_on_signals
 from distrib.preflight import dry_batch
 from distrib.runtime import LaunchEnv, Runtime, collective_timeouts, open_runtime
 from distrib.throughput import count_flops_per_sample, meter_for
@@ -47,11 +48,20 @@ def _total_steps(config: Config, steps_per_epoch: int) -> int:
     return min(by_epochs, by_steps) if by_epochs and by_steps else by_epochs or by_steps
 
 
+def _checkpoint_dir(config: Config) -> Path:
+    return Path(config.checkpoint.dir or Path(config.run.dir) / "checkpoints")
+
+
+def _best(config: Config, runtime: Runtime) -> BestCheckpoints | None:
+    ckpt = config.checkpoint
+    return BestCheckpoints(ckpt.keep_best, ckpt.best_metric, _checkpoint_dir(config), runtime.is_main) \
+        if ckpt.keep_best else None
+
+
 def _checkpointer(config: Config, runtime: Runtime, state: TrainState, global_batch_size: int,
                   info: DataInfo) -> Checkpointer | ShardedCheckpointer:
     ckpt = config.checkpoint
-    directory = Path(ckpt.dir or Path(config.run.dir) / "checkpoints")
-    return make_checkpointer(ckpt, config.dist.strategy, directory, runtime,
+    return make_checkpointer(ckpt, config.dist.strategy, _checkpoint_dir(config), runtime,
                              lambda: {**state.state_dict(global_batch_size), "config": to_dict(config),
                                       "world_size": runtime.world_size, "data_seed": config.train.seed,
                                       "global_batch_size": global_batch_size, "data": info.to_dict()})
@@ -66,6 +76,8 @@ def _resume(state: TrainState, config: Config, runtime: Runtime, checkpointer: C
     changed = check_compatible(config.checkpoint.resume, loaded["config"], to_dict(config),
                                config.checkpoint.allow_config_change)
     state.load_state_dict(loaded, global_batch_size)
+    if state.best and config.checkpoint.resume == "auto":
+        state.best.drop_abandoned(state.progress.step)
     if loaded["world_size"] == runtime.world_size:  # per-rank RNG streams only map onto the same ranks
         set_rng_state(loaded["rng"][runtime.rank], runtime)
     notes.append(f"resumed at step {state.progress.step} (epoch {state.progress.epoch}) from a checkpoint taken at "
@@ -110,10 +122,11 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
     meter.flops_per_sample = count_flops_per_sample(placed, inputs, targets)
     # Placed before sharding (in _model), so the device-mismatch listing sees the whole model.
     state = new_state(parallelize(placed, runtime, config.speed, config.dist, config.train.precision), config.train,
-                      total_steps, runtime.device)
+                      total_steps, runtime.device, best=_best(config, runtime))
     checkpointer = _checkpointer(config, runtime, state, plan.global_batch_size, data.info)
     resumed_from = _resume(state, config, runtime, checkpointer, plan.global_batch_size, notes)
-    recorder = Recorder(Path(config.run.dir), runtime.is_main, config.run.progress, config.metrics.tensorboard)
+    recorder = Recorder(Path(config.run.dir), runtime.is_main, config.run.progress, metrics=config.metrics,
+                        run_ids=state.tracker_ids)
     if runtime.is_main:  # only now: a run that failed above left the earlier run's config.toml as it was
         write_resolved(config, Path(config.run.dir))
     recorder.info(f"world size {runtime.world_size}, device {runtime.device}, backend {runtime.backend}")
@@ -122,14 +135,19 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
     recorder.info(f"{total_steps} steps of {plan.global_batch_size} samples ({runtime.world_size} ranks x "
                   f"{config.train.grad_accum_steps} micro-steps x {plan.micro_batch_size}), "
                   f"{type(data.train).__name__}")
-    with stop_on_signals(parse_signals(config.checkpoint.signals)) as stop, \
-            collective_timeouts(config.dist.timeout_s, lambda: f"after step {state.progress.step}"), \
-            committing(checkpointer):
-        agreement = RankAgreement(stop, runtime.device, runtime.world_size, synced_at=state.progress.step)
-        evaluator = _evaluator(config, runtime, data, loss)
-        trainer = Trainer(state, loss, config.train, runtime.device, plan, total_steps, evaluator, recorder, meter,
-                          agreement, checkpointer, on_step_end)
-        metrics = trainer.fit(data.train)
+    recorder.start(to_dict(config), resumed_from, runtime.restart_count)  # trackers: fail here, not mid-run
+    try:
+        with stop_on_signals(parse_signals(config.checkpoint.signals)) as stop, \
+                collective_timeouts(config.dist.timeout_s, lambda: f"after step {state.progress.step}"), \
+                committing(checkpointer):
+            agreement = RankAgreement(stop, runtime.device, runtime.world_size, synced_at=state.progress.step)
+            evaluator = _evaluator(config, runtime, data, loss)
+            trainer = Trainer(state, loss, config.train, runtime.device, plan, total_steps, evaluator, recorder,
+                              meter, agreement, checkpointer, on_step_end)
+            metrics = trainer.fit(data.train)
+    except BaseException as e:
+        recorder.close("preempted" if isinstance(e, Preempted) else "failed")  # the trackers see the run end
+        raise
     return _finish(config, runtime, data, state, metrics, meter, recorder, resumed_from, start, model is None)
 
 
@@ -156,9 +174,12 @@ def _finish(config: Config, runtime: Runtime, data: Data, state: TrainState, met
     """model.pt (and model.json, which says how to rebuild a config's model), summary.json, the last log line."""
     run_dir = Path(config.run.dir)
     weights = full_model_state(state.model)  # every rank: under fsdp this gathers the shards onto rank 0
+    ema_state = state.ema.full_state_dict() if state.ema else None  # every rank: a gather under FSDP
     memory = _memory(config, runtime, state, recorder)
     if runtime.is_main:
         save_atomic(weights, run_dir / "model.pt")
+        if ema_state is not None:
+            save_atomic(ema_state, run_dir / "model_ema.pt")
         if from_config:  # a model given to distrib.fit in Python has no factory that model.json could name
             from distrib.inference import write_model_card
 
@@ -167,6 +188,7 @@ def _finish(config: Config, runtime: Runtime, data: Data, state: TrainState, met
     summary = {"world_size": runtime.world_size, "device": str(runtime.device), "backend": runtime.backend,
                "steps": state.progress.step, "epochs": state.progress.epoch, **metrics,
                "resumed_from_step": resumed_from, "restart_count": runtime.restart_count,
+               **({"best_checkpoints": state.best.describe()} if state.best else {}),
                **meter.summary(), **memory, "elapsed_seconds": elapsed, "data": data.info.to_dict()}
     recorder.write_summary(summary)
     recorder.info(f"done in {elapsed:.1f}s: test accuracy {100 * metrics['test_accuracy']:.2f}%, "

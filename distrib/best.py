@@ -1,0 +1,70 @@
+"""Best-k checkpoints (checkpoint.keep_best): after each evaluation, a checkpoint of the k best evaluations by
+checkpoint.best_metric is kept as checkpoint_dir/best_STEP.pt, in the verified format of step_*.pt, so
+`checkpoint.resume=PATH` can name one; keep_last never prunes them.
+
+The set travels in every checkpoint, so a restart keeps it; the metrics are identical on every rank, so every rank
+decides alike whether to save (a collective) without asking the others."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+_NAME = re.compile(r"^best_(\d{8})\.pt$")
+
+
+def best_path(directory: Path, step: int) -> Path:
+    return Path(directory) / f"best_{step:08d}.pt"
+
+
+class BestCheckpoints:
+    def __init__(self, keep: int, metric: str, directory: Path, is_main: bool):
+        self.keep, self.metric = keep, metric
+        self.directory, self.is_main = Path(directory), is_main
+        self.entries: list[dict] = []  # {"step", "value"}, best first
+
+    def _rank(self, entry: dict) -> tuple:
+        # Better values first; among equals the earlier evaluation.
+        sign = 1.0 if "loss" in self.metric else -1.0
+        return sign * entry["value"], entry["step"]
+
+    def consider(self, step: int, metrics: dict, checkpointer) -> Path | None:
+        """Saves a best_STEP.pt with `checkpointer` (every rank calls it) if this evaluation is among the k best, and
+        deletes the one it pushes out."""
+        value = metrics[self.metric]
+        if any(entry["step"] == step for entry in self.entries):
+            return None  # this step is kept already (its evaluation redone after a restart)
+        entries = sorted([*self.entries, {"step": step, "value": value}], key=self._rank)
+        if {"step": step, "value": value} not in entries[:self.keep]:
+            return None
+        self.entries, dropped = entries[:self.keep], entries[self.keep:]
+        path = checkpointer.save(step, best_path(self.directory, step))
+        if self.is_main:  # only after the new one is safely in place
+            for entry in dropped:
+                best_path(self.directory, entry["step"]).unlink(missing_ok=True)
+        return path
+
+    def state_dict(self) -> dict:
+        return {"metric": self.metric, "entries": [dict(entry) for entry in self.entries]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The set as of the checkpoint; ranked by another metric before, a new set starts."""
+        if state.get("metric") == self.metric:
+            self.entries = sorted(state["entries"], key=self._rank)[:self.keep]
+
+    def drop_abandoned(self, resumed_step: int) -> None:
+        """After an automatic resume: a best_*.pt past the resumed step that the set does not hold came from the
+        abandoned attempt's future, so rank 0 deletes it (if it is among the best again, the run rewrites it)."""
+        if not self.is_main:
+            return
+        kept = {entry["step"] for entry in self.entries}
+        for path in self.directory.glob("best_*.pt"):
+            match = _NAME.match(path.name)
+            if match and int(match.group(1)) > resumed_step and int(match.group(1)) not in kept:
+                path.unlink(missing_ok=True)
+        for stale in self.directory.glob(".best_*.tmp"):
+            stale.unlink(missing_ok=True)
+
+    def describe(self) -> list[dict]:
+        return [{**entry, "path": str(best_path(self.directory, entry["step"]))}
+                for entry in self.entries]

@@ -1,0 +1,249 @@
+"""Early stopping, EMA weights, best-k checkpoints and honest logs after a restart: a 2-worker run that stops early
+against the same run killed in step 11 and resumed; EMA against a reference computed here from every step's weights."""
+
+import io
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from support import REPO, assert_ok, torchrun_train
+
+from distrib.checkpoint import read_checkpoint
+from distrib.config import load_config
+from distrib.inference import load_trained
+from distrib.metrics import Recorder
+from distrib.parallel import unwrap
+from distrib.plot import make_figure, read_records
+from distrib.train import Trainer
+from distrib.worker import run
+
+BASE = ["data.name=synthetic", "data.synthetic_train_size=128", "data.synthetic_test_size=50", "dist.device=cpu",
+        "train.global_batch_size=32", "train.log_every=2", "train.schedule=constant", "train.warmup_steps=2"]
+# 4 steps an epoch, an evaluation after each. min_delta 1.0 on the loss: the first evaluation (step 4) is the best,
+# the next two do not improve enough, so with patience 2 every rank stops after the evaluation at step 12.
+STOPPING = [*BASE, "train.epochs=10", "train.early_stop_metric=test_loss", "train.early_stop_patience=2",
+            "train.early_stop_min_delta=1.0", "train.ema_decay=0.9", "checkpoint.every_steps=3",
+            "checkpoint.keep_last=2", "checkpoint.keep_best=2", "checkpoint.best_metric=test_accuracy",
+            "model.factory=dying_model:network"]
+ENV = {"PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
+
+
+def _args(run_dir, *overrides):
+    return [a for o in [*STOPPING, f"run.dir={run_dir}", *overrides] for a in ("--set", o)]
+
+
+def _names(run_dir: Path, pattern: str) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoints").glob(pattern))
+
+
+def _summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def _assert_equal(a, b, where=""):
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            _assert_equal(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_equal(x, y, f"{where}/{i}")
+    else:
+        assert a == b, where
+
+
+@pytest.mark.timeout(400)
+def test_early_stop_on_2_workers_and_the_same_run_killed_and_resumed(tmp_path):
+    whole = torchrun_train(2, *_args(tmp_path / "whole"), env=ENV, timeout=180)
+    assert_ok(whole)
+    summary = _summary(tmp_path / "whole")
+    assert summary["stop_reason"] == "early_stop" and summary["steps"] == 12, summary
+    assert "test_loss did not improve by more than 1 for 2 evaluations" in summary["stop_detail"]
+    # stderr is a pipe, not a terminal: run.progress = auto gives plain lines and no carriage return.
+    assert "\r" not in whole.stderr and "[distrib] step 2 epoch 0 loss" in whole.stderr
+
+    # Rank 1 dies inside step 11, after step 10 was logged; the newest checkpoint holds step 9, after one evaluation
+    # without improvement (so the patience counter is 1 there).
+    killed = torchrun_train(2, *_args(tmp_path / "parts"), env={**ENV, "DISTRIB_TEST_DIE_AT": "11"}, timeout=180)
+    assert killed.returncode != 0
+    assert _names(tmp_path / "parts", "step_*.pt")[-1] == "step_00000009.pt"
+    assert_ok(torchrun_train(2, *_args(tmp_path / "parts"), env=ENV, timeout=180))
+    resumed = _summary(tmp_path / "parts")
+    assert resumed["resumed_from_step"] == 9 and resumed["steps"] == 12 and resumed["stop_reason"] == "early_stop"
+
+    # The same stop, weights, EMA, patience counter and best set as uninterrupted; keep_last pruned step_*.pt only.
+    final = {run: read_checkpoint(tmp_path / run / "checkpoints" / "step_00000012.pt", torch.device("cpu"))
+             for run in ("whole", "parts")}
+    for part in ("model", "optimizer", "ema", "early_stop", "best", "progress"):
+        _assert_equal(final["parts"][part], final["whole"][part], part)
+    stopping = final["whole"]["early_stop"]
+    assert (stopping["best_step"], stopping["num_bad"], stopping["stopped_at"]) == (4, 2, 12)
+    _assert_best_kept(tmp_path / "whole")
+    assert _names(tmp_path / "parts", "*.pt") == _names(tmp_path / "whole", "*.pt")
+    for name in _names(tmp_path / "whole", "best_*.pt"):
+        _assert_equal(*(read_checkpoint(tmp_path / run / "checkpoints" / name, torch.device("cpu"))["model"]
+                        for run in ("parts", "whole")), name)
+
+    # metrics.jsonl marks the restart; its readers see one history, drawn as one curve.
+    lines = [json.loads(line) for line in (tmp_path / "parts" / "metrics.jsonl").read_text().splitlines()]
+    assert [r for r in lines if r.get("event")] == [{"event": "resume", "step": 9, "resumed_step": 9, "attempt": 2,
+                                                    "restart_count": 0}]
+    assert [r["step"] for r in lines if "loss" in r] == [2, 4, 6, 8, 10, 10, 12]  # step 10: once in each attempt
+    assert [r["step"] for r in read_records(tmp_path / "parts") if "loss" in r] == [2, 4, 6, 8, 10, 12]
+    figures = [make_figure(read_records(tmp_path / run)) for run in ("parts", "whole")]
+    curves = [[(list(line.get_xdata()), list(line.get_ydata())) for axes in f.get_axes()[:2]  # loss, accuracy
+               for line in axes.get_lines()] for f in figures]
+    assert curves[0] == curves[1]  # throughput (the third axes) differs from run to run
+
+
+def _assert_best_kept(run_dir: Path) -> None:
+    """The two best evaluations by test accuracy (ties: the earlier) have their best_*.pt, and nothing else does."""
+    evaluations = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evaluations = {r["step"]: r["test_accuracy"] for r in evaluations if "test_accuracy" in r}
+    assert sorted(evaluations) == [4, 8, 12]
+    best = sorted(evaluations, key=lambda step: (-evaluations[step], step))[:2]
+    assert _names(run_dir, "best_*.pt") == [f"best_{step:08d}.pt" for step in sorted(best)]
+    assert _names(run_dir, "step_*.pt") == ["step_00000009.pt", "step_00000012.pt"]  # keep_last = 2
+    for step in best:
+        path = run_dir / "checkpoints" / f"best_{step:08d}.pt"
+        state = read_checkpoint(path, torch.device("cpu"))
+        assert state["progress"]["step"] == step  # a verified checkpoint: checkpoint.resume=PATH can name it
+        trained = load_trained(str(path))  # what `distrib eval PATH` loads
+        assert trained.step == step and all(torch.equal(trained.weights[k], v) for k, v in state["model"].items())
+    assert [entry["step"] for entry in _summary(run_dir)["best_checkpoints"]] == best
+
+
+@pytest.mark.timeout(120)
+def test_ema_weights_match_a_reference_from_every_steps_weights(tmp_path, monkeypatch):
+    weights = []  # the model's weights before the first step and after each step
+    real_step = Trainer.step
+
+    def step_and_keep(trainer, micro_batches):
+        state = lambda: {k: v.detach().clone().double() for k, v in unwrap(trainer.state.model).state_dict().items()}  # noqa: E731
+        if not weights:
+            weights.append(state())
+        loss = real_step(trainer, micro_batches)
+        weights.append(state())
+        return loss
+
+    monkeypatch.setattr(Trainer, "step", step_and_keep)
+    decay = 0.8
+    run(load_config(None, [*BASE, f"run.dir={tmp_path}", "train.max_steps=6", f"train.ema_decay={decay}",
+                           "run.progress=false"]))
+    assert len(weights) == 7
+    reference = weights[0]
+    for current in weights[1:]:
+        reference = {k: decay * reference[k] + (1 - decay) * current[k] for k in current}
+    ema = torch.load(tmp_path / "model_ema.pt", weights_only=True)  # a plain state_dict
+    assert ema.keys() == reference.keys()
+    for key in ema:
+        assert torch.allclose(ema[key].double(), reference[key], rtol=0, atol=1e-6), key
+    assert max((ema[k].double() - weights[-1][k]).abs().max().item() for k in ema) > 1e-3  # not the raw weights
+    evaluations = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert {"test_loss_ema", "test_accuracy_ema"} <= evaluations[-1].keys()
+
+
+@pytest.mark.parametrize("setting, terminal, shown", [("auto", True, True), ("auto", False, False),
+                                                      (True, False, True), (False, True, False)])
+def test_progress_bar_only_on_a_terminal_when_auto(tmp_path, monkeypatch, setting, terminal, shown):
+    stream = io.StringIO()
+    monkeypatch.setattr(stream, "isatty", lambda: terminal)
+    monkeypatch.setattr("sys.stderr", stream)
+    recorder = Recorder(tmp_path, True, setting)
+    assert recorder.show_progress is shown
+    bar = recorder.progress_bar(10)
+    recorder.info("a line")
+    bar.update(5)
+    bar.close()
+    assert ("\r" in stream.getvalue()) is shown and "[distrib] a line\n" in stream.getvalue()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.early_stop_metric=loss"], "train.early_stop_metric = 'loss': must be one of test_loss, test_accuracy"),
+    (["train.early_stop_metric=test_loss", "train.eval_every_epochs=0"], "needs evaluations during training"),
+    (["train.early_stop_patience=0"], "train.early_stop_patience = 0: must be a finite number >= 1"),
+    (["train.ema_decay=1.0"], "train.ema_decay = 1.0: must be in [0, 1)"),
+    (["checkpoint.keep_best=2", "checkpoint.best_metric=test_accuracy_ema"], "train.ema_decay = 0 keeps none"),
+    (["checkpoint.best_metric=accuracy"], "checkpoint.best_metric = 'accuracy': must be one of"),
+    (['metrics.loggers=["jsonl","neptune"]'], "'neptune' is not a logger; allowed: jsonl, tensorboard, wandb"),
+    (["metrics.logger_errors=ignore"], "metrics.logger_errors = 'ignore': must be one of fail, warn"),
+    (["run.progress=sometimes"], "run.progress = 'sometimes': must be auto, true or false"),
+])
+def test_bad_settings_are_one_line_naming_the_key(overrides, message):
+    from distrib.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        load_config(None, overrides)
+
+
+class _FakeCheckpointer:
+    def save(self, step: int, path: Path) -> Path:
+        path.write_text(str(step))
+        return path
+
+
+def test_best_set_keeps_the_k_best_and_an_automatic_resume_drops_the_abandoned_future(tmp_path):
+    from distrib.best import BestCheckpoints
+
+    best = BestCheckpoints(2, "test_accuracy", tmp_path, is_main=True)
+    for step, accuracy in ((4, 0.5), (8, 0.7), (12, 0.6), (16, 0.6), (20, 0.4)):
+        best.consider(step, {"test_accuracy": accuracy}, _FakeCheckpointer())
+    assert [e["step"] for e in best.entries] == [8, 12]  # 16 ties with 12: the earlier stays
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best_00000008.pt", "best_00000012.pt"]
+    saved = best.state_dict()
+
+    (tmp_path / "best_00000024.pt").write_text("from the killed attempt, past its last checkpoint")
+    restarted = BestCheckpoints(2, "test_accuracy", tmp_path, is_main=True)
+    restarted.load_state_dict(saved)
+    restarted.drop_abandoned(resumed_step=20)
+    assert restarted.entries == best.entries
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best_00000008.pt", "best_00000012.pt"]
+
+
+def test_readers_see_one_history_after_restarts():
+    from distrib.metrics.jsonl import last_attempt
+
+    records = [{"step": 2, "loss": 3.0}, {"step": 4, "loss": 2.0}, {"step": 4, "test_loss": 2.5},
+               {"step": 6, "loss": 1.9},  # lost: the next attempt resumed at step 4
+               {"event": "resume", "step": 4, "resumed_step": 4, "attempt": 2, "restart_count": 1},
+               {"step": 4, "test_loss": 2.5},  # the evaluation at the resumed step, redone
+               {"step": 6, "loss": 1.8}]
+    history = last_attempt(records)
+    assert [(r["step"], r.get("loss", r.get("test_loss"))) for r in history if "event" not in r] == [
+        (2, 3.0), (4, 2.0), (4, 2.5), (6, 1.8)]
+
+
+@pytest.mark.timeout(120)
+def test_ema_works_on_fsdp_sharded_parameters():
+    """FSDP2 (issue 11) makes the parameters DTensors: EMA lerps each rank's shard and gathers only for model_ema.pt."""
+    from torch.distributed.fsdp import fully_shard
+
+    from distrib.config import DistConfig
+    from distrib.ema import EMA
+    from distrib.models import Network
+    from distrib.runtime import open_runtime
+
+    with open_runtime(DistConfig(device="cpu")) as runtime:
+        assert runtime.world_size == 1
+        torch.manual_seed(0)
+        model = Network()
+        fully_shard(model)
+        assert all(hasattr(p, "to_local") for p in model.parameters())  # DTensors
+        ema = EMA(model, 0.5)
+        before = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.randn(4, 1, 28, 28)).sum().backward()
+        optimizer.step()
+        ema.update()
+        after = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+        averaged = ema.full_state_dict()
+        for key in averaged:
+            assert torch.allclose(averaged[key], 0.5 * before[key] + 0.5 * after[key], rtol=0, atol=1e-6), key
+        with ema.swapped_in():
+            assert all(torch.equal(v.full_tensor(), averaged[k]) for k, v in model.state_dict().items())
+        assert all(torch.equal(v.full_tensor(), after[k]) for k, v in model.state_dict().items())  # restored
