@@ -20,8 +20,11 @@ EXIT_USER_ERROR = 2
 
 def _train(args: argparse.Namespace) -> int:
     from distrib.config import load_config
+    from distrib.rundir import check_folders
 
     config = load_config(args.config, args.set)  # fail on a bad config before starting any worker
+    _check_nproc(args.nproc_per_node)
+    check_folders(config)  # run.dir and checkpoint.dir writable (checked again, and locked, by rank 0)
     if args.nproc_per_node is not None:
         from distrib.launcher import launch_trainer
 
@@ -29,6 +32,12 @@ def _train(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.errors import record
 
     return record(_worker)(config)  # under a launcher, a failing rank's exception reaches the launcher's summary
+
+
+def _check_nproc(nproc_per_node: int | None) -> None:
+    if nproc_per_node is not None and nproc_per_node < 1:
+        raise UserError(f"--nproc-per-node {nproc_per_node}: must be at least 1 (workers on this node); "
+                        "e.g. --nproc-per-node 2, or leave it out to run one process")
 
 
 def _worker(config) -> int:
@@ -46,6 +55,7 @@ def _worker(config) -> int:
 def _doctor(args: argparse.Namespace) -> int:
     from distrib.doctor import main as doctor
 
+    _check_nproc(args.nproc_per_node)
     return doctor(args.nproc_per_node)
 
 
@@ -105,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except UserError as e:
         print(f"distrib: error: {e}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return getattr(e, "exit_code", EXIT_USER_ERROR)  # 2; EnvironmentFault: EXIT_ENVIRONMENT (74)
 
 
 def hard_exit(code: int) -> NoReturn:
