@@ -2,6 +2,9 @@
 
 The CLI is the only place that turns these into messages and exit codes."""
 
+import os
+import sys
+
 
 class UserError(Exception):
     """A mistake in the user's input or environment; the message says what, the value, and the fix."""
@@ -14,7 +17,15 @@ class ConfigError(UserError):
 
 
 class CollectiveTimeoutError(UserError):
-    """A collective outwaited dist.timeout_s: a rank stopped, or ran collectives the others did not."""
+    """A collective outwaited dist.timeout_s: a rank stopped, or ran collectives the others did not; the message
+    names the ranks that did not arrive, their host and last step."""
+
+    exit_code = 69  # EXIT_HUNG
+
+
+class PeerLostError(CollectiveTimeoutError):
+    """A collective failed because another rank is gone (it died, and its own error says why): a secondary failure,
+    told in one line instead of gloo's traceback."""
 
 
 class DeviceMismatchError(UserError):
@@ -36,3 +47,21 @@ EXIT_PREEMPTED = 75
 # be written (disk full, quota, read-only or failing filesystem); the earlier files are kept. Fix the machine (free
 # space, another folder) and run the same command again: it resumes from the last checkpoint.
 EXIT_ENVIRONMENT = EnvironmentFault.exit_code
+
+# Exit code of a run that failed because a rank stopped answering (hung, stopped, its host gone) or died under the
+# others (EX_UNAVAILABLE): not the input's fault. The last line of the log names the rank, its host and last step.
+EXIT_HUNG = CollectiveTimeoutError.exit_code
+
+
+def say(text: str) -> None:
+    """Writes text and its newline to stderr in one write, so that lines of several ranks sharing one terminal or log
+    never interleave or glue together (print writes the text and the newline apart)."""
+    sys.stderr.flush()
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by a test's capture, or closed
+        sys.stderr.write(text + "\n")
+        return
+    data = (text + "\n").encode(errors="replace")
+    while data:  # one write up to PIPE_BUF (4 KiB) is atomic; a longer line may need more than one
+        data = data[os.write(fd, data):]
