@@ -24,7 +24,7 @@ def _train(args: argparse.Namespace) -> int:
 
     config = load_config(args.config, args.set)  # fail on a bad config before starting any worker
     _check_nproc(args.nproc_per_node)
-    check_folders(config)  # run.dir and checkpoint.dir writable (checked again, and locked, by rank 0)
+    check_folders(config, probe_locks=True)  # writable and not another live run's (rank 0 then locks them)
     if args.nproc_per_node is not None:
         from distrib.launcher import launch_trainer
 

@@ -90,6 +90,7 @@ class TrainConfig:
     momentum: float = 0.9  # sgd only
     weight_decay: float = 0.0
     schedule: str = "cosine"  # constant | cosine (with linear warm-up)
+    schedule_steps: int = 0  # the schedule's length in steps; 0 = this run's total (fix it if the run may be extended)
     warmup_steps: int = 100
     grad_clip: float = 0.0  # max global grad norm; 0 = off
     seed: int = 0
@@ -100,7 +101,8 @@ class TrainConfig:
     sync_every: int = 10  # steps between the ranks' all-reduce of (loss, stop votes); log steps always sync
 
     def __post_init__(self):
-        for key in ("epochs", "max_steps", "warmup_steps", "seed", "eval_every_epochs", "finite_check_every"):
+        for key in ("epochs", "max_steps", "warmup_steps", "seed", "eval_every_epochs", "finite_check_every",
+                    "schedule_steps"):
             _at_least("train", self, key, 0)
         for key in ("global_batch_size", "grad_accum_steps", "log_every", "sync_every"):
             _at_least("train", self, key, 1)
@@ -145,6 +147,7 @@ class CheckpointConfig:
     keep_last: int = 2
     signals: str = "SIGTERM,SIGUSR1"  # checkpoint and exit 75 on these (SLURM: #SBATCH --signal)
     allow_config_change: bool = False  # resume even if model, data or global batch differ from the checkpoint's
+    foreign: str = "refuse"  # refuse | keep: a new run in a dir holding another run's checkpoints (kept, never pruned)
 
     def __post_init__(self):
         _at_least("checkpoint", self, "every_steps", 0)
@@ -152,9 +155,13 @@ class CheckpointConfig:
             if (name if name.startswith("SIG") else f"SIG{name}") not in signal.Signals.__members__:
                 _fail("checkpoint", "signals", self.signals, f"{name} is not a signal",
                       "e.g. --set checkpoint.signals=SIGTERM,SIGUSR1")
+            if name.removeprefix("SIG") in ("KILL", "STOP"):
+                _fail("checkpoint", "signals", self.signals, f"{name} cannot be caught, so no checkpoint can follow it",
+                      "e.g. --set checkpoint.signals=SIGTERM,SIGUSR1")
         if self.keep_last < 2:
             _fail("checkpoint", "keep_last", self.keep_last, "must be >= 2 so a good checkpoint always survives",
                   "e.g. --set checkpoint.keep_last=2")
+        _choice("checkpoint", self, "foreign", ("refuse", "keep"))
         if not self.resume:
             _fail("checkpoint", "resume", self.resume, "must be auto, never or a path",
                   "e.g. --set checkpoint.resume=auto")
@@ -281,6 +288,15 @@ def _read_toml(path: str) -> dict:
     except FileNotFoundError:
         raise ConfigError(f"--config {path!r}: no such file; "
                           "give the path of a TOML file such as configs/debug_cpu.toml")
+    except IsADirectoryError:
+        raise ConfigError(f"--config {path!r}: is a folder, not a file; give the path of a TOML file "
+                          "such as configs/debug_cpu.toml") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--config {path!r}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                          "give a TOML file saved as UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"--config {path!r}: cannot be read ({e.strerror}); fix its permissions or give "
+                          "another file") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"--config {path!r}: not valid TOML ({e}); fix the file") from None
 

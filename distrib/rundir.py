@@ -53,9 +53,33 @@ def check_folder(key: str, folder: Path) -> None:
         raise UserError(f"{key} = '{folder}': {what}; fix its permissions or --set {key}=A_WRITABLE_FOLDER")
 
 
-def check_folders(config) -> None:
+def check_folders(config, probe_locks: bool = False) -> None:
+    """Every folder of the run; with probe_locks, also refuses at once a folder that a live run holds (the CLI does,
+    before it starts any worker; rank 0 then takes the locks for good)."""
     for key, folder in run_folders(config):
         check_folder(key, folder)
+        if probe_locks:
+            _probe_lock(key, folder)
+
+
+def _probe_lock(key: str, folder: Path) -> None:
+    try:
+        fd = os.open(folder / LOCK_NAME, os.O_RDONLY)
+    except OSError:
+        return  # no lock file (a new folder) or unreadable: rank 0's lock_folder decides
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a shared lock needs only read access, also on NFS
+    except BlockingIOError:
+        raise FolderBusyError(_busy(key, folder, _holder(fd))) from None
+    except OSError:
+        return
+    finally:
+        os.close(fd)
+
+
+def _busy(key: str, folder: Path, holder: str) -> str:
+    return (f"{key} = '{folder}': in use by another run ({holder}); wait for it to end, stop it, or give this run "
+            f"another folder: --set {key}=ANOTHER_FOLDER")
 
 
 def _holder(fd: int) -> str:
@@ -89,8 +113,7 @@ def lock_folder(key: str, folder: Path, wait_s: float = 0.0) -> int:
                 continue
             holder = _holder(fd)
             os.close(fd)
-            raise FolderBusyError(f"{key} = '{folder}': in use by another run ({holder}); wait for it to end, "
-                                  f"stop it, or give this run another folder: --set {key}=ANOTHER_FOLDER") from None
+            raise FolderBusyError(_busy(key, folder, holder)) from None
     since = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"host {socket.gethostname()}, pid {os.getpid()}, since {since}\n".encode(), 0)
@@ -105,8 +128,9 @@ def own_folders(config, runtime) -> Iterator[None]:
 
     fds, error = [], None
     if runtime.is_main:
-        # After a launcher restart the previous attempt's rank 0 may still be on its way out: give it a moment.
-        wait_s = 10.0 if runtime.restart_count else 0.0
+        # After a launcher restart the previous attempt's rank 0 may still be on its way out: give it a moment (and
+        # a second anyway, for another CLI's lock probe, which holds the lock for microseconds).
+        wait_s = 10.0 if runtime.restart_count else 1.0
         try:
             check_folders(config)
             for key, folder in run_folders(config):

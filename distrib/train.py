@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from distrib.config import TrainConfig
 from distrib.data import BatchPlan, epoch_steps, eval_batches
-from distrib.errors import UserError
+from distrib.errors import ConfigError, UserError
 from distrib.metrics import Recorder
 from distrib.parallel import check_batch, explain_device_errors, grad_sync, unwrap
 from distrib.preempt import Preempted, StopFlag
@@ -46,7 +46,14 @@ def lr_factor(step: int, total_steps: int, config: TrainConfig) -> float:
 
 
 def build_scheduler(optimizer, total_steps: int, config: TrainConfig):
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, config))
+    """The schedule spans train.schedule_steps when set (so a run extended later continues the same curve), else
+    this run's total_steps (an extended run then recomputes it: the cosine jumps back up)."""
+    length = config.schedule_steps or total_steps
+    if config.schedule == "cosine" and length < total_steps:
+        raise ConfigError(f"train.schedule_steps = {config.schedule_steps}: shorter than this run's {total_steps} "
+                          f"steps, so the learning rate would be 0 after step {length}; set it to {total_steps} or "
+                          "more, or to 0 (the run's length)")
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, length, config))
 
 
 def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
@@ -194,11 +201,13 @@ class Trainer:
                         f"lower train.lr (now {self.config.lr}), set train.grad_clip=1.0, or use more warm-up")
 
     def _maybe_checkpoint(self, step: int) -> None:
+        """After the step's time is taken: the save is not step time (the meter's clock restarts after it)."""
         if self.stop_agreed:
             path = self.checkpointer.save(step) if self.checkpointer else None
             raise Preempted(step, path)
         if self.checkpointer and self.checkpointer.due(step):
             self.checkpointer.save(step)
+            self.meter.restart_clock()
 
     def state_dict(self) -> dict:
         """Everything but the RNGs (gathered from every rank by the Checkpointer); no module. prefixes."""
@@ -234,13 +243,13 @@ class Trainer:
                 p.step, p.step_in_epoch = p.step + 1, p.step_in_epoch + 1
                 self.steps_this_run += 1
                 bar.update(1)
-                self._maybe_checkpoint(p.step)
                 if self.is_log_step(p.step):
                     loss_value = loss.item()  # host sync: only on log steps, so the step times are honest here
                     self.meter.step_done()
                     rec.log_step(p.step, p.epoch, loss_value, self.scheduler.get_last_lr()[0], **self.meter.window())
                 else:
                     self.meter.step_done()
+                self._maybe_checkpoint(p.step)
                 if p.step == self.total_steps:
                     break
             if p.step_in_epoch == self.plan.steps_per_epoch:

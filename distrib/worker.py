@@ -13,13 +13,14 @@ from pathlib import Path
 
 import torch
 
-from distrib.checkpoint import Checkpointer, check_compatible, load_for_resume, save_atomic, set_rng_state
+from distrib.checkpoint import Checkpointer, CheckpointError, check_compatible, save_atomic, set_rng_state
 from distrib.config import Config, to_dict, write_resolved
 from distrib.data import load_splits, make_batches, make_plan
 from distrib.metrics import Recorder
 from distrib.models import build_model
 from distrib.parallel import parallelize, place_model, unwrap
 from distrib.preempt import parse_signals, stop_on_signals
+from distrib.rundir import checkpoint_dir, own_folders
 from distrib.runtime import LaunchEnv, Runtime, collective_timeouts, open_runtime
 from distrib.throughput import meter_for
 from distrib.train import Trainer, build_optimizer, build_scheduler
@@ -27,7 +28,7 @@ from distrib.train import Trainer, build_optimizer, build_scheduler
 
 def run(config: Config, env: LaunchEnv | None = None) -> dict:
     """Trains on this worker's device inside an open process group; returns the run's summary."""
-    with open_runtime(config.dist, env) as runtime:
+    with open_runtime(config.dist, env) as runtime, own_folders(config, runtime):  # run.dir locked for the run's life
         return train_on(config, runtime)
 
 
@@ -37,22 +38,26 @@ def _total_steps(config: Config, steps_per_epoch: int) -> int:
     return min(by_epochs, by_steps) if by_epochs and by_steps else by_epochs or by_steps
 
 
-def _checkpoint_dir(config: Config) -> Path:
-    return Path(config.checkpoint.dir or Path(config.run.dir) / "checkpoints")
-
-
 def _resume(trainer: Trainer, config: Config, runtime: Runtime, recorder: Recorder) -> int | None:
     """Loads the checkpoint that rank 0 chose into the trainer and arms periodic checkpoints; the resumed step."""
     ckpt = config.checkpoint
-    trainer.checkpointer = Checkpointer(_checkpoint_dir(config), ckpt.every_steps, ckpt.keep_last, runtime,
+    trainer.checkpointer = Checkpointer(checkpoint_dir(config), ckpt.every_steps, ckpt.keep_last, runtime,
                                         lambda: {**trainer.state_dict(), "config": to_dict(config),
                                                  "world_size": runtime.world_size, "data_seed": config.train.seed,
-                                                 "global_batch_size": config.train.global_batch_size})
-    state = load_for_resume(ckpt.resume, _checkpoint_dir(config), runtime, recorder.info)
+                                                 "global_batch_size": config.train.global_batch_size},
+                                        foreign=ckpt.foreign)
+    state = trainer.checkpointer.load(ckpt.resume, recorder.info)
     if state is None:
         return None
-    changed = check_compatible(ckpt.resume, state["config"], to_dict(config), ckpt.allow_config_change)
-    trainer.load_state_dict(state)
+    path = trainer.checkpointer.resumed_from
+    changed = check_compatible(str(path), state["config"], to_dict(config), ckpt.allow_config_change)
+    try:
+        trainer.load_state_dict(state)
+    except (RuntimeError, KeyError, ValueError, TypeError) as e:  # another model's or optimizer's tensors
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"checkpoint {path}: does not fit this run's model or optimizer "
+                              f"({type(e).__name__}: {reason[:300]}); resume it with the config it was taken with, "
+                              "or start afresh with a new run.dir") from None
     if state["world_size"] == runtime.world_size:  # per-rank RNG streams only map onto the same ranks
         set_rng_state(state["rng"][runtime.rank], runtime)
     recorder.info(f"resumed at step {trainer.progress.step} (epoch {trainer.progress.epoch}) from a checkpoint "
@@ -65,8 +70,6 @@ def train_on(config: Config, runtime: Runtime) -> dict:
     start = time.perf_counter()
     run_dir = Path(config.run.dir)
     recorder = Recorder(run_dir, runtime.is_main, config.run.progress, config.metrics.tensorboard)
-    if runtime.is_main:
-        write_resolved(config, run_dir)
     recorder.info(f"world size {runtime.world_size}, device {runtime.device}, backend {runtime.backend}")
 
     train_split, test_split = load_splits(config.data, runtime)
@@ -82,12 +85,18 @@ def train_on(config: Config, runtime: Runtime) -> dict:
     trainer = Trainer(model, optimizer, build_scheduler(optimizer, total_steps, config.train), config.train,
                       runtime, plan, total_steps, recorder, meter=meter_for(config, runtime))
     resumed_from = _resume(trainer, config, runtime, recorder)
+    if runtime.is_main:  # only now: a run that failed above left an earlier run's config.toml as it was
+        write_resolved(config, run_dir)
     recorder.info(f"{total_steps} steps of {plan.global_batch_size} samples ({runtime.world_size} ranks x "
                   f"{config.train.grad_accum_steps} micro-steps x {plan.micro_batch_size}), "
                   f"{type(train_source).__name__}")
-    with stop_on_signals(parse_signals(config.checkpoint.signals)) as trainer.stop, \
-            collective_timeouts(config.dist.timeout_s, lambda: f"after step {trainer.progress.step}"):
-        metrics = trainer.fit(train_source, test_source, len(test_split), config.data.eval_batch_size)
+    try:
+        with stop_on_signals(parse_signals(config.checkpoint.signals)) as trainer.stop, \
+                collective_timeouts(config.dist.timeout_s, lambda: f"after step {trainer.progress.step}"):
+            metrics = trainer.fit(train_source, test_source, len(test_split), config.data.eval_batch_size)
+    except BaseException:
+        recorder.close()  # preempted or failed: flush metrics and TensorBoard now, the CLI's os._exit skips finalisers
+        raise
 
     if runtime.is_main:
         save_atomic(unwrap(model).state_dict(), run_dir / "model.pt")
