@@ -54,7 +54,7 @@ def _resume(trainer: Trainer, config: Config, runtime: Runtime, recorder: Record
     try:
         trainer.load_state_dict(state)
     except (RuntimeError, KeyError, ValueError, TypeError) as e:  # another model's or optimizer's tensors
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        reason = " ".join(str(e).split()) or type(e).__name__  # torch's reasons follow a header line: keep them
         raise CheckpointError(f"checkpoint {path}: does not fit this run's model or optimizer "
                               f"({type(e).__name__}: {reason[:300]}); resume it with the config it was taken with, "
                               "or start afresh with a new run.dir") from None
