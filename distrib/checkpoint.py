@@ -56,11 +56,20 @@ def save_atomic(obj, path: Path, tag: str = "") -> Path:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         _fsync_dir(path.parent)
-    except OSError as e:
-        raise EnvironmentFault(_write_fault(path, obj, e)) from None
+    except (OSError, RuntimeError) as e:
+        tmp.unlink(missing_ok=True)  # first: its space counts as free below
+        # torch's zip writer turns ENOSPC into a RuntimeError ("unexpected pos ..."): the free space tells.
+        full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) or _free(path) < _nbytes(obj)
+        if not (full or isinstance(e, OSError)):
+            raise
+        raise EnvironmentFault(_write_fault(path, obj, e if not full else None)) from None
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def _free(path: Path) -> int:
+    return shutil.disk_usage(path.parent).free if path.parent.is_dir() else 0
 
 
 def _nbytes(obj) -> int:
@@ -73,12 +82,12 @@ def _nbytes(obj) -> int:
     return 0
 
 
-def _write_fault(path: Path, obj, e: OSError) -> str:
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        free = shutil.disk_usage(path.parent).free / 1e6 if path.parent.is_dir() else 0.0
-        return (f"{path}: no space left on the device ({e.strerror}): this file needs about "
-                f"{_nbytes(obj) / 1e6:.1f} MB, {free:.1f} MB are free; the earlier files are kept; free some space or "
-                "move the folder to a larger disk, then run the same command again")
+def _write_fault(path: Path, obj, e: OSError | None) -> str:
+    """e: the OSError of a write that failed for another reason than space; None for a full disk."""
+    if e is None:
+        return (f"{path}: no space left on the device: this file needs about {_nbytes(obj) / 1e6:.1f} MB, "
+                f"{_free(path) / 1e6:.1f} MB are free; the earlier files are kept; free some space or move the folder "
+                "to a larger disk, then run the same command again")
     return f"{path}: cannot be written ({e.strerror}); fix the folder (permissions, a read-only mount) or move it"
 
 
