@@ -117,3 +117,66 @@ def test_sigkill_during_a_save_never_leaves_a_partial_file(tmp_path):
         state = read_checkpoint(path, CPU)
         assert torch.equal(state["model"]["w"], torch.full((4_000_000,), float(state["progress"]["step"])))
     assert list_checkpoints(tmp_path) == [path]
+
+
+SMALL = ["data.name=synthetic", "data.synthetic_train_size=256", "data.synthetic_test_size=64", "run.progress=false",
+         "train.global_batch_size=32", "train.schedule=constant", "train.warmup_steps=2", "train.eval_every_epochs=0",
+         "dist.device=cpu"]
+
+
+@pytest.mark.timeout(120)
+def test_checkpoint_time_is_not_step_time(tmp_path, monkeypatch):
+    """A virtual clock: each reading moves it 1 ms, and every save 100 s. Steps stay milliseconds long."""
+    from distrib import checkpoint, throughput
+    from distrib.config import load_config
+    from distrib.worker import run
+
+    clock = [0.0]
+
+    def perf_counter():
+        clock[0] += 1e-3
+        return clock[0]
+
+    real_save = checkpoint.Checkpointer.save
+
+    def slow_save(self, step):
+        clock[0] += 100.0
+        return real_save(self, step)
+
+    monkeypatch.setattr(throughput.time, "perf_counter", perf_counter)
+    monkeypatch.setattr(checkpoint.Checkpointer, "save", slow_save)
+    summary = run(load_config(None, [*SMALL, f"run.dir={tmp_path}", "train.max_steps=12", "checkpoint.every_steps=2",
+                                     "metrics.timing_skip_steps=0", "train.log_every=3"]))
+    assert summary["timed_steps"] == 12 and summary["step_time_p95_s"] < 1.0, summary
+
+
+@pytest.mark.timeout(120)
+def test_a_preempted_run_closes_its_recorder(tmp_path, monkeypatch):
+    """The CLI ends with os._exit, which skips finalisers: the recorder (metrics.jsonl, TensorBoard's writer and its
+    queue) is closed on the way out of a run that stops early."""
+    import os
+    import signal
+
+    from distrib.config import load_config
+    from distrib.metrics import Recorder
+    from distrib.preempt import Preempted
+    from distrib.train import Trainer
+    from distrib.worker import run
+
+    real_step, real_close, closed = Trainer.step, Recorder.close, []
+
+    def step(self, micro_batches):
+        if self.progress.step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # the run's handler only sets its flag
+        return real_step(self, micro_batches)
+
+    def close(self):
+        closed.append(self._board is not None)
+        real_close(self)
+
+    monkeypatch.setattr(Trainer, "step", step)
+    monkeypatch.setattr(Recorder, "close", close)
+    with pytest.raises(Preempted, match="preempted at step 2"):
+        run(load_config(None, [*SMALL, f"run.dir={tmp_path}", "train.max_steps=50", "train.log_every=2",
+                               "metrics.tensorboard=true"]))
+    assert closed == [True]
