@@ -180,3 +180,26 @@ def test_a_preempted_run_closes_its_recorder(tmp_path, monkeypatch):
         run(load_config(None, [*SMALL, f"run.dir={tmp_path}", "train.max_steps=50", "train.log_every=2",
                                "metrics.tensorboard=true"]))
     assert closed == [True]
+
+
+@pytest.mark.timeout(180)
+def test_ranks_that_do_not_share_checkpoint_dir_are_told_so_on_every_rank(tmp_path):
+    """Before, the ranks compared steps, and a checkpoint's name carries its step: an unshared folder passed. Node 1
+    holds another file of the same step, node 2 none at all (its error reaches every rank: nobody waits on it)."""
+    from support import run as run_cmd
+
+    _write(tmp_path / "node0" / "ck", 10)
+    state = {"format": FORMAT, "version": VERSION, "progress": {"step": 10}, "model": {"w": torch.zeros(1000)}}
+    state["checksum"] = digest(state)
+    save_atomic(state, checkpoint_path(tmp_path / "node1" / "ck", 10))
+    (tmp_path / "node2" / "ck").mkdir(parents=True)
+    result = run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
+                      str(REPO / "tests" / "probe_unshared.py"), str(tmp_path)], timeout=150)
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
+    assert [line[:15] for line in lines] == ["rank 0 error ch", "rank 1 error ch", "rank 2 error ch"], result
+    assert len({line[7:] for line in lines}) == 1  # one message, on every rank
+    theirs = read_checkpoint(tmp_path / "node0" / "ck" / "step_00000010.pt", CPU)["checksum"]
+    for text in ("the ranks did not load the same file", f"rank 0: {theirs[:16]}", f"rank 1: {state['checksum'][:16]}",
+                 "rank 2: checkpoint ck/step_00000010.pt: no such file",
+                 "checkpoint.dir must be one folder shared by every node"):
+        assert text in lines[0], lines[0]
