@@ -1,5 +1,6 @@
 """The per-worker runtime: reads the launch environment (the only reader), picks the device and backend, and opens
-and always closes the process group. The only module that names cuda, nccl or gloo."""
+and always closes the process group. The only module that picks a device or a backend (cuda/nccl, cpu/gloo): elsewhere
+cuda is named only to count GPUs (doctor, launcher) or as a dist.device value (config)."""
 
 from __future__ import annotations
 
