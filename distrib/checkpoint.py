@@ -201,9 +201,9 @@ def _refuse_others(resume: str, directory: Path, others: list[Path]) -> None:
     """A new run in a folder that holds checkpoints it did not write: the user says which run the folder is for."""
     why = "resume=never" if resume == "never" else "none of them could be resumed"
     raise CheckpointError(
-        f"checkpoint.dir = '{directory}': holds {len(others)} checkpoint(s) of another run (newest {others[0].name}) "
-        f"and this run starts afresh ({why}); continue that run with --set checkpoint.resume=auto (or a path), move "
-        "them away, give this run a new --set run.dir, or train beside them (never deleted) with "
+        f"checkpoint.dir = '{directory}': holds {len(others)} checkpoint file(s) of another run (newest "
+        f"{others[0].name}) and this run starts afresh ({why}); continue that run with --set checkpoint.resume=auto "
+        "(or a path), move them away, give this run a new --set run.dir, or train beside them (never deleted) with "
         "--set checkpoint.foreign=keep")
 
 

@@ -13,7 +13,7 @@ import os
 import sys
 from typing import NoReturn, Sequence
 
-from distrib.errors import EXIT_PREEMPTED, UserError
+from distrib.errors import EXIT_PREEMPTED, UserError, say
 
 EXIT_USER_ERROR = 2
 
@@ -29,9 +29,18 @@ def _train(args: argparse.Namespace) -> int:
         from distrib.launcher import launch_trainer
 
         return launch_trainer(args.nproc_per_node, args.argv)
-    from torch.distributed.elastic.multiprocessing.errors import record
+    from distrib.preempt import StoppedEarly, exit_on_signals, parse_signals
 
-    return record(_worker)(config)  # under a launcher, a failing rank's exception reaches the launcher's summary
+    try:
+        # A stop request before training starts (importing torch, waiting for the other ranks) ends this worker
+        # with EXIT_PREEMPTED at once: nothing since the last checkpoint is lost. Training then takes over the signals.
+        with exit_on_signals(parse_signals(config.checkpoint.signals)):
+            from torch.distributed.elastic.multiprocessing.errors import record
+
+            return record(_worker)(config)  # under a launcher, a failing rank's exception reaches its summary
+    except StoppedEarly as e:
+        say(f"distrib: {e}; exit code {EXIT_PREEMPTED}: requeue the job and it starts (or resumes) there")
+        return EXIT_PREEMPTED
 
 
 def _check_nproc(nproc_per_node: int | None) -> None:
@@ -47,7 +56,7 @@ def _worker(config) -> int:
     try:
         run(config)
     except Preempted as e:
-        print(f"distrib: {e}; exit code {EXIT_PREEMPTED}: requeue the job and it resumes there", file=sys.stderr)
+        say(f"distrib: {e}; exit code {EXIT_PREEMPTED}: requeue the job and it resumes there")
         return EXIT_PREEMPTED
     return 0
 
@@ -114,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.argv = _launch_trainer_argv(argv[1:])  # what follows `train`
         return args.func(args)
     except UserError as e:
-        print(f"distrib: error: {e}", file=sys.stderr)
+        say(f"distrib: error: {e}")
         return getattr(e, "exit_code", EXIT_USER_ERROR)  # 2; EnvironmentFault: EXIT_ENVIRONMENT (74)
 
 

@@ -92,7 +92,8 @@ def train_on(config: Config, runtime: Runtime) -> dict:
                   f"{type(train_source).__name__}")
     try:
         with stop_on_signals(parse_signals(config.checkpoint.signals)) as trainer.stop, \
-                collective_timeouts(config.dist.timeout_s, lambda: f"after step {trainer.progress.step}"):
+                collective_timeouts(config.dist.timeout_s, lambda: f"after step {trainer.progress.step}",
+                                    runtime.peers):
             metrics = trainer.fit(train_source, test_source, len(test_split), config.data.eval_batch_size)
     except BaseException:
         recorder.close()  # preempted or failed: flush metrics and TensorBoard now, the CLI's os._exit skips finalisers
