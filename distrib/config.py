@@ -132,11 +132,11 @@ class RunConfig:
 @dataclass(kw_only=True, frozen=True, slots=True)
 class DistConfig:
     device: str = "auto"  # auto (cuda when available, else cpu) | cpu | cuda
-    timeout_s: float = 300.0  # a collective that waits longer fails instead of hanging
+    timeout_s: float = 60.0  # a collective that waits longer fails, naming the ranks it waited for, instead of hanging
 
     def __post_init__(self):
         _choice("dist", self, "device", ("auto", "cpu", "cuda"))
-        _positive("dist", self, "timeout_s", 300)
+        _positive("dist", self, "timeout_s", 60)
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
