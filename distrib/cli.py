@@ -32,8 +32,9 @@ def _train(args: argparse.Namespace) -> int:
     from distrib.preempt import StoppedEarly, exit_on_signals, parse_signals
 
     try:
-        # A stop request before training starts (importing torch, waiting for the other ranks) ends this worker
-        # with EXIT_PREEMPTED at once: nothing since the last checkpoint is lost. Training then takes over the signals.
+        # A stop request outside the training steps (importing torch, waiting for the other ranks, after the final
+        # checkpoint) ends this worker with EXIT_PREEMPTED at once: nothing is lost. The training steps take the
+        # signals over (checkpoint at the next step boundary, then EXIT_PREEMPTED).
         with exit_on_signals(parse_signals(config.checkpoint.signals)):
             from torch.distributed.elastic.multiprocessing.errors import record
 

@@ -185,9 +185,10 @@ def _stopped_line(signum: int, codes: Sequence[int | None], code: int) -> str:
             ": requeue the job and it starts (or resumes) there" if code == EXIT_PREEMPTED else "")
     ended = ", ".join("running (killed)" if c is None else f"killed by signal {-c}" if c < 0 else f"exit {c}"
                       for c in codes)
-    verdict = ("every worker checkpointed: requeue the job and it resumes there" if code == EXIT_PREEMPTED
+    verdict = ("every worker ended with 75 (checkpointed, or nothing to lose): requeue the job and it resumes there"
+               if code == EXIT_PREEMPTED
                else "the workers had finished" if code == 0
-               else "not every worker checkpointed, so this is no preemption exit")
+               else "not every worker ended with 75, so this is no preemption exit")
     return f"distrib launch: stopped by {name}; the workers were stopped too ({ended}); {verdict}; exit {code}"
 
 

@@ -18,11 +18,12 @@ class Preempted(Exception):
 
 
 class StoppedEarly(BaseException):
-    """A stop signal before training began (BaseException: no `except Exception` on the way may swallow it)."""
+    """A stop signal outside the training steps: while the worker starts, or after its final checkpoint
+    (BaseException: no `except Exception` on the way may swallow it)."""
 
     def __init__(self, signum: int):
-        super().__init__(f"stopped by {signal.Signals(signum).name} before training started, so there was nothing "
-                         "to checkpoint")
+        super().__init__(f"stopped by {signal.Signals(signum).name} outside the training steps (starting up, or "
+                         "after the final checkpoint), so nothing was lost")
         self.signum = signum
 
 
@@ -58,8 +59,8 @@ def stop_on_signals(signals: list[signal.Signals]) -> Iterator[StopFlag]:
 
 @contextlib.contextmanager
 def exit_on_signals(signals: list[signal.Signals]) -> Iterator[None]:
-    """Until training takes the signals over (stop_on_signals), a stop signal raises StoppedEarly: the worker ends
-    with EXIT_PREEMPTED at once, as nothing since the last checkpoint can be lost yet."""
+    """Outside the training steps (where stop_on_signals takes the signals over), a stop signal raises StoppedEarly:
+    the worker ends with EXIT_PREEMPTED at once, as nothing since the last checkpoint can be lost there."""
     def handler(signum, frame):
         raise StoppedEarly(signum)
     previous = {s: signal.signal(s, handler) for s in signals}
