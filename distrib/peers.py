@@ -87,7 +87,14 @@ class PeerWatch:
 
     def diagnose(self, failure: str) -> str:
         """Marks this rank as arrived at the failed collective, watches the others for grace_s(), and returns one
-        line: the ranks that did not arrive (or stopped beating), each with host, pid, last step and state."""
+        line: the ranks that did not arrive (or stopped beating), each with host, pid, last step and state; "" when
+        the store cannot tell (its host, the first node's launcher, is gone too)."""
+        try:
+            return self._diagnose(failure)
+        except Exception:  # the failure is reported without names rather than hidden behind a store error
+            return ""
+
+    def _diagnose(self, failure: str) -> str:
         with self._lock:
             self._store_().set(f"arrived/{self.rank}", self.where())
         before = self.beats()

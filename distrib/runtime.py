@@ -148,9 +148,11 @@ def _store_prefix(env: LaunchEnv) -> str:
 
 
 def _peer_watch(env: LaunchEnv, timeout: timedelta) -> PeerWatch:
-    """Heartbeats over a connection of their own to the launcher's store (the one env:// names)."""
+    """Heartbeats over a connection of their own to the launcher's store (the one env:// names); its operations
+    time out in 10 s at most, so a diagnosis never waits long on a store whose host is gone."""
     def connect() -> dist.Store:
-        store = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timeout)
+        store = dist.TCPStore(env.master_addr, env.master_port, is_master=False,
+                              timeout=min(timeout, timedelta(seconds=10)))
         return dist.PrefixStore(f"{_store_prefix(env)}/peers", store)
     return PeerWatch(connect, env.rank, env.world_size, timeout.total_seconds())
 
