@@ -207,9 +207,10 @@ def stop_handlers(raise_for) -> Iterator[None]:
 
 
 def exit_code(error) -> int:
-    """The first failure's exit code (so a worker's EXIT_PREEMPTED reaches the job script), or its signal's."""
+    """The first failure's exit code (so a worker's EXIT_PREEMPTED reaches the job script), or 128 + N for the signal
+    N that killed it (a worker killed by SIGTERM did not checkpoint: no preemption exit)."""
     _, failure = error.get_first_failure()
-    return failure.exitcode if failure.exitcode > 0 else signal_exit_code(-failure.exitcode)
+    return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
 
 
 @contextlib.contextmanager

@@ -144,6 +144,7 @@ def test_failure_summary_is_one_line_per_rank_first_failure_last(tmp_path):
                        "[first failure]"
     assert lines[0] == "distrib launch: rank 0 (local rank 0, pid 100) was killed by signal 15 (SIGTERM)"
     assert launcher.exit_code(error) == 3
+    assert launcher.exit_code(ChildFailedError("train", {0: failures[0]})) == 128 + signal.SIGTERM  # no checkpoint
     assert launcher.signal_exit_code(signal.SIGTERM) == EXIT_PREEMPTED
     assert launcher.signal_exit_code(signal.SIGKILL) == 128 + 9
 
