@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 from launch_support import CLUSTER_CONFIG, PROBE, SMALL, Launches, clean_env, distrib_cmd
-from support import _descendants
 
 from distrib import launcher
 from distrib.errors import EXIT_HUNG, EXIT_PREEMPTED
@@ -27,6 +26,20 @@ def probe_env(**extra: str) -> dict[str, str]:
     """The environment with tests/ on PYTHONPATH, for probe_env's model factories."""
     return clean_env(PYTHONPATH=os.pathsep.join(filter(None, (str(PROBE.parent), os.environ.get("PYTHONPATH")))),
                      **extra)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below pid (children by /proc's parent pid, whatever session they are in)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            children.setdefault(int(stat.read_text().rsplit(")", 1)[1].split()[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def _environ(pid: int) -> dict[str, str]:
