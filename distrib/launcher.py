@@ -223,7 +223,7 @@ def lifelines(args: argparse.Namespace) -> Iterator[Path]:
         python = os.environ.get("PYTHON_EXEC", sys.executable)
         restore = f"PYTHON_EXEC={shlex.quote(python)}; export PYTHON_EXEC" if "PYTHON_EXEC" in os.environ \
             else "unset PYTHON_EXEC"
-        wrapper = Path(folder, "python")
+        wrapper = Path(folder, "python-in-lifeline")  # the "binary" torch's log lines name
         wrapper.write_text(f"#!/bin/sh\n{restore}\nexec {shlex.quote(sys.executable)} -m distrib.lifeline "
                            f"--parent {os.getpid()} --status {shlex.quote(str(status))} {shlex.quote(python)} "
                            '"$@"\n')

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ from launch_support import CLUSTER_CONFIG, PROBE, SMALL, Launches, clean_env, di
 from distrib import launcher
 from distrib.errors import EXIT_HUNG, EXIT_PREEMPTED
 from distrib.lifeline import Status, read_statuses, write_status
+from distrib.peers import PeerWatch
 
 LONG = [*SMALL, "--set", "train.max_steps=100000", "--set", "train.log_every=1"]  # runs until stopped
 
@@ -126,6 +128,23 @@ def test_lifeline_records_and_passes_on_how_its_worker_ended(tmp_path):
     write_status(tmp_path, "0", Status(10, 11, 1))
     write_status(tmp_path, "1", Status(12, 13, None))
     assert read_statuses(tmp_path) == [Status(12, 13, None)]  # the latest attempt only
+
+
+def test_the_diagnosis_names_who_did_not_arrive_and_whether_it_still_beats():
+    """Three ranks on one store: rank 2 arrived at the failed collective too, rank 1 did not and stopped beating."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    watches = [PeerWatch(lambda: store, rank, 3, timeout_s=4.0) for rank in range(3)]
+    watches[0].where = lambda: "after step 7"
+    for watch in watches:
+        watch._beat()  # one beat each, as start() does; no threads: rank 1 then stays silent
+    store.set("arrived/2", "after step 7")
+    started = time.monotonic()
+    text = watches[0].diagnose("timeout")
+    assert time.monotonic() - started >= watches[0].grace_s()
+    assert text == f"rank 1 (host {socket.gethostname()}, pid {os.getpid()}, before training; no heartbeat since: " \
+                   "stopped, killed, or its host is gone)"
 
 
 # ---------------------------------------------------------------- real launches (2 CPU workers each)
