@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import fcntl
 import os
 import socket
@@ -14,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from distrib.errors import UserError
+from distrib.errors import EnvironmentFault, UserError
 
 LOCK_NAME = ".distrib.lock"  # in run.dir and in checkpoint.dir; never part of a run's outputs
 
@@ -118,6 +119,24 @@ def lock_folder(key: str, folder: Path, wait_s: float = 0.0) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"host {socket.gethostname()}, pid {os.getpid()}, since {since}\n".encode(), 0)
     return fd
+
+
+_MACHINE_FAULTS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO)
+
+
+@contextlib.contextmanager
+def environment_faults() -> Iterator[None]:
+    """A write that failed for the machine (full disk, quota, read-only or failing filesystem) anywhere in the run,
+    e.g. a metrics line: one line and EXIT_ENVIRONMENT instead of a traceback (checkpoints say more: see
+    distrib.checkpoint.save_atomic)."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in _MACHINE_FAULTS:
+            raise
+        raise EnvironmentFault(f"{e.filename or 'a file of the run'}: {e.strerror}; free some space or fix the "
+                               "filesystem, then run the same command again (it resumes from the last checkpoint)"
+                               ) from None
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ from distrib.metrics import Recorder
 from distrib.models import build_model
 from distrib.parallel import parallelize, place_model, unwrap
 from distrib.preempt import parse_signals, stop_on_signals
-from distrib.rundir import checkpoint_dir, own_folders
+from distrib.rundir import checkpoint_dir, environment_faults, own_folders
 from distrib.runtime import LaunchEnv, Runtime, collective_timeouts, open_runtime
 from distrib.throughput import meter_for
 from distrib.train import Trainer, build_optimizer, build_scheduler
@@ -28,8 +28,8 @@ from distrib.train import Trainer, build_optimizer, build_scheduler
 
 def run(config: Config, env: LaunchEnv | None = None) -> dict:
     """Trains on this worker's device inside an open process group; returns the run's summary."""
-    with open_runtime(config.dist, env) as runtime, own_folders(config, runtime):  # run.dir locked for the run's life
-        return train_on(config, runtime)
+    with environment_faults(), open_runtime(config.dist, env) as runtime, own_folders(config, runtime):
+        return train_on(config, runtime)  # run.dir and checkpoint.dir locked for the run's life
 
 
 def _total_steps(config: Config, steps_per_epoch: int) -> int:

@@ -126,3 +126,15 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_says_how_much_space_is_ne
     monkeypatch.undo()
     resumed = run(load_config(None, [*BASE, f"run.dir={folder}", "train.max_steps=12"]))  # space again: it resumes
     assert resumed["resumed_from_step"] == 6 and resumed["steps"] == 12
+
+
+def test_a_full_disk_under_the_metrics_is_one_line_too(capsys, folder, monkeypatch):
+    from distrib.metrics import Recorder
+
+    def full(self, record):
+        raise OSError(errno.ENOSPC, "No space left on device", str(folder / "metrics.jsonl"))
+
+    monkeypatch.setattr(Recorder, "write", full)
+    err = _fails(capsys, _train(folder, "train.max_steps=12"), code=EXIT_ENVIRONMENT)
+    assert err == (f"distrib: error: {folder}/metrics.jsonl: No space left on device; free some space or fix the "
+                   "filesystem, then run the same command again (it resumes from the last checkpoint)")
