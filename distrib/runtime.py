@@ -32,6 +32,7 @@ class LaunchEnv:
     master_addr: str = ""
     master_port: int = 0
     restart_count: int = 0
+    elastic: bool = False  # started by torch's elastic agent (torchrun, distrib launch): it dies with the agent
 
     @property
     def launched(self) -> bool:
@@ -68,7 +69,8 @@ def read_launch_env(environ: Mapping[str, str] = os.environ) -> LaunchEnv:
         raise UserError(f"LOCAL_RANK={local_rank} with LOCAL_WORLD_SIZE={local_world_size}, WORLD_SIZE={world_size}: "
                         "need 0 <= LOCAL_RANK < LOCAL_WORLD_SIZE <= WORLD_SIZE; fix the launcher")
     restarts = _int_var(environ, "TORCHELASTIC_RESTART_COUNT", 0)
-    return LaunchEnv(rank, local_rank, world_size, local_world_size, master_addr, master_port, restarts)
+    return LaunchEnv(rank, local_rank, world_size, local_world_size, master_addr, master_port, restarts,
+                     "TORCHELASTIC_RUN_ID" in environ)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,9 +179,10 @@ def _init_process_group(env: LaunchEnv, device: torch.device, backend: str, time
 def open_runtime(config: DistConfig, env: LaunchEnv | None = None) -> Iterator[Runtime]:
     """Opens the process group for this worker and always closes it, also when training raises."""
     env = env or read_launch_env()
-    if env.launched:
+    if env.elastic:
         # A worker of torchrun or distrib launch ends when its launcher does, even by SIGKILL (distrib launch's
-        # workers already are tied by distrib.lifeline; under torchrun this is the only tie).
+        # workers already are tied by distrib.lifeline; under torchrun this is the only tie). Not for processes a
+        # script of the user's started with RANK and MASTER_* set: that script may end before them on purpose.
         die_with_parent()
     device = select_device(config.device, env.local_rank)
     if device.type == "cuda":
