@@ -4,6 +4,8 @@
     distrib launch [torchrun options] SCRIPT|-m MODULE [args ...]
     distrib doctor
     distrib plot RUN_DIR [--out FILE]
+    distrib eval RUN_DIR|CHECKPOINT [--config FILE] [--set ...] [--nproc-per-node N] [--out FILE]
+    distrib predict RUN_DIR|CHECKPOINT --input FOLDER|test|train --out FILE [--config FILE] [--set ...] [...]
 """
 
 from __future__ import annotations
@@ -76,6 +78,55 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _use(args: argparse.Namespace) -> int:
+    """distrib eval and distrib predict: checked here, then run in this process or in N launched workers."""
+    from distrib.inference import check_input, load_trained
+
+    trained = load_trained(args.source, args.config, args.set)  # a bad run dir or checkpoint fails before any worker
+    if args.command == "predict":
+        check_input(args.input)
+    if args.nproc_per_node is not None:
+        from distrib.launcher import main as launch
+
+        return launch(["--nproc-per-node", str(args.nproc_per_node), "-m", "distrib", args.command, *args.argv])
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(_use_worker)(args, trained)
+
+
+def _use_worker(args: argparse.Namespace, trained) -> int:
+    from pathlib import Path
+
+    from distrib.inference import evaluate_trained, predict_trained
+    from distrib.runtime import open_runtime
+
+    with open_runtime(trained.config.dist) as runtime:
+        if args.command == "eval":
+            out = Path(args.out) if args.out else trained.out_dir / "eval.json"
+            metrics = evaluate_trained(trained, runtime, out)
+            if runtime.is_main:
+                print(f"test accuracy {100 * metrics['test_accuracy']:.2f}%, loss {metrics['test_loss']:.4f} over "
+                      f"{metrics['test_count']} samples at world size {runtime.world_size}; written to {out}")
+        else:
+            count = predict_trained(trained, runtime, args.input, Path(args.out))
+            if runtime.is_main:
+                print(f"{count} predictions written to {args.out}")
+    return 0
+
+
+def _use_parser(commands, name: str, help_text: str) -> argparse.ArgumentParser:
+    use = commands.add_parser(name, help=help_text)
+    use.add_argument("source", metavar="RUN_DIR|CHECKPOINT",
+                     help="a run.dir holding model.pt and config.toml, or a checkpoint file (its stored config)")
+    use.add_argument("--config", help="TOML file replacing the run's (or checkpoint's) config")
+    use.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                     help="override one config value (e.g. data.root, dist.device); repeatable")
+    use.add_argument("--nproc-per-node", type=int, default=None,
+                     help="run on this many workers on this node (or launch `-m distrib %s` with torchrun)" % name)
+    use.set_defaults(func=_use)
+    return use
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="distrib", description="Data-parallel training for PyTorch.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -97,6 +148,16 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir", metavar="RUN_DIR", help="the run.dir of a run (it holds metrics.jsonl)")
     plot.add_argument("--out", default=None, help="the PNG to write (default: RUN_DIR/curves.png)")
     plot.set_defaults(func=_plot)
+    evaluate = _use_parser(commands, "eval", "exact test metrics of a trained model, at any world size, "
+                                             "written to eval.json beside it; nothing else is touched")
+    evaluate.add_argument("--out", default=None,
+                          help="the JSON file to write (default: eval.json in RUN_DIR, or beside the checkpoint)")
+    predict = _use_parser(commands, "predict", "one JSON line per input sample: predicted label, class name and "
+                                               "top-k probabilities, in input order at any world size")
+    predict.add_argument("--input", required=True, metavar="FOLDER|test|train",
+                         help="a folder of images (sorted by path; ./test for a folder named test), or a split of "
+                              "the run's data (sources split:index)")
+    predict.add_argument("--out", required=True, help="the JSON Lines file to write (rank 0 writes it)")
     return parser
 
 

@@ -47,28 +47,64 @@ def _positive(section: str, obj, key: str, example) -> None:
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class DataConfig:
-    name: str = "fashion-mnist"  # fashion-mnist | synthetic
-    root: str = "data"  # where datasets are found, unpacked or downloaded
-    loader: str = "auto"  # auto (device-resident when it fits) | device | dataloader
+    name: str = "fashion-mnist"  # fashion-mnist | mnist | cifar10 | imagefolder | synthetic
+    root: str = "data"  # the user's dataset folder: read; unpacked/downloaded files go under a subfolder of it
+    factory: str = ""  # package.module:function returning (train, test) datasets; overrides name
+    kwargs: dict = field(default_factory=dict)  # keyword arguments of the factory
+    loader: str = "auto"  # auto (device-resident when in memory and it fits) | device | dataloader
     num_workers: int = 0  # DataLoader worker processes (dataloader path only)
+    pin_memory: bool = True  # DataLoader: page-locked host batches (accelerators only)
+    persistent_workers: bool = True  # DataLoader: keep the worker processes between epochs (num_workers > 0)
+    prefetch_factor: int = 2  # DataLoader: batches each worker loads ahead (num_workers > 0)
+    image_size: int = 0  # imagefolder: resize every image to image_size x image_size; 0 = as stored
+    normalize: str | tuple[tuple[float, ...], ...] = "auto"  # auto | none | [[means], [stds]] (per channel, 0..1)
+    augment: str = "none"  # none | flip | crop_flip (training only; keyed by seed, epoch and sample index)
+    crop_padding: int = 4  # crop_flip: zero padding on each side before the random crop
+    num_classes: int = 0  # synthetic: number of classes (0 = 10); others: 0 = from the data
+    synthetic_shape: tuple[int, ...] = (1, 28, 28)  # synthetic: (C, H, W) of one sample
     eval_batch_size: int = 1000
     synthetic_train_size: int = 8192
     synthetic_test_size: int = 1000
 
     def __post_init__(self):
-        _choice("data", self, "name", ("fashion-mnist", "synthetic"))
+        if self.factory:
+            if not _FACTORY.match(self.factory):
+                _fail("data", "factory", self.factory, "must look like package.module:function",
+                      "e.g. --set data.factory=mypkg.data:build")
+        else:
+            _choice("data", self, "name", ("fashion-mnist", "mnist", "cifar10", "imagefolder", "synthetic"))
         _choice("data", self, "loader", ("auto", "device", "dataloader"))
+        _choice("data", self, "augment", ("none", "flip", "crop_flip"))
         if not self.root:
             _fail("data", "root", self.root, "must not be empty", "e.g. --set data.root=data")
-        _at_least("data", self, "num_workers", 0)
-        for key in ("eval_batch_size", "synthetic_train_size", "synthetic_test_size"):
+        for key in ("num_workers", "image_size", "crop_padding", "num_classes"):
+            _at_least("data", self, key, 0)
+        for key in ("prefetch_factor", "eval_batch_size", "synthetic_train_size", "synthetic_test_size"):
             _at_least("data", self, key, 1)
+        if len(self.synthetic_shape) != 3 or min(self.synthetic_shape) < 1:
+            _fail("data", "synthetic_shape", list(self.synthetic_shape), "must be [C, H, W] of positive sizes",
+                  "e.g. --set data.synthetic_shape=[3,32,32]")
+        self._check_normalize()
+
+    def _check_normalize(self):
+        value = self.normalize
+        if isinstance(value, str):
+            if value not in ("auto", "none"):
+                _fail("data", "normalize", value, "must be auto, none or [[means], [stds]]",
+                      "e.g. --set data.normalize=auto")
+            return
+        ok = len(value) == 2 and len(value[0]) == len(value[1]) >= 1
+        if not ok or not all(math.isfinite(v) for row in value for v in row) or min(value[1]) <= 0:
+            _fail("data", "normalize", [list(row) for row in value],
+                  "must be [[means], [stds]]: two lists of one number per channel, stds > 0",
+                  "e.g. --set 'data.normalize=[[0.5,0.5,0.5],[0.25,0.25,0.25]]'")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class ModelConfig:
     name: str = "network"  # network: the seed Fashion-MNIST CNN
     factory: str = ""  # package.module:function returning any nn.Module; overrides name
+    kwargs: dict = field(default_factory=dict)  # keyword arguments of the factory (besides num_classes, ...)
 
     def __post_init__(self):
         if self.factory:
@@ -99,8 +135,16 @@ class TrainConfig:
     eval_every_epochs: int = 1  # 0 = evaluate only at the end
     finite_check_every: int = 1  # steps between checks that the reduced gradients are finite; 0 = never
     sync_every: int = 10  # steps between the ranks' all-reduce of (loss, stop votes); log steps always sync
+    loss: str = "cross_entropy"  # cross_entropy | package.module:function, (outputs, targets) -> scalar mean
+    label_smoothing: float = 0.0  # cross_entropy only
 
     def __post_init__(self):
+        if self.loss != "cross_entropy" and not _FACTORY.match(self.loss):
+            _fail("train", "loss", self.loss, "must be cross_entropy or package.module:function",
+                  "e.g. --set train.loss=mypkg.losses:focal")
+        if not (0.0 <= self.label_smoothing < 1.0):
+            _fail("train", "label_smoothing", self.label_smoothing, "must be in [0, 1)",
+                  "e.g. --set train.label_smoothing=0.1")
         for key in ("epochs", "max_steps", "warmup_steps", "seed", "eval_every_epochs", "finite_check_every",
                     "schedule_steps"):
             _at_least("train", self, key, 0)
@@ -133,6 +177,7 @@ class RunConfig:
 class DistConfig:
     device: str = "auto"  # auto (cuda when available, else cpu) | cpu | cuda
     timeout_s: float = 60.0  # a collective that waits longer fails, naming the ranks it waited for, instead of hanging
+    sync_batchnorm: bool = False  # BatchNorm statistics over the global batch (torch's SyncBatchNorm; GPUs only)
 
     def __post_init__(self):
         _choice("dist", self, "device", ("auto", "cpu", "cuda"))
@@ -301,9 +346,10 @@ def _read_toml(path: str) -> dict:
         raise ConfigError(f"--config {path!r}: not valid TOML ({e}); fix the file") from None
 
 
-def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Built-in defaults, then the TOML file, then each --set section.key=value in order."""
-    tree = _read_toml(path) if path else {}
+def load_config(path: str | None = None, overrides: typing.Sequence[str] = (), base: dict | None = None) -> Config:
+    """Built-in defaults, then the TOML file (or `base`, a stored config such as a checkpoint's), then each
+    --set section.key=value in order."""
+    tree = _read_toml(path) if path else {name: dict(values) for name, values in (base or {}).items()}
     raws: dict[str, dict] = {}
     for item in overrides:
         _apply_override(tree, raws, item)

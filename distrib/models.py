@@ -1,28 +1,31 @@
 """Models are plain nn.Modules that know nothing of ranks or devices: the seed Network and user factories.
 
-A factory is `package.module:function`, called with no arguments, returning an nn.Module for 1x28x28 inputs."""
+A factory is `package.module:function` with keyword arguments from model.kwargs, plus num_classes, in_channels and
+image_size from the data when it declares them."""
 
 from __future__ import annotations
-
-import importlib
 
 import torch.nn as nn
 import torch.nn.functional as F
 
 from distrib.config import ModelConfig
-from distrib.errors import ConfigError
+from distrib.data import DataInfo
+from distrib.errors import UserError
+from distrib.factory import accepted, call_factory, import_object
+
+NETWORK_INPUT = (1, 28, 28)
 
 
 class Network(nn.Module):
-    """The seed lesson's Fashion-MNIST CNN: two 5x5 convs with 2x2 max-pool, then 192 -> 120 -> 60 -> 10."""
+    """The seed lesson's Fashion-MNIST CNN: two 5x5 convs with 2x2 max-pool, then 192 -> 120 -> 60 -> num_classes."""
 
-    def __init__(self):
+    def __init__(self, num_classes: int = 10):
         super().__init__()
         self.conv1 = nn.Conv2d(in_channels=1, out_channels=6, kernel_size=5)
         self.conv2 = nn.Conv2d(in_channels=6, out_channels=12, kernel_size=5)
         self.fc1 = nn.Linear(in_features=12 * 4 * 4, out_features=120)
         self.fc2 = nn.Linear(in_features=120, out_features=60)
-        self.out = nn.Linear(in_features=60, out_features=10)
+        self.out = nn.Linear(in_features=60, out_features=num_classes)
 
     def forward(self, t):
         t = F.max_pool2d(F.relu(self.conv1(t)), kernel_size=2, stride=2)
@@ -33,31 +36,46 @@ class Network(nn.Module):
         return self.out(t)
 
 
-_BUILTIN = {"network": Network}
+_BUILTIN = {"network": "distrib.models:Network"}
 
 
-def _import_factory(spec: str):
-    module_name, _, attr = spec.partition(":")
-    try:
-        obj = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"model.factory = {spec!r}: cannot import {module_name!r} ({e}); "
-                          "check the module path and that its package is on PYTHONPATH") from None
-    for part in attr.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            raise ConfigError(f"model.factory = {spec!r}: {module_name!r} has no {attr!r}; "
-                              "name a function that returns an nn.Module")
-    if not callable(obj):
-        raise ConfigError(f"model.factory = {spec!r}: {attr!r} is not callable; name a function")
-    return obj
+def _shape(shape) -> str:
+    return "x".join(str(s) for s in shape)
 
 
-def build_model(config: ModelConfig) -> nn.Module:
+def data_kwargs(info: DataInfo) -> dict:
+    """What the data tells a factory that asks: num_classes, in_channels, image_size (an int for square images)."""
+    channels, *size = info.input_shape
+    image_size = size[0] if len(size) == 2 and size[0] == size[1] else tuple(size)
+    return {"num_classes": info.num_classes, "in_channels": channels, "image_size": image_size}
+
+
+def factory_call(config: ModelConfig, info: DataInfo) -> tuple[str, dict]:
+    """The factory as 'package.module:function' (built-ins too) and the exact keyword arguments it is called with:
+    the data's num_classes / in_channels / image_size where it declares them, then model.kwargs (which win)."""
+    key, spec = ("model.factory", config.factory) if config.factory else ("model.name", _BUILTIN[config.name])
+    if not config.factory and tuple(info.input_shape) != NETWORK_INPUT:
+        raise UserError(f"model.name = {config.name!r}: the seed Network takes {_shape(NETWORK_INPUT)} inputs, but "
+                        f"the data's are {_shape(info.input_shape)}; set model.factory to a model for "
+                        f"{_shape(info.input_shape)} inputs (e.g. --set model.factory=mypkg.models:resnet18)")
+    offered = accepted(import_object(key, spec), data_kwargs(info))
+    return spec, {**offered, **config.kwargs}
+
+
+def build_model(config: ModelConfig, info: DataInfo) -> nn.Module:
     """A fresh model on whatever device its constructor chose (normally the CPU); placement comes later."""
-    factory = _import_factory(config.factory) if config.factory else _BUILTIN[config.name]
-    model = factory()
+    spec, kwargs = factory_call(config, info)
+    key = "model.factory" if config.factory else "model.name"
+    model = call_factory(key, spec, import_object(key, spec), kwargs)
     if not isinstance(model, nn.Module):
-        raise ConfigError(f"model.factory = {config.factory!r}: returned {type(model).__name__}, not an nn.Module; "
-                          "return the model from the factory")
+        raise UserError(f"{key} = {spec!r}: returned {type(model).__name__}, not an nn.Module; "
+                        "return the model from the factory")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise UserError(f"{key} = {spec!r}: the model has no trainable parameters, so there is nothing to train; "
+                        "register its weights as nn.Parameter (layers such as nn.Linear do) and keep requires_grad")
     return model
+
+
+def batchnorm_layers(model: nn.Module) -> list[str]:
+    """Names of the BatchNorm layers (1d, 2d, 3d, Sync) in the model."""
+    return [name for name, module in model.named_modules() if isinstance(module, nn.modules.batchnorm._BatchNorm)]

@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distrib.config import SpeedConfig
-from distrib.errors import DeviceMismatchError
+from distrib.errors import DeviceMismatchError, UserError
 from distrib.runtime import Runtime
 
 _MISMATCH_PHRASES = ("Expected all tensors to be on the same device", "is not on the expected device")
@@ -73,6 +73,15 @@ def explain_device_errors(model: nn.Module, device: torch.device, batch: dict[st
         first_line = str(e).splitlines()[0]
         raise _mismatch(found, device, f"create tensors inside forward() with device=input.device "
                                        f"(PyTorch said: {first_line})") from e
+
+
+def sync_batchnorm(model: nn.Module, runtime: Runtime) -> nn.Module:
+    """dist.sync_batchnorm: BatchNorm statistics over each micro-step's global batch, with an all-reduce per layer in
+    every forward (torch's SyncBatchNorm, which runs on GPUs only)."""
+    if not runtime.has_sync_batchnorm:
+        raise UserError(f"dist.sync_batchnorm = true: torch's SyncBatchNorm runs on GPUs only, and this worker's "
+                        f"device is {runtime.device}; use --set dist.sync_batchnorm=false (statistics per micro-batch)")
+    return nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
 
 def wrap_ddp(model: nn.Module, runtime: Runtime, **options) -> DDP:

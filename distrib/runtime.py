@@ -100,6 +100,11 @@ class Runtime:
         return self.device.type == "cuda"
 
     @property
+    def has_sync_batchnorm(self) -> bool:
+        """torch's SyncBatchNorm runs on CUDA devices only."""
+        return self.device.type == "cuda"
+
+    @property
     def host_sync_is_free(self) -> bool:
         """Reading a value on the host costs nothing on the CPU; on an accelerator it drains the queue of work."""
         return self.device.type == "cpu"

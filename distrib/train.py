@@ -1,30 +1,33 @@
-"""The training loop: optimizer and schedule, one optimizer step over micro-batches, exact evaluation, and fit.
+"""The training loop: optimizer and schedule, the state a checkpoint restores, one optimizer step over micro-batches,
+and fit.
 
 Every rank makes the same collectives in the same order: DDP's bucketed all-reduce in the last micro-step's backward,
-one small all-reduce of (loss, stop votes) on log steps and every train.sync_every steps, one all-reduce of
-(loss, correct, count) per evaluation."""
+one small all-reduce of (loss, stop votes, finite flag) on sync steps (distrib.agreement), one all-reduce of the
+integer sums per evaluation (distrib.evaluation)."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
+from distrib.agreement import RankAgreement
+from distrib.checkpoint import Checkpointer
 from distrib.config import TrainConfig
-from distrib.data import BatchPlan, epoch_steps, eval_batches
+from distrib.data import BatchPlan, epoch_steps
 from distrib.errors import ConfigError, UserError
+from distrib.evaluation import autocast, evaluate
+from distrib.losses import Loss
 from distrib.metrics import Recorder
-from distrib.parallel import check_batch, explain_device_errors, grad_sync, unwrap
-from distrib.preempt import Preempted, StopFlag
-from distrib.runtime import Runtime
-from distrib.throughput import Throughput, count_flops_per_sample
+from distrib.parallel import explain_device_errors, grad_sync, unwrap
+from distrib.preempt import Preempted
+from distrib.throughput import Throughput
 
-_FIXED_POINT = 2.0 ** 32  # per-sample losses summed as integers: exact, whatever the order of the sum
+__all__ = ["Progress", "TrainState", "Trainer", "autocast", "build_optimizer", "build_scheduler", "evaluate",
+           "lr_factor", "new_state"]
 
 
 def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
@@ -56,33 +59,6 @@ def build_scheduler(optimizer, total_steps: int, config: TrainConfig):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, length, config))
 
 
-def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return torch.autocast(device_type=device.type, dtype=dtype)
-
-
-def evaluate(model: nn.Module, source, num_samples: int, batch_size: int, runtime: Runtime,
-             precision: str = "fp32") -> dict:
-    """Exact metrics over the whole test set: every sample once, no padding, one all-reduce.
-    Runs the unwrapped module, so no DDP hooks fire and ranks may see different numbers of batches."""
-    model = unwrap(model)
-    stats = torch.zeros(3, dtype=torch.int64, device=runtime.device)  # loss (fixed point), correct, count
-    model.eval()
-    with torch.no_grad(), autocast(precision, runtime.device):
-        for inputs, targets in source.batches(eval_batches(num_samples, batch_size, runtime.rank, runtime.world_size)):
-            logits = model(inputs).float()
-            losses = F.cross_entropy(logits, targets, reduction="none").double()
-            stats[0] += (losses * _FIXED_POINT).round().long().sum()
-            stats[1] += (logits.argmax(dim=1) == targets).sum()
-            stats[2] += targets.numel()
-    model.train()
-    dist.all_reduce(stats)
-    loss_sum, correct, count = stats.tolist()
-    return {"test_loss": loss_sum / _FIXED_POINT / count, "test_accuracy": correct / count, "test_count": count}
-
-
 @dataclass
 class Progress:
     """Where training stands; enough, with the seed, to continue the data order exactly."""
@@ -93,59 +69,95 @@ class Progress:
 
 
 @dataclass
-class Trainer:
-    model: nn.Module  # the DDP-wrapped model
+class TrainState:
+    """What a checkpoint restores: the model (DDP-wrapped), optimizer, LR schedule, grad scaler, and progress."""
+
+    model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    progress: Progress = field(default_factory=Progress)
+
+    def state_dict(self, global_batch_size: int) -> dict:
+        """Everything but the RNGs (gathered from every rank by the Checkpointer); no module. prefixes."""
+        p = self.progress
+        return {"model": unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                "progress": {"step": p.step, "epoch": p.epoch, "step_in_epoch": p.step_in_epoch,
+                             "samples_in_epoch": p.step_in_epoch * global_batch_size}}
+
+    def load_state_dict(self, state: dict, global_batch_size: int) -> None:
+        unwrap(self.model).load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        saved = state["progress"]
+        # Position in the epoch by samples, so a changed global batch (forced) lands on the right sample.
+        self.progress = Progress(saved["step"], saved["epoch"], saved["samples_in_epoch"] // global_batch_size)
+
+
+def new_state(model: nn.Module, config: TrainConfig, total_steps: int, device: torch.device) -> TrainState:
+    optimizer = build_optimizer(model, config)
+    scaler = torch.amp.GradScaler(device.type, enabled=config.precision == "fp16")
+    return TrainState(model, optimizer, build_scheduler(optimizer, total_steps, config), scaler)
+
+
+@dataclass
+class Trainer:
+    """Runs the state forward to total_steps. Collaborators: the loss, the plan, the evaluation, the recorder, the
+    throughput meter, the checkpointer; the rank agreement holds what the ranks must decide together."""
+
+    state: TrainState
+    loss: Loss
     config: TrainConfig
-    runtime: Runtime
+    device: torch.device  # this worker's
     plan: BatchPlan
     total_steps: int
+    evaluate: Callable[[nn.Module], dict]  # exact test metrics of the model (every rank calls it)
     recorder: Recorder
-    scaler: torch.amp.GradScaler = None
-    progress: Progress = field(default_factory=Progress)
-    steps_this_run: int = 0
-    checkpointer: object = None  # a distrib.checkpoint.Checkpointer, or None: no checkpoints
-    stop: StopFlag = field(default_factory=StopFlag)  # set by a signal handler; agreed on in step()
-    stop_agreed: bool = False
-    meter: Throughput = None  # step times, data wait and MFU; see distrib.throughput
-    nonfinite: torch.Tensor = None  # accelerators: a device-side flag, set by any finite check since the last sync
-    synced_at: int = 0  # the last sync step
+    meter: Throughput
+    agreement: RankAgreement
+    checkpointer: Checkpointer | None  # None: no checkpoints
+    on_step_end: Callable[[int], None] | None = None  # called with the step after each step's bookkeeping
 
-    def __post_init__(self):
-        if self.scaler is None:
-            self.scaler = torch.amp.GradScaler(self.runtime.device.type, enabled=self.config.precision == "fp16")
-        if self.meter is None:
-            self.meter = Throughput(self.plan.global_batch_size, self.runtime.world_size)
-
-    def step(self, micro_batches) -> torch.Tensor:
+    def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """One optimizer step; returns the loss averaged over the global batch (the same on every rank) on sync steps
         (log steps among them), and this rank's share of it on the others."""
-        device, n = self.runtime.device, len(micro_batches)
-        local = None  # this rank's loss; summed without a zeros() and an add when there is one micro-batch
-        if self.steps_this_run == 0:
-            check_batch({"inputs": micro_batches[0][0], "targets": micro_batches[0][1]}, device)
-            self.meter.flops_per_sample = count_flops_per_sample(unwrap(self.model), *micro_batches[0])
-        for i, (inputs, targets) in enumerate(micro_batches):
-            # Sync off for the whole forward+backward of non-final micro-steps: DDP decides in the forward.
-            with grad_sync(self.model, i == n - 1), \
-                    explain_device_errors(self.model, device, {"inputs": inputs, "targets": targets}):
-                with autocast(self.config.precision, device):
-                    loss = F.cross_entropy(self.model(inputs), targets)
-                    loss = loss / n if n > 1 else loss  # x / 1 is x, bit for bit: skip its kernel and graph node
-                self.scaler.scale(loss).backward()
-            local = loss.detach() if local is None else local + loss.detach()
-        step = self.progress.step + 1
-        self._check_finite(local, step)
+        step, num_micro_steps = self.state.progress.step + 1, len(micro_batches)
+        losses = [self._micro_step(inputs, targets, micro_step == num_micro_steps - 1, num_micro_steps)
+                  for micro_step, (inputs, targets) in enumerate(micro_batches)]
+        local = torch.stack(losses).sum()
+        self._check_finite(step)
         loss = self._agree(local, step) if self.is_sync_step(step) else local
-        if self.config.grad_clip:
-            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
-            nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        self._optimizer_step()
         return loss
+
+    def _check_finite(self, step: int) -> None:
+        every = self.config.finite_check_every
+        if every and step % every == 0 and self.config.precision != "fp16":  # fp16's GradScaler skips such steps
+            # After DDP's all-reduce the gradients are the same on every rank, so all ranks decide alike.
+            self.agreement.check_finite([p.grad for group in self.state.optimizer.param_groups
+                                         for p in group["params"] if p.grad is not None])
+
+    def _micro_step(self, inputs: torch.Tensor, targets: torch.Tensor, sync: bool, num_micro_steps: int):
+        model = self.state.model
+        # Sync off for the whole forward+backward of non-final micro-steps: DDP decides in the forward.
+        batch = {"inputs": inputs, "targets": targets}
+        with grad_sync(model, sync), explain_device_errors(model, self.device, batch):
+            with autocast(self.config.precision, self.device):
+                loss = self.loss(model(inputs), targets) / num_micro_steps
+            self.state.scaler.scale(loss).backward()
+        return loss.detach()
+
+    def _optimizer_step(self) -> None:
+        state = self.state
+        if self.config.grad_clip:
+            state.scaler.unscale_(state.optimizer)  # clip the true gradients, not the scaled ones
+            nn.utils.clip_grad_norm_(state.model.parameters(), self.config.grad_clip)
+        state.scaler.step(state.optimizer)
+        state.scaler.update()
+        state.optimizer.zero_grad(set_to_none=True)
+        state.scheduler.step()
 
     def is_log_step(self, step: int) -> bool:
         return step % self.config.log_every == 0 or step == self.total_steps
@@ -156,110 +168,65 @@ class Trainer:
                 or (self.checkpointer is not None and self.checkpointer.due(step)))
 
     def _agree(self, local: torch.Tensor, step: int) -> torch.Tensor:
-        """One small all-reduce carries the loss, the stop votes and (on accelerators) the finite flag: SUM, then
-        divide for the global mean of equal-sized micro-batches; any rank's signal stops every rank at this same step
-        boundary. Only on sync steps: per step, its latency and host sync cost 7-13% of a small model's step on a
-        shared CPU (bench)."""
-        flag = self.nonfinite if self.nonfinite is not None else torch.zeros((), device=local.device)
-        reduced = torch.stack([local, torch.full((), float(self.stop.requested), device=local.device),
-                               flag.to(local.dtype)])
-        dist.all_reduce(reduced)
-        stop, nonfinite = reduced[1:].tolist()  # the host sync, on sync steps only
-        self.stop_agreed = stop > 0
-        if nonfinite > 0:
-            first = self.synced_at + 1  # the flag covers the checks since the last sync step
+        agreed = self.agreement.agree(local, step)
+        if agreed.nonfinite_since is not None:
+            first = agreed.nonfinite_since
             where = f"at step {step}" if first >= step else f"between steps {first} and {step}"
-            self._diverged(where, reduced[0] / self.runtime.world_size)
-        self.nonfinite, self.synced_at = None, step
-        return reduced[0] / self.runtime.world_size
+            raise UserError(f"train gradients are not finite {where} (loss {agreed.loss.item():.4g}): training "
+                            f"diverged; lower train.lr (now {self.config.lr}), set train.grad_clip=1.0, "
+                            "or use more warm-up")
+        return agreed.loss
 
-    def _check_finite(self, local: torch.Tensor, step: int) -> None:
-        # Reads the gradients after DDP's all-reduce: the same on every rank, so all ranks decide alike and stop
-        # together, with no collective of its own. fp16 skips such steps in its GradScaler instead.
-        every = self.config.finite_check_every
-        if self.config.precision == "fp16" or not every or step % every:
-            return
-        # The optimizer's list, not model.parameters() (a walk of the module tree), and _foreach_norm (one fused kernel
-        # per device and dtype on accelerators).
-        grads = [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if not grads:
-            return
-        norms = torch._foreach_norm(grads)
-        if self.runtime.host_sync_is_free:
-            # The CPU reads it now, before the optimizer writes NaN into the weights; summing in Python skips
-            # stack/isfinite/all, which cost three times the norms themselves (bench: 1-2% of a small CPU step).
-            if not math.isfinite(sum(norm.item() for norm in norms)):
-                self._diverged(f"at step {step}", local)
+    def _end_step(self, loss: torch.Tensor) -> None:
+        """Time, log and checkpoint the step just taken: the save is not step time (the clock restarts after it)."""
+        progress = self.state.progress
+        if self.is_log_step(progress.step):
+            loss_value = loss.item()  # host sync: only on log steps, so the step times are honest here
+            self.meter.step_done()
+            self.recorder.log_step(progress.step, progress.epoch, loss_value,
+                                   self.state.scheduler.get_last_lr()[0], **self.meter.window())
         else:
-            # Accelerators keep a flag on the device and read it on the next sync step (checkpoint steps among them),
-            # in the all-reduce that goes then anyway: no host sync of its own, which would stall the queue each step.
-            bad = ~torch.stack(norms).isfinite().all()
-            self.nonfinite = bad if self.nonfinite is None else self.nonfinite | bad
-
-    def _diverged(self, where: str, loss: torch.Tensor):
-        raise UserError(f"train gradients are not finite {where} (loss {loss.item():.4g}): training diverged; "
-                        f"lower train.lr (now {self.config.lr}), set train.grad_clip=1.0, or use more warm-up")
-
-    def _maybe_checkpoint(self, step: int) -> None:
-        """After the step's time is taken: the save is not step time (the meter's clock restarts after it)."""
-        if self.stop_agreed:
-            path = self.checkpointer.save(step) if self.checkpointer else None
-            raise Preempted(step, path)
-        if self.checkpointer and self.checkpointer.due(step):
-            self.checkpointer.save(step)
+            self.meter.step_done()
+        if self.agreement.stop_agreed:
+            path = self.checkpointer.save(progress.step) if self.checkpointer else None
+            raise Preempted(progress.step, path)
+        if self.checkpointer and self.checkpointer.due(progress.step):
+            self.checkpointer.save(progress.step)
             self.meter.restart_clock()
+        if self.on_step_end:
+            self.on_step_end(progress.step)
 
-    def state_dict(self) -> dict:
-        """Everything but the RNGs (gathered from every rank by the Checkpointer); no module. prefixes."""
-        p = self.progress
-        return {"model": unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-                "progress": {"step": p.step, "epoch": p.epoch, "step_in_epoch": p.step_in_epoch,
-                             "samples_in_epoch": p.step_in_epoch * self.plan.global_batch_size}}
+    def _end_epoch(self) -> None:
+        progress = self.state.progress
+        progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
+        every = self.config.eval_every_epochs
+        if every and progress.epoch % every == 0 and progress.step < self.total_steps:
+            self._log_eval(self.evaluate(self.state.model))
+            self.meter.restart_clock()  # keep evaluation out of the step times
 
-    def load_state_dict(self, state: dict) -> None:
-        unwrap(self.model).load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.scaler.load_state_dict(state["scaler"])
-        saved = state["progress"]
-        # Position in the epoch by samples, so a changed global batch (forced) lands on the right sample.
-        step_in_epoch = saved["samples_in_epoch"] // self.plan.global_batch_size
-        self.progress = Progress(saved["step"], saved["epoch"], step_in_epoch)
+    def _log_eval(self, metrics: dict) -> None:
+        scalars = {key: value for key, value in metrics.items() if not isinstance(value, dict)}  # per class: summary
+        self.recorder.log_eval(self.state.progress.step, self.state.progress.epoch, scalars)
 
-    def evaluate(self, source, num_samples: int, batch_size: int) -> dict:
-        return evaluate(self.model, source, num_samples, batch_size, self.runtime, self.config.precision)
-
-    def fit(self, train_source, test_source, num_test: int, eval_batch_size: int) -> dict:
-        """Trains from self.progress to total_steps; evaluates each eval_every_epochs and at the end."""
-        p, cfg, rec = self.progress, self.config, self.recorder
-        bar = rec.progress_bar(self.total_steps, initial=p.step)
-        self.synced_at = p.step
+    def fit(self, train_source) -> dict:
+        """Trains from the state's progress to total_steps; evaluates each eval_every_epochs and at the end."""
+        progress = self.state.progress
+        bar = self.recorder.progress_bar(self.total_steps, initial=progress.step)
         self.meter.restart_clock()
-        while p.step < self.total_steps:
-            for micro_batches in epoch_steps(train_source, self.plan, p.epoch, p.step_in_epoch):
+        while progress.step < self.total_steps:
+            for micro_batches in epoch_steps(train_source, self.plan, progress.epoch, progress.step_in_epoch):
                 self.meter.data_ready()  # the time since the previous step ended was spent getting this batch
                 loss = self.step(micro_batches)
-                p.step, p.step_in_epoch = p.step + 1, p.step_in_epoch + 1
-                self.steps_this_run += 1
+                progress.step, progress.step_in_epoch = progress.step + 1, progress.step_in_epoch + 1
                 bar.update(1)
-                if self.is_log_step(p.step):
-                    loss_value = loss.item()  # host sync: only on log steps, so the step times are honest here
-                    self.meter.step_done()
-                    rec.log_step(p.step, p.epoch, loss_value, self.scheduler.get_last_lr()[0], **self.meter.window())
-                else:
-                    self.meter.step_done()
-                self._maybe_checkpoint(p.step)
-                if p.step == self.total_steps:
+                self._end_step(loss)
+                if progress.step == self.total_steps:
                     break
-            if p.step_in_epoch == self.plan.steps_per_epoch:
-                p.epoch, p.step_in_epoch = p.epoch + 1, 0
-                if cfg.eval_every_epochs and p.epoch % cfg.eval_every_epochs == 0 and p.step < self.total_steps:
-                    rec.log_eval(p.step, p.epoch, self.evaluate(test_source, num_test, eval_batch_size))
-                    self.meter.restart_clock()  # keep evaluation out of the step times
+            if progress.step_in_epoch == self.plan.steps_per_epoch:
+                self._end_epoch()
         bar.close()
-        if self.checkpointer and not self.checkpointer.due(p.step):
-            self.checkpointer.save(p.step)  # the final state, so that a later run can extend this one
-        metrics = self.evaluate(test_source, num_test, eval_batch_size)
-        rec.log_eval(p.step, p.epoch, metrics)
-        return {**metrics, "train_loss": rec.last_loss}
+        if self.checkpointer and not self.checkpointer.due(progress.step):
+            self.checkpointer.save(progress.step)  # the final state, so that a later run can extend this one
+        metrics = self.evaluate(self.state.model)
+        self._log_eval(metrics)
+        return {**metrics, "train_loss": self.recorder.last_loss}

@@ -10,20 +10,29 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
+import torch.nn as nn
 
+from distrib.agreement import RankAgreement
 from distrib.checkpoint import Checkpointer, CheckpointError, check_compatible, save_atomic, set_rng_state
 from distrib.config import Config, to_dict, write_resolved
-from distrib.data import load_splits, make_batches, make_plan
+from distrib.data import Data, DataInfo, load_data, make_plan
+from distrib.evaluation import evaluate
+from distrib.factory import accepted, call_factory
+from distrib.losses import Loss, LossFn, build_loss
 from distrib.metrics import Recorder
-from distrib.models import build_model
-from distrib.parallel import parallelize, place_model, unwrap
+from distrib.models import batchnorm_layers, build_model, data_kwargs
+from distrib.parallel import parallelize, place_model, sync_batchnorm, unwrap
 from distrib.preempt import parse_signals, stop_on_signals
+from distrib.preflight import dry_batch
 from distrib.rundir import checkpoint_dir, environment_faults, own_folders
 from distrib.runtime import LaunchEnv, Runtime, collective_timeouts, open_runtime
-from distrib.throughput import meter_for
-from distrib.train import Trainer, build_optimizer, build_scheduler
+from distrib.throughput import count_flops_per_sample, meter_for
+from distrib.train import Trainer, TrainState, new_state
+
+ModelArg = nn.Module | Callable[..., nn.Module] | None  # distrib.fit's model: a module, a function, or the config's
 
 
 def run(config: Config, env: LaunchEnv | None = None) -> dict:
@@ -38,74 +47,123 @@ def _total_steps(config: Config, steps_per_epoch: int) -> int:
     return min(by_epochs, by_steps) if by_epochs and by_steps else by_epochs or by_steps
 
 
-def _resume(trainer: Trainer, config: Config, runtime: Runtime, recorder: Recorder) -> int | None:
-    """Loads the checkpoint that rank 0 chose into the trainer and arms periodic checkpoints; the resumed step."""
+def _checkpointer(config: Config, runtime: Runtime, state: TrainState, global_batch_size: int,
+                  info: DataInfo) -> Checkpointer:
     ckpt = config.checkpoint
-    trainer.checkpointer = Checkpointer(checkpoint_dir(config), ckpt.every_steps, ckpt.keep_last, runtime,
-                                        lambda: {**trainer.state_dict(), "config": to_dict(config),
-                                                 "world_size": runtime.world_size, "data_seed": config.train.seed,
-                                                 "global_batch_size": config.train.global_batch_size},
-                                        foreign=ckpt.foreign)
-    state = trainer.checkpointer.load(ckpt.resume, recorder.info)
-    if state is None:
+    return Checkpointer(checkpoint_dir(config), ckpt.every_steps, ckpt.keep_last, runtime,
+                        lambda: {**state.state_dict(global_batch_size), "config": to_dict(config),
+                                 "world_size": runtime.world_size, "data_seed": config.train.seed,
+                                 "global_batch_size": global_batch_size, "data": info.to_dict()},
+                        foreign=ckpt.foreign)
+
+
+def _resume(state: TrainState, config: Config, runtime: Runtime, checkpointer: Checkpointer,
+            global_batch_size: int, notes: list[str]) -> int | None:
+    """Loads the checkpoint that rank 0 chose into the state; the resumed step, or None for a fresh start."""
+    loaded = checkpointer.load(config.checkpoint.resume, notes.append)
+    if loaded is None:
         return None
-    path = trainer.checkpointer.resumed_from
-    changed = check_compatible(str(path), state["config"], to_dict(config), ckpt.allow_config_change)
+    path = checkpointer.resumed_from
+    changed = check_compatible(str(path), loaded["config"], to_dict(config), config.checkpoint.allow_config_change)
     try:
-        trainer.load_state_dict(state)
+        state.load_state_dict(loaded, global_batch_size)
     except (RuntimeError, KeyError, ValueError, TypeError) as e:  # another model's or optimizer's tensors
         reason = " ".join(str(e).split()) or type(e).__name__  # torch's reasons follow a header line: keep them
         raise CheckpointError(f"checkpoint {path}: does not fit this run's model or optimizer "
                               f"({type(e).__name__}: {reason[:300]}); resume it with the config it was taken with, "
                               "or start afresh with a new run.dir") from None
-    if state["world_size"] == runtime.world_size:  # per-rank RNG streams only map onto the same ranks
-        set_rng_state(state["rng"][runtime.rank], runtime)
-    recorder.info(f"resumed at step {trainer.progress.step} (epoch {trainer.progress.epoch}) from a checkpoint "
-                  f"taken at world size {state['world_size']}; restart count {runtime.restart_count}"
-                  + (f"; allowed changes: {'; '.join(changed)}" if changed else ""))
-    return trainer.progress.step
+    if loaded["world_size"] == runtime.world_size:  # per-rank RNG streams only map onto the same ranks
+        set_rng_state(loaded["rng"][runtime.rank], runtime)
+    notes.append(f"resumed at step {state.progress.step} (epoch {state.progress.epoch}) from a checkpoint taken at "
+                 f"world size {loaded['world_size']}; restart count {runtime.restart_count}"
+                 + (f"; allowed changes: {'; '.join(changed)}" if changed else ""))
+    return state.progress.step
 
 
-def train_on(config: Config, runtime: Runtime) -> dict:
-    start = time.perf_counter()
-    run_dir = Path(config.run.dir)
-    recorder = Recorder(run_dir, runtime.is_main, config.run.progress, config.metrics.tensorboard)
-    recorder.info(f"world size {runtime.world_size}, device {runtime.device}, backend {runtime.backend}")
-
-    train_split, test_split = load_splits(config.data, runtime)
-    plan = make_plan(len(train_split), config.train, runtime)
+def _model(config: Config, runtime: Runtime, data: Data, model: ModelArg, notes: list[str]) -> nn.Module:
+    """The config's model (or distrib.fit's), with SyncBatchNorm if asked, placed on this worker's device."""
     torch.manual_seed(config.train.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's too)
-    model = parallelize(place_model(build_model(config.model), runtime.device), runtime, config.speed)
-    data_bytes = train_split.nbytes() + test_split.nbytes()
-    train_source = make_batches(train_split, config.data, runtime, data_bytes)
-    test_source = make_batches(test_split, config.data, runtime, data_bytes)
+    if model is None:
+        model = build_model(config.model, data.info)
+    elif not isinstance(model, nn.Module):
+        spec = getattr(model, "__qualname__", repr(model))
+        model = call_factory("fit(model=...)", spec, model, accepted(model, data_kwargs(data.info)))
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"fit(model=...): {spec} returned {type(model).__name__}, not an nn.Module")
+    norms = batchnorm_layers(model)
+    if config.dist.sync_batchnorm:
+        model = sync_batchnorm(model, runtime)
+    elif norms:
+        notes.append(f"the model has {len(norms)} BatchNorm layers ({norms[0]}, ...): their statistics are per "
+                     "micro-batch, so runs at other world sizes or grad_accum_steps no longer agree exactly; on "
+                     "GPUs, --set dist.sync_batchnorm=true computes them over each micro-step's global batch")
+    return place_model(model, runtime.device)
 
+
+def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None] | None = None, *,
+             data: Data | None = None, model: ModelArg = None, loss_fn: LossFn | None = None) -> dict:
+    """Trains inside an open process group; returns the run's summary. Everything that can fail on the user's input
+    (data, model, the dry batch, the checkpoint to resume) runs before anything is written to run.dir, so a run that
+    fails leaves an earlier run's files there as they were. on_step_end(step) runs after each step's bookkeeping."""
+    start, notes = time.perf_counter(), []
+    data = data or load_data(config.data, runtime, config.train.seed)
+    plan = make_plan(data.train.num_samples, config.train, runtime)
     total_steps = _total_steps(config, plan.steps_per_epoch)
-    optimizer = build_optimizer(model, config.train)
-    trainer = Trainer(model, optimizer, build_scheduler(optimizer, total_steps, config.train), config.train,
-                      runtime, plan, total_steps, recorder, meter=meter_for(config, runtime))
-    resumed_from = _resume(trainer, config, runtime, recorder)
-    if runtime.is_main:  # only now: a run that failed above left an earlier run's config.toml as it was
-        write_resolved(config, run_dir)
+    loss = build_loss(config.train, loss_fn)
+    placed = _model(config, runtime, data, model, notes)
+    inputs, targets = dry_batch(placed, data.train, data.info, runtime.device)
+    meter = meter_for(config, runtime)
+    meter.flops_per_sample = count_flops_per_sample(placed, inputs, targets)
+    state = new_state(parallelize(placed, runtime, config.speed), config.train, total_steps, runtime.device)
+    checkpointer = _checkpointer(config, runtime, state, plan.global_batch_size, data.info)
+    resumed_from = _resume(state, config, runtime, checkpointer, plan.global_batch_size, notes)
+    recorder = Recorder(Path(config.run.dir), runtime.is_main, config.run.progress, config.metrics.tensorboard)
+    if runtime.is_main:  # only now: a run that failed above left the earlier run's config.toml as it was
+        write_resolved(config, Path(config.run.dir))
+    recorder.info(f"world size {runtime.world_size}, device {runtime.device}, backend {runtime.backend}")
+    for note in notes:
+        recorder.info(note)
     recorder.info(f"{total_steps} steps of {plan.global_batch_size} samples ({runtime.world_size} ranks x "
                   f"{config.train.grad_accum_steps} micro-steps x {plan.micro_batch_size}), "
-                  f"{type(train_source).__name__}")
+                  f"{type(data.train).__name__}")
     try:
-        with stop_on_signals(parse_signals(config.checkpoint.signals)) as trainer.stop, \
-                collective_timeouts(config.dist.timeout_s, lambda: f"after step {trainer.progress.step}",
+        with stop_on_signals(parse_signals(config.checkpoint.signals)) as stop, \
+                collective_timeouts(config.dist.timeout_s, lambda: f"after step {state.progress.step}",
                                     runtime.peers):
-            metrics = trainer.fit(train_source, test_source, len(test_split), config.data.eval_batch_size)
+            agreement = RankAgreement(stop, runtime.device, runtime.world_size, synced_at=state.progress.step)
+            evaluator = _evaluator(config, runtime, data, loss)
+            trainer = Trainer(state, loss, config.train, runtime.device, plan, total_steps, evaluator, recorder,
+                              meter, agreement, checkpointer, on_step_end)
+            metrics = trainer.fit(data.train)
     except BaseException:
         recorder.close()  # preempted or failed: flush metrics and TensorBoard now, the CLI's os._exit skips finalisers
         raise
+    return _finish(config, runtime, data, state, metrics, meter, recorder, resumed_from, start, model is None)
 
+
+def _evaluator(config: Config, runtime: Runtime, data: Data, loss: Loss) -> Callable[[nn.Module], dict]:
+    def evaluate_model(model: nn.Module) -> dict:
+        return evaluate(model, data.test, data.info.num_classes, config.data.eval_batch_size, runtime, loss,
+                        config.train.precision, data.info.class_names)
+
+    return evaluate_model
+
+
+def _finish(config: Config, runtime: Runtime, data: Data, state: TrainState, metrics: dict, meter, recorder,
+            resumed_from: int | None, start: float, from_config: bool) -> dict:
+    """model.pt (and model.json, which says how to rebuild a config's model), summary.json, the last log line."""
+    run_dir = Path(config.run.dir)
     if runtime.is_main:
-        save_atomic(unwrap(model).state_dict(), run_dir / "model.pt")
+        save_atomic(unwrap(state.model).state_dict(), run_dir / "model.pt")
+        if from_config:  # a model given to distrib.fit in Python has no factory that model.json could name
+            from distrib.inference import write_model_card
+
+            write_model_card(run_dir / "model.json", config, data.info)
     elapsed = time.perf_counter() - start
     summary = {"world_size": runtime.world_size, "device": str(runtime.device), "backend": runtime.backend,
-               "steps": trainer.progress.step, "epochs": trainer.progress.epoch, **metrics,
+               "steps": state.progress.step, "epochs": state.progress.epoch, **metrics,
                "resumed_from_step": resumed_from, "restart_count": runtime.restart_count,
-               **trainer.meter.summary(), "elapsed_seconds": elapsed}
+               **meter.summary(), "elapsed_seconds": elapsed, "data": data.info.to_dict()}
     recorder.write_summary(summary)
     recorder.info(f"done in {elapsed:.1f}s: test accuracy {100 * metrics['test_accuracy']:.2f}%, "
                   f"summary in {run_dir / 'summary.json'}")

@@ -23,7 +23,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # measure this checkout, whichever one is installed
 
@@ -138,20 +137,13 @@ def _train(args, runtime, overrides: list[str], run_dir: Path, after_step) -> di
     """distrib's own path: load_config, then worker.train_on (data, model, DDP, Trainer.fit), with after_step()
     called at the trainer's own end-of-step mark; returns its summary."""
     from distrib.config import load_config
-    from distrib.throughput import Throughput
     from distrib.worker import train_on
 
     config = load_config(None, [*common_overrides(args, run_dir), *overrides])
     log = io.StringIO()
-    real_step_done = Throughput.step_done
-
-    def step_done(meter):
-        real_step_done(meter)
-        after_step()
-
     try:
-        with contextlib.redirect_stderr(log), mock.patch.object(Throughput, "step_done", step_done):
-            return train_on(config, runtime)  # the log lines would bury the table
+        with contextlib.redirect_stderr(log):
+            return train_on(config, runtime, on_step_end=lambda step: after_step())  # the log would bury the table
     except BaseException:
         sys.stderr.write(log.getvalue())
         raise
@@ -196,10 +188,12 @@ def measure_all(args, runtime, out_dir: Path) -> dict[str, list[dict]]:
     import torch
 
     from distrib.config import load_config
-    from distrib.data import load_splits, normalize
+    from distrib.data import load_data
 
-    train, _ = load_splits(load_config(None, common_overrides(args, out_dir)).data, runtime)
-    images, labels = normalize(train.images), train.labels  # the hand loop's data: normalised once, in memory
+    config = load_config(None, common_overrides(args, out_dir))
+    train = load_data(config.data, runtime, seed=0, log=lambda _: None).train
+    # the hand loop's data: the whole set, normalised once, in memory
+    images, labels = next(train.batches([torch.arange(train.num_samples)]))
     names = args.variants
     results: dict[str, list[dict]] = {}
     for repeat in range(-args.warmup_runs, args.repeats):

@@ -1,11 +1,9 @@
-"""Shared test helpers: IDX files in the real on-disk format, subprocesses that can never hang CI, weight diffs."""
+"""Shared test helpers: the one SMALL run, datasets written in their real on-disk formats, `distrib` and torchrun
+commands through the one runner (processes.py, whose names are re-exported here), weight diffs."""
 
 from __future__ import annotations
 
-import contextlib
 import gzip
-import os
-import signal
 import socket
 import struct
 import subprocess
@@ -13,8 +11,25 @@ import sys
 from pathlib import Path
 
 import torch
+from processes import REPO, Done, Launches, kill_tree, run, run_one  # noqa: F401 - the one runner, re-exported
 
-REPO = Path(__file__).resolve().parents[1]
+# The one small run of the tests: synthetic data, two steps on the CPU, no progress bar, no periodic checkpoints; as
+# section.key=value items. A test appends its own items (later ones win); sets() turns them into --set arguments.
+SMALL = ("data.name=synthetic", "data.synthetic_train_size=256", "data.synthetic_test_size=64", "train.max_steps=2",
+         "train.global_batch_size=32", "train.warmup_steps=2", "run.progress=false", "dist.device=cpu",
+         "checkpoint.every_steps=0")
+
+
+def sets(*overrides: str) -> list[str]:
+    """["--set", item, ...] for `distrib train`."""
+    return [arg for item in overrides for arg in ("--set", str(item))]
+
+
+def small_config(run_dir: Path, *overrides: str):
+    """SMALL plus overrides as a Config, writing to run_dir."""
+    from distrib.config import load_config
+
+    return load_config(None, [*SMALL, f"run.dir={run_dir}", *overrides])
 
 
 def free_port() -> int:
@@ -47,51 +62,54 @@ def make_idx_dir(directory: Path, num_train: int = 300, num_test: int = 101, gz:
     return tuple(arrays)
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
+CIFAR_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 
 
-def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL a running process, its group and every descendant, also those in sessions of their own (torch's
-    elastic agent starts each worker in a new session, so killing the launcher's group alone leaves them)."""
-    if proc.poll() is not None:
-        return  # ended: its pid may belong to someone else by now
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(proc.pid, signal.SIGSTOP)  # no new children while we look for them
-    pids = _descendants(proc.pid)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-    proc.wait()
+def make_cifar_dir(directory: Path, per_batch: int = 20, num_test: int = 30, seed: int = 0):
+    """CIFAR-10's python version: pickled dicts of uint8 rows (3 x 32 x 32, channel-major) and labels, five training
+    batches, a test batch and batches.meta; returns (train_images, train_labels, test_images, test_labels)."""
+    import pickle
+
+    directory.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    arrays = []
+    for names, n in ((("data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5"), per_batch),
+                     (("test_batch",), num_test)):
+        images, labels = [], []
+        for name in names:
+            x = torch.randint(0, 256, (n, 3, 32, 32), generator=g, dtype=torch.uint8)
+            y = torch.randint(0, 10, (n,), generator=g)
+            with open(directory / name, "wb") as f:
+                pickle.dump({"batch_label": name, "data": x.reshape(n, -1).numpy(), "labels": y.tolist()}, f)
+            images.append(x)
+            labels.append(y)
+        arrays += [torch.cat(images), torch.cat(labels)]
+    with open(directory / "batches.meta", "wb") as f:
+        pickle.dump({"label_names": list(CIFAR_CLASSES), "num_vis": 3072}, f)
+    return tuple(arrays)
 
 
-def run(cmd: list[str], timeout: float, env: dict | None = None,
-        cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """Runs cmd in its own session; on timeout its whole process tree is killed and the test fails."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
-                            cwd=cwd or REPO, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc)
-        out, err = proc.communicate()
-        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-3000:]}\n{err[-3000:]}") from None
-    finally:
-        kill_tree(proc)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+def make_image_folder(root: Path, classes=("cat", "dog", "owl"), per_class=(8, 4), size=(12, 10), mode="RGB",
+                      seed: int = 0):
+    """An ImageFolder tree of PNGs: root/train/CLASS/*.png and root/test/CLASS/*.png with random pixels; returns
+    {split: (images uint8 (N, C, H, W), labels)} in ImageFolder's order (classes sorted, then file names)."""
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    channels = 1 if mode == "L" else 3
+    out = {}
+    for split, count in zip(("train", "test"), per_class):
+        images, labels = [], []
+        for label, name in enumerate(sorted(classes)):
+            (root / split / name).mkdir(parents=True, exist_ok=True)
+            for i in range(count):
+                x = torch.randint(0, 256, (channels, size[1], size[0]), generator=g, dtype=torch.uint8)
+                array = x[0].numpy() if channels == 1 else x.permute(1, 2, 0).numpy()
+                Image.fromarray(array, mode).save(root / split / name / f"{i:03d}.png")
+                images.append(x)
+                labels.append(label)
+        out[split] = (torch.stack(images), torch.tensor(labels))
+    return out
 
 
 def distrib(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:

@@ -166,7 +166,7 @@ def test_a_preempted_run_closes_its_recorder(tmp_path, monkeypatch):
     real_step, real_close, closed = Trainer.step, Recorder.close, []
 
     def step(self, micro_batches):
-        if self.progress.step == 1:
+        if self.state.progress.step == 1:
             os.kill(os.getpid(), signal.SIGTERM)  # the run's handler only sets its flag
         return real_step(self, micro_batches)
 

@@ -8,11 +8,24 @@ from support import make_idx_dir
 
 from distrib import data
 from distrib.config import DataConfig
-from distrib.data import BatchPlan, DeviceBatches, LoaderBatches, Split, epoch_steps, prepare_fashion_mnist
-from distrib.errors import ConfigError
+from distrib.data import Augment, BatchPlan, DeviceBatches, LoaderBatches, Normalizer, Split, epoch_steps, idx
+from distrib.errors import ConfigError, UserError
 from distrib.runtime import Runtime
 
 CPU = Runtime(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"), backend="gloo")
+
+
+def prepare_fashion_mnist(root: Path) -> str | None:
+    try:
+        idx.prepare("fashion-mnist", root, lambda message: None, idx.download)
+    except UserError as e:
+        return str(e)
+    return None
+
+
+def _no_download(monkeypatch, system_dirs):
+    monkeypatch.setitem(idx.SYSTEM_DIRS, "fashion-mnist", system_dirs)
+    monkeypatch.setattr(idx, "download", lambda name, root: pytest.fail("must not download"))
 
 
 def _load(root: Path):
@@ -26,11 +39,10 @@ def test_offline_system_dir_is_unpacked_for_torchvision(tmp_path, monkeypatch, g
     """Debian ships re-gzipped IDX files; they are unpacked once into root/FashionMNIST/raw and read by torchvision."""
     system = tmp_path / "usr-share-datasets"
     expected = make_idx_dir(system, gz=gz)
-    monkeypatch.setattr(data, "SYSTEM_DIRS", [system])
-    monkeypatch.setattr(data, "_download", lambda root: pytest.fail("must not download"))
+    _no_download(monkeypatch, [system])
     root = tmp_path / "data"
     assert prepare_fashion_mnist(root) is None
-    assert sorted(p.name for p in (root / "FashionMNIST" / "raw").iterdir()) == sorted(data.RAW_FILES)
+    assert sorted(p.name for p in (root / "FashionMNIST" / "raw").iterdir()) == sorted(idx.RAW_FILES)
     train, test = _load(root)
     for got, want in zip((train.data, train.targets, test.data, test.targets), expected):
         assert torch.equal(got, want)
@@ -40,15 +52,15 @@ def test_offline_system_dir_is_unpacked_for_torchvision(tmp_path, monkeypatch, g
 def test_files_directly_in_data_root_win_over_the_system_dir(tmp_path, monkeypatch):
     root_files = make_idx_dir(tmp_path / "data", num_train=50, seed=1)
     make_idx_dir(tmp_path / "system", num_train=60, seed=2, gz=True)
-    monkeypatch.setattr(data, "SYSTEM_DIRS", [tmp_path / "system"])
+    monkeypatch.setitem(idx.SYSTEM_DIRS, "fashion-mnist", [tmp_path / "system"])
     assert prepare_fashion_mnist(tmp_path / "data") is None
     assert torch.equal(_load(tmp_path / "data")[0].data, root_files[0])
 
 
 def test_download_is_the_last_resort_and_its_failure_says_where_it_looked(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(data, "SYSTEM_DIRS", [tmp_path / "none"])
-    monkeypatch.setattr(data, "_download", lambda root: calls.append(root) or (_ for _ in ()).throw(OSError()))
+    monkeypatch.setitem(idx.SYSTEM_DIRS, "fashion-mnist", [tmp_path / "none"])
+    monkeypatch.setattr(idx, "download", lambda name, root: calls.append(root) or (_ for _ in ()).throw(OSError()))
     message = prepare_fashion_mnist(tmp_path / "data")
     assert calls == [tmp_path / "data"]
     assert str(tmp_path / "none") in message and "FashionMNIST/raw" in message
@@ -82,21 +94,24 @@ def test_plan_rejects_batches_that_do_not_divide():
         BatchPlan(500, 50, 1, 0, 3, seed=0)
 
 
-def test_the_two_loader_paths_give_identical_batches():
+@pytest.mark.parametrize("shape, augment", [((1, 28, 28), None), ((3, 12, 10), "crop_flip")])
+def test_the_two_loader_paths_give_identical_batches(shape, augment):
     g = torch.Generator().manual_seed(0)
-    split = Split(torch.randint(0, 256, (300, 28, 28), generator=g, dtype=torch.uint8),
+    split = Split(torch.randint(0, 256, (300, *shape), generator=g, dtype=torch.uint8),
                   torch.randint(0, 10, (300,), generator=g))
     plan = BatchPlan(len(split), 40, 2, 1, 2, seed=5)
+    normalizer = Normalizer((0.3,) * shape[0], tuple(0.2 + 0.1 * c for c in range(shape[0])), uint8=True)
+    aug = Augment(augment, seed=2) if augment else None
     for workers in (0, 2):
-        loader = LoaderBatches(split, CPU, num_workers=workers)
+        loader = LoaderBatches(split, CPU, workers, normalizer, aug)
         for epoch, start in ((0, 0), (1, 3)):
-            a = list(epoch_steps(DeviceBatches(split, CPU), plan, epoch, start))
+            a = list(epoch_steps(DeviceBatches(split, CPU, normalizer, aug), plan, epoch, start))
             b = list(epoch_steps(loader, plan, epoch, start))
             assert len(a) == len(b) == plan.steps_per_epoch - start
             for step_a, step_b in zip(a, b):
                 assert len(step_a) == len(step_b) == 2
                 for (xa, ya), (xb, yb) in zip(step_a, step_b):
-                    assert xa.shape == (10, 1, 28, 28) and xa.dtype == torch.float32
+                    assert xa.shape == (10, *shape) and xa.dtype == torch.float32
                     assert torch.equal(xa, xb) and torch.equal(ya, yb)
 
 
@@ -113,8 +128,7 @@ def test_train_end_to_end_on_idx_files_through_the_real_loader(tmp_path, monkeyp
     from distrib import cli
 
     make_idx_dir(tmp_path / "data", num_train=256, num_test=77, gz=True)
-    monkeypatch.setattr(data, "SYSTEM_DIRS", [])
-    monkeypatch.setattr(data, "_download", lambda root: pytest.fail("must not download"))
+    _no_download(monkeypatch, [])
     argv = ["train", "--set", f"data.root={tmp_path}/data", "--set", f"run.dir={tmp_path}/run", "--set",
             "train.max_steps=3", "--set", "train.global_batch_size=64", "--set", "run.progress=false"]
     assert cli.main(argv) == 0

@@ -5,20 +5,24 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from support import assert_ok, distrib, load_weights, max_relative_diff, torchrun_train
+from support import SMALL, assert_ok, distrib, load_weights, max_relative_diff, sets, torchrun_train
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+from distrib.agreement import RankAgreement
 from distrib.config import DistConfig, load_config
 from distrib.data import BatchPlan, DeviceBatches, load_splits, normalize
+from distrib.losses import cross_entropy
 from distrib.metrics import Recorder
 from distrib.models import Network
 from distrib.parallel import place_model, wrap_ddp
+from distrib.preempt import StopFlag
 from distrib.runtime import open_runtime
-from distrib.train import Trainer, build_optimizer, build_scheduler, lr_factor
+from distrib.throughput import Throughput
+from distrib.train import Trainer, lr_factor, new_state
 from distrib.worker import run
 
-SYNTHETIC = ["data.name=synthetic", "data.synthetic_train_size=1536", "data.synthetic_test_size=200",
-             "run.progress=false", "train.log_every=5", "train.warmup_steps=3"]
+SYNTHETIC = [*SMALL, "data.synthetic_train_size=1536", "data.synthetic_test_size=200", "train.log_every=5",
+             "train.warmup_steps=3"]
 
 
 def _config(run_dir, *overrides):
@@ -87,10 +91,11 @@ def test_non_final_micro_steps_make_no_all_reduce(tmp_path):
             calls = []
             model.register_comm_hook(None, lambda state, bucket: calls.append(1) or
                                      default_hooks.allreduce_hook(None, bucket))
-            optimizer = build_optimizer(model, config.train)
             plan = BatchPlan(len(train), 16, accum, 0, 1, 0)
-            trainer = Trainer(model, optimizer, build_scheduler(optimizer, 4, config.train), config.train, runtime,
-                              plan, 4, Recorder(tmp_path, enabled=False))
+            trainer = Trainer(new_state(model, config.train, 4, runtime.device), cross_entropy(), config.train,
+                              runtime.device, plan, 4, evaluate=None, recorder=Recorder(tmp_path, enabled=False),
+                              meter=Throughput(16, 1), agreement=RankAgreement(StopFlag(), runtime.device, 1),
+                              checkpointer=None)
             micro = list(source.batches(plan.micro_batches(plan.order(0), 0)))
             assert len(micro) == accum
             trainer.step(micro)
@@ -100,8 +105,7 @@ def test_non_final_micro_steps_make_no_all_reduce(tmp_path):
 
 @pytest.mark.timeout(420)
 def test_world_sizes_1_2_3_train_the_same_weights(tmp_path):
-    overrides = [*SYNTHETIC, "train.max_steps=25", "train.global_batch_size=48", "dist.device=cpu"]
-    args = [a for o in overrides for a in ("--set", o)]
+    args = sets(*SYNTHETIC, "train.max_steps=25", "train.global_batch_size=48")
     assert_ok(distrib("train", *args, "--set", f"run.dir={tmp_path}/ws1", timeout=120))
     reference = load_weights(tmp_path / "ws1")
     for nproc in (2, 3):

@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn as nn
+from support import SMALL, sets
 
 from distrib import cli
 from distrib.errors import DeviceMismatchError
@@ -13,9 +14,8 @@ CPU = torch.device("cpu")
 
 
 def _train_error(capsys, tmp_path, factory):
-    argv = ["train", "--set", "data.name=synthetic", "--set", "data.synthetic_train_size=64", "--set",
-            "train.max_steps=1", "--set", "train.global_batch_size=8", "--set", f"run.dir={tmp_path}",
-            "--set", f"model.factory=factories:{factory}", "--set", "run.progress=false"]
+    argv = ["train", *sets(*SMALL, "data.synthetic_train_size=64", "train.max_steps=1", "train.global_batch_size=8",
+                           f"run.dir={tmp_path}", f"model.factory=factories:{factory}")]
     assert cli.main(argv) == 2
     return capsys.readouterr().err.strip().splitlines()[-1]
 

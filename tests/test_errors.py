@@ -2,19 +2,15 @@
 
 import pytest
 import torch
-from support import distrib
+from support import SMALL, distrib, sets
 
 from distrib import cli, data
 from distrib.errors import UserError
 from distrib.runtime import read_launch_env, select_device
 
-SMALL = ["--set", "data.name=synthetic", "--set", "data.synthetic_train_size=256",
-         "--set", "data.synthetic_test_size=64",
-         "--set", "train.max_steps=2", "--set", "run.progress=false"]
-
 
 def _fails(capsys, tmp_path, *overrides, config=None):
-    argv = ["train", *SMALL, "--set", f"run.dir={tmp_path}/run", *[a for o in overrides for a in ("--set", o)]]
+    argv = ["train", *sets(*SMALL, f"run.dir={tmp_path}/run", *overrides)]
     if config:
         argv += ["--config", config]
     code = cli.main(argv)
@@ -65,12 +61,12 @@ def test_inconsistent_launch_env(env, expected):
 
 
 def test_missing_data_offline(capsys, tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "SYSTEM_DIRS", [tmp_path / "no-debian-package"])
+    monkeypatch.setitem(data.idx.SYSTEM_DIRS, "fashion-mnist", [tmp_path / "no-debian-package"])
 
-    def offline(root):
+    def offline(name, root):
         raise OSError("network unreachable")  # what a download on an offline machine gets; no network touched
 
-    monkeypatch.setattr(data, "_download", offline)
+    monkeypatch.setattr(data.idx, "download", offline)
     err = _fails(capsys, tmp_path, "data.name=fashion-mnist", f"data.root={tmp_path}/data")
     for text in ("data.root", "Fashion-MNIST not found", "no-debian-package", "apt-get install dataset-fashion-mnist",
                  "data.name=synthetic", "OSError"):

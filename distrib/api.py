@@ -1,0 +1,70 @@
+"""`distrib.fit`: the trainer from Python, for a model and datasets built in the user's own script. The same script
+runs as one process (`python train.py`) and unchanged under `torchrun` or `distrib launch`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch.nn as nn
+
+from distrib.config import Config, load_config
+from distrib.errors import ConfigError
+
+
+def _toml_text(value: Any) -> str:
+    """A Python value as the TOML text that --set reads (strings stay plain text for string keys)."""
+    from distrib.config import _toml_value
+
+    return value if isinstance(value, str) else _toml_value(value)
+
+
+def resolve_config(config: str | Path | Config | None, overrides: Mapping[str, Any] | None) -> Config:
+    """The built-in defaults, a TOML file or a Config, then {"section.key": value} overrides."""
+    items = [f"{key}={_toml_text(value)}" for key, value in (overrides or {}).items()]
+    if isinstance(config, Config):
+        from distrib.config import to_dict
+
+        return load_config(None, items, base=to_dict(config)) if items else config
+    if config is not None and not isinstance(config, (str, Path)):
+        raise ConfigError(f"fit(config={type(config).__name__}): give a TOML path, a distrib.Config or None")
+    return load_config(str(config) if config is not None else None, items)
+
+
+def fit(model: nn.Module | Callable[..., nn.Module], train_data, test_data,
+        config: str | Path | Config | None = None, overrides: Mapping[str, Any] | None = None,
+        loss_fn: Callable | None = None) -> dict:
+    """Trains `model` on `train_data`, evaluates it exactly on `test_data`; returns the summary (as in summary.json).
+
+    model: an nn.Module, or a function returning one (called after seeding, with num_classes, in_channels and
+        image_size from the data if it declares them: the same initial weights at any world size).
+    train_data, test_data: map-style datasets of (tensor, int label), e.g. torchvision's, or (inputs, labels) tensor
+        pairs.
+    config: a TOML path or a distrib.Config (default: the built-in defaults); overrides: {"train.lr": 0.1, ...}.
+    loss_fn: (outputs, targets) -> scalar mean; default train.loss (cross-entropy).
+
+    Run as one process, or unchanged under `torchrun --nproc-per-node N` / `distrib launch`: every worker runs the
+    script, fit() joins the process group the launcher set up and takes its share of each global batch. Outputs go
+    to run.dir as with `distrib train` (config.toml, metrics.jsonl, summary.json, model.pt).
+
+    >>> import torch
+    >>> from distrib import fit
+    >>> g = torch.Generator().manual_seed(0)
+    >>> x, y = torch.randn(512, 1, 8, 8, generator=g), torch.randint(0, 4, (512,), generator=g)
+    >>> def model(num_classes, in_channels, image_size):
+    ...     return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(in_channels * image_size ** 2, num_classes))
+    >>> summary = fit(model, (x[:384], y[:384]), (x[384:], y[384:]),
+    ...               overrides={"train.max_steps": 20, "train.global_batch_size": 64, "run.progress": False,
+    ...                          "dist.device": "cpu", "run.dir": "runs/fit-doctest"})
+    >>> summary["steps"], summary["test_count"]
+    (20, 128)
+    """
+    from distrib.data import data_from_datasets
+    from distrib.rundir import environment_faults, own_folders
+    from distrib.runtime import open_runtime
+    from distrib.worker import train_on
+
+    resolved = resolve_config(config, overrides)
+    with environment_faults(), open_runtime(resolved.dist) as runtime, own_folders(resolved, runtime):
+        data = data_from_datasets(train_data, test_data, resolved.data, runtime, resolved.train.seed)
+        return train_on(resolved, runtime, data=data, model=model, loss_fn=loss_fn)

@@ -1,0 +1,23 @@
+"""Data for training: datasets by name or factory, read once and described by a DataInfo (load.py, idx.py, named.py,
+factory.py, assemble.py); the world-size-invariant batch plan and the two batch sources (batching.py); batched
+augmentation on the device (augment.py). The worker calls load_data; distrib.fit calls data_from_datasets."""
+
+from distrib.data.assemble import Data, load_inputs
+from distrib.data.augment import Augment
+from distrib.data.batching import (
+    Batch,
+    BatchPlan,
+    BatchSource,
+    DeviceBatches,
+    LoaderBatches,
+    epoch_steps,
+    eval_batches,
+    make_plan,
+)
+from distrib.data.load import data_from_datasets, load_data, load_splits
+from distrib.data.tensors import DataInfo, Normalizer, Split, normalize
+
+__all__ = ["Augment", "Batch", "BatchPlan", "BatchSource", "Data", "DataInfo", "DeviceBatches", "LoaderBatches",
+           "Normalizer", "Split", "data_from_datasets", "epoch_steps", "eval_batches", "load_data", "load_inputs",
+           "load_splits", "make_plan", "normalize"]
+

@@ -1,0 +1,240 @@
+"""From splits as read to Data: the loader path chosen once for both splits, input shape, classes and
+normalisation probed once (rank 0) and the same on every rank, and the two batch sources built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
+
+from distrib.config import DataConfig
+from distrib.data.augment import Augment
+from distrib.data.batching import BatchSource, DeviceBatches, Failed, LoaderBatches, collate
+from distrib.data.tensors import DataInfo, Normalizer, Split, channel_stats, stats_indices
+from distrib.errors import UserError
+from distrib.runtime import Runtime
+
+Stats = tuple[tuple[float, ...], tuple[float, ...]]
+
+
+@dataclass(frozen=True)
+class Data:
+    info: DataInfo
+    train: BatchSource
+    test: BatchSource
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """Both splits on the host, as read: Splits (tensors) or Datasets (file-backed)."""
+
+    name: str
+    train: Split | Dataset
+    test: Split | Dataset
+    class_names: tuple[str, ...] | None = None
+    stats: Stats | None = None  # known for named sets
+
+
+def distributed(runtime: Runtime | None) -> bool:
+    return runtime is not None and runtime.world_size > 1 and dist.is_initialized()
+
+
+def on_rank0(runtime: Runtime | None, fn):
+    """fn's result on rank 0, broadcast to every rank (the others wait in the broadcast); errors likewise."""
+    message = [None, None]
+    if runtime is None or runtime.is_main or not distributed(runtime):  # no process group: every caller runs it
+        try:
+            message[0] = fn()
+        except UserError as e:
+            message[1] = str(e)
+    if distributed(runtime):
+        dist.broadcast_object_list(message, src=0)
+    if message[1]:
+        raise UserError(message[1])
+    return message[0]
+
+
+def build(loaded: Loaded, config: DataConfig, runtime: Runtime, seed: int, log) -> Data:
+    """Chooses the path once, for both splits, and builds the two sources."""
+    device_path = _device_path(loaded, config, runtime)
+    train, test = loaded.train, loaded.test
+    if device_path:
+        train, test = materialize(train, config), materialize(test, config)
+    shape, uint8 = _input_kind(train)
+    if _input_kind(test) != (shape, uint8):
+        kinds = [f"{list(k[0])} {'uint8' if k[1] else 'float'}" for k in (_input_kind(train), _input_kind(test))]
+        raise UserError(f"data {loaded.name}: train inputs are {kinds[0]}, test inputs {kinds[1]}; fix: give both "
+                        "splits inputs of one shape and type")
+    info = on_rank0(runtime, lambda: _info(loaded, train, test, shape, uint8, config))
+    normalizer = Normalizer(info.mean, info.std, uint8)
+    augment = _augment(config, seed, shape)
+    if device_path:
+        sources = (DeviceBatches(train, runtime, normalizer, augment), DeviceBatches(test, runtime, normalizer))
+    else:
+        sources = tuple(LoaderBatches(split, runtime, config.num_workers, normalizer, aug, config)
+                        for split, aug in ((train, augment), (test, None)))
+    if config.normalize == "auto" and loaded.stats is None:
+        log(f"data.normalize = auto: per-channel mean {_rounded(info.mean)}, std {_rounded(info.std)} from "
+            f"{len(stats_indices(len(train)))} training samples (recorded in summary.json)")
+    log(f"data {info.name}: {len(train)} train / {len(test)} test samples of {list(shape)}, {info.num_classes} "
+        f"classes, {'device-resident' if device_path else f'DataLoader ({config.num_workers} workers)'}"
+        + (f", augment {config.augment}" if augment else ""))
+    return Data(info, *sources)
+
+
+def _rounded(values: tuple[float, ...]) -> list[float]:
+    return [round(v, 4) for v in values]
+
+
+def _device_path(loaded: Loaded, config: DataConfig, runtime: Runtime) -> bool:
+    if config.loader != "auto":
+        return config.loader == "device"
+    if not (isinstance(loaded.train, Split) and isinstance(loaded.test, Split)):
+        return False  # file-backed: read by DataLoader workers
+    return loaded.train.nbytes() + loaded.test.nbytes() < runtime.free_memory_bytes() // 2
+
+
+def materialize(split: Split | Dataset, config: DataConfig) -> Split:
+    """A Dataset read whole into tensors (through a DataLoader with data.num_workers), for the device path."""
+    if isinstance(split, Split):
+        return split
+    loader = DataLoader(split, batch_size=256, collate_fn=collate, num_workers=config.num_workers)
+    inputs, labels = [], []
+    for batch in loader:
+        if isinstance(batch, Failed):
+            raise UserError(batch.message)
+        inputs.append(batch[0])
+        labels.append(batch[1])
+    if len({tuple(x.shape[1:]) for x in inputs}) > 1:
+        raise UserError(collate([(inputs[0][0], 0), (inputs[-1][0], 0)]).message)
+    return Split(torch.cat(inputs), torch.cat(labels))
+
+
+def _input_kind(split: Split | Dataset) -> tuple[tuple[int, ...], bool]:
+    if isinstance(split, Split):
+        return tuple(split.images.shape[1:]), split.images.dtype == torch.uint8
+    first = split[0]
+    if isinstance(first, Failed):
+        raise UserError(first.message)
+    return tuple(first[0].shape), first[0].dtype == torch.uint8
+
+
+def _augment(config: DataConfig, seed: int, shape: tuple[int, ...]) -> Augment | None:
+    if config.augment == "none":
+        return None
+    if len(shape) != 3:
+        raise UserError(f"data.augment = {config.augment!r}: needs image inputs (C, H, W), these are {list(shape)}; "
+                        "fix: --set data.augment=none")
+    return Augment(config.augment, seed, config.crop_padding)
+
+
+# ---------------------------------------------------------------- what the data is: classes and normalisation
+
+
+def _info(loaded: Loaded, train, test, shape: tuple[int, ...], uint8: bool, config: DataConfig) -> DataInfo:
+    num_classes, names = _classes(loaded, train, test, config)
+    mean, std = _stats(loaded, train, shape, uint8, config)
+    return DataInfo(loaded.name, shape, num_classes, names, mean, std)
+
+
+def _cheap_labels(split) -> torch.Tensor | None:
+    if isinstance(split, Split):
+        return split.labels
+    targets = getattr(split, "targets", None)
+    return torch.as_tensor(targets).long() if targets is not None and len(targets) == len(split) else None
+
+
+def _classes(loaded: Loaded, train, test, config: DataConfig) -> tuple[int, tuple[str, ...]]:
+    names = loaded.class_names or getattr(loaded.train, "classes", None)
+    labels = {what: _cheap_labels(split) for what, split in (("train", train), ("test", test))}
+    num_classes = config.num_classes or (len(names) if names else 0)
+    if not num_classes:
+        if labels["train"] is None:  # a Dataset that says nothing about its labels: read them once
+            labels["train"] = torch.tensor([int(train[i][1]) for i in range(len(train))])
+        num_classes = int(max(int(y.max()) for y in labels.values() if y is not None)) + 1
+    for what, y in labels.items():
+        if y is not None and (int(y.min()) < 0 or int(y.max()) >= num_classes):
+            bad = int(y.min()) if int(y.min()) < 0 else int(y.max())
+            raise UserError(f"data: a {what} label is {bad}, out of range for {num_classes} classes (data.num_classes "
+                            f"= {config.num_classes}, 0 = from the data); fix: labels 0..{num_classes - 1}, or set "
+                            "data.num_classes")
+    if not names or len(names) != num_classes:
+        names = tuple(str(i) for i in range(num_classes))
+    return num_classes, tuple(str(n) for n in names)
+
+
+def _stats(loaded: Loaded, train, shape: tuple[int, ...], uint8: bool, config: DataConfig) -> Stats:
+    channels = shape[0] if len(shape) == 3 else 1
+    if config.normalize == "none":
+        return (0.0,) * channels, (1.0,) * channels
+    if config.normalize != "auto":
+        mean, std = config.normalize
+        if len(mean) not in (1, channels):
+            raise UserError(f"data.normalize = {[list(mean), list(std)]}: {len(mean)} values per list for data of "
+                            f"{channels} channels; fix: give 1 or {channels} means and stds")
+        return tuple(mean) * (channels // len(mean)), tuple(std) * (channels // len(std))
+    if loaded.stats is not None:
+        mean, std = loaded.stats
+        return (tuple(mean) * channels, tuple(std) * channels) if len(mean) == 1 else (mean, std)
+    indices = stats_indices(len(train))
+    if isinstance(train, Split):
+        return channel_stats(train.images.index_select(0, chunk) for chunk in indices.split(1024))
+    loader = DataLoader(torch.utils.data.Subset(train, indices.tolist()), batch_size=256, collate_fn=collate,
+                        num_workers=config.num_workers)
+    return channel_stats(_checked(batch)[0] for batch in loader)
+
+
+def _checked(batch):
+    if isinstance(batch, Failed):
+        raise UserError(batch.message)
+    return batch
+
+
+# ---------------------------------------------------------------- inputs for prediction
+
+
+class _Unlabelled(Dataset):
+    def __init__(self, paths: list[Path], channels: int, size: tuple[int, int]):
+        self.paths, self.mode, self.size = paths, "L" if channels == 1 else "RGB", size
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int):
+        from PIL import Image
+        from torchvision.transforms import functional as F
+
+        try:
+            with Image.open(self.paths[index]) as image:
+                image = image.convert(self.mode)
+                if image.size != (self.size[1], self.size[0]):
+                    image = image.resize((self.size[1], self.size[0]), Image.BILINEAR)
+                return F.pil_to_tensor(image), -1
+        except Exception as e:  # noqa: BLE001 - reported by the main process as one line
+            return Failed(f"{self.paths[index]}: cannot be read as an image ({type(e).__name__}); fix: remove it")
+
+
+def load_inputs(folder: Path, info: DataInfo, image_size: int | None = None, runtime: Runtime | None = None,
+                num_workers: int = 0) -> tuple[list[str], BatchSource]:
+    """The image files under `folder` (sorted), resized to image_size (default: the model's input size) and
+    normalised as in training, as a batch source whose targets are -1."""
+    from distrib.data.named import IMAGE_SUFFIXES
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UserError(f"--input {str(folder)!r}: not a folder; give a folder of images (or 'test')")
+    paths = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+    if not paths:
+        raise UserError(f"--input {str(folder)!r}: holds no image files ({', '.join(IMAGE_SUFFIXES[:4])}, ...)")
+    if len(info.input_shape) != 3:
+        raise UserError(f"--input {str(folder)!r}: the model takes inputs of shape {list(info.input_shape)}, not "
+                        "images")
+    channels, height, width = info.input_shape
+    size = (image_size, image_size) if image_size else (height, width)
+    runtime = runtime or Runtime(0, 0, 1, 1, torch.device("cpu"), backend="none")  # no process group needed
+    source = LoaderBatches(_Unlabelled(paths, channels, size), runtime, num_workers,
+                           Normalizer(info.mean, info.std, uint8=True), None, DataConfig(num_workers=num_workers))
+    return [str(p) for p in paths], source

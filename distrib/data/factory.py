@@ -1,0 +1,75 @@
+"""The user's data: `data.factory = "package.module:function"` called with data.kwargs, or datasets handed to
+distrib.fit(); each split becomes an in-memory Split (tensors) or stays a Dataset for the DataLoader path."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+from distrib.data.tensors import Split, check_inputs
+from distrib.errors import UserError
+
+EXPECTED = ("(train, test): two map-style datasets of (tensor, int label), or two (inputs, labels) tensor pairs")
+
+
+def call_factory(spec: str, kwargs: dict) -> tuple[Any, Any]:
+    """Imports and calls the factory; anything it raises becomes one line naming it."""
+    module_name, _, attr = spec.partition(":")
+    where = f"data.factory = {spec!r}"
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 - the user's module: any failure is theirs to fix
+        raise UserError(f"{where}: importing {module_name} raised {_short(e)}; fix the module or PYTHONPATH") from None
+    fn = module
+    for part in attr.split("."):
+        fn = getattr(fn, part, None)
+    if not callable(fn):
+        raise UserError(f"{where}: {module_name} has no function {attr}; fix data.factory")
+    try:
+        result = fn(**kwargs)
+    except Exception as e:  # noqa: BLE001
+        raise UserError(f"{where}: calling it with data.kwargs = {kwargs!r} raised {_short(e)}; fix the factory or "
+                        "its data.kwargs") from None
+    if not (isinstance(result, (tuple, list)) and len(result) == 2):
+        raise UserError(f"{where}: returned {_describe(result)}; fix: make it return {EXPECTED}")
+    return result[0], result[1]
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _describe(value) -> str:
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)} ({', '.join(type(v).__name__ for v in value[:4])})"
+    return f"a {type(value).__name__}"
+
+
+def as_split_or_dataset(value, what: str) -> Split | Dataset:
+    """A pair of tensors or a TensorDataset -> a Split; another map-style Dataset stays one (its first sample is
+    checked here); anything else is a UserError naming `what`."""
+    if isinstance(value, TensorDataset) and len(value.tensors) == 2:
+        value = value.tensors
+    if isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, torch.Tensor) for v in value):
+        inputs, labels = value
+        check_inputs(what, inputs, labels)
+        return Split(inputs.detach().cpu().contiguous(), labels.detach().cpu().long())
+    if isinstance(value, Dataset) and hasattr(value, "__getitem__") and hasattr(value, "__len__"):
+        if len(value) == 0:
+            raise UserError(f"{what}: an empty dataset; fix: give at least one sample")
+        first = value[0]
+        if not (isinstance(first, (tuple, list)) and len(first) == 2 and isinstance(first[0], torch.Tensor)
+                and _is_label(first[1])):
+            raise UserError(f"{what}: its samples are {_describe(first)}; fix: make each one (tensor, int label)")
+        return value
+    raise UserError(f"{what}: {_describe(value)}; fix: give {EXPECTED}")
+
+
+def _is_label(y) -> bool:
+    if isinstance(y, torch.Tensor):
+        return y.dim() == 0 and not y.is_floating_point()
+    return isinstance(y, int) and not isinstance(y, bool)
