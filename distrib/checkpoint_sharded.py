@@ -162,6 +162,7 @@ class ShardedCheckpointer:
         # The background write's collectives get a group of their own (every rank creates it, here, in order).
         self.group = runtime.new_cpu_group() if async_save else None
         self.pending: _Write | None = None
+        self.resumed_from: Path | None = None  # set by load(): the checkpoint this run continues
 
     def due(self, step: int) -> bool:
         return bool(self.every_steps) and step % self.every_steps == 0
@@ -212,6 +213,7 @@ class ShardedCheckpointer:
         dist.broadcast_object_list(choice, src=0)
         if choice[1]:
             raise CheckpointError(choice[1])
+        self.resumed_from = Path(choice[0]) if choice[0] else None
         if choice[0]:
             if state is None:
                 state = read_checkpoint(Path(choice[0]) / TRAINER, self.runtime.device)
@@ -247,4 +249,4 @@ def make_checkpointer(config: CheckpointConfig, strategy: str, directory: Path, 
     if strategy == "fsdp":
         return ShardedCheckpointer(directory, config.every_steps, config.keep_last, runtime, collect,
                                    config.async_save)
-    return Checkpointer(directory, config.every_steps, config.keep_last, runtime, collect)
+    return Checkpointer(directory, config.every_steps, config.keep_last, runtime, collect, foreign=config.foreign)

@@ -15,25 +15,43 @@ import os
 import sys
 from typing import NoReturn, Sequence
 
-from distrib.errors import EXIT_PREEMPTED, UserError
+from distrib.errors import EXIT_PREEMPTED, UserError, say
 
 EXIT_USER_ERROR = 2
 
 
 def _train(args: argparse.Namespace) -> int:
     from distrib.config import load_config
+    from distrib.metrics import require_loggers
+    from distrib.rundir import check_folders
 
     config = load_config(args.config, args.set)  # fail on a bad config before starting any worker
-    from distrib.metrics import require_loggers
-
+    _check_nproc(args.nproc_per_node)
+    check_folders(config, probe_locks=True)  # writable and not another live run's (rank 0 then locks them)
     require_loggers(config.metrics)  # a missing tracker package: one line here, not one per worker
     if args.nproc_per_node is not None:
         from distrib.launcher import launch_trainer
 
         return launch_trainer(args.nproc_per_node, args.argv)
-    from torch.distributed.elastic.multiprocessing.errors import record
+    from distrib.preempt import StoppedEarly, exit_on_signals, parse_signals
 
-    return record(_worker)(config)  # under a launcher, a failing rank's exception reaches the launcher's summary
+    try:
+        # A stop request outside the training steps (importing torch, waiting for the other ranks, after the final
+        # checkpoint) ends this worker with EXIT_PREEMPTED at once: nothing is lost. The training steps take the
+        # signals over (checkpoint at the next step boundary, then EXIT_PREEMPTED).
+        with exit_on_signals(parse_signals(config.checkpoint.signals)):
+            from torch.distributed.elastic.multiprocessing.errors import record
+
+            return record(_worker)(config)  # under a launcher, a failing rank's exception reaches its summary
+    except StoppedEarly as e:
+        say(f"distrib: {e}; exit code {EXIT_PREEMPTED}: requeue the job and it starts (or resumes) there")
+        return EXIT_PREEMPTED
+
+
+def _check_nproc(nproc_per_node: int | None) -> None:
+    if nproc_per_node is not None and nproc_per_node < 1:
+        raise UserError(f"--nproc-per-node {nproc_per_node}: must be at least 1 (workers on this node); "
+                        "e.g. --nproc-per-node 2, or leave it out to run one process")
 
 
 def _worker(config) -> int:
@@ -43,7 +61,7 @@ def _worker(config) -> int:
     try:
         run(config)
     except Preempted as e:
-        print(f"distrib: {e}; exit code {EXIT_PREEMPTED}: requeue the job and it resumes there", file=sys.stderr)
+        say(f"distrib: {e}; exit code {EXIT_PREEMPTED}: requeue the job and it resumes there")
         return EXIT_PREEMPTED
     return 0
 
@@ -51,6 +69,7 @@ def _worker(config) -> int:
 def _doctor(args: argparse.Namespace) -> int:
     from distrib.doctor import main as doctor
 
+    _check_nproc(args.nproc_per_node)
     return doctor(args.nproc_per_node)
 
 
@@ -168,8 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.argv = _launch_trainer_argv(argv[1:])  # what follows `train`
         return args.func(args)
     except UserError as e:
-        print(f"distrib: error: {e}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        say(f"distrib: error: {e}")
+        return getattr(e, "exit_code", EXIT_USER_ERROR)  # 2; EnvironmentFault: EXIT_ENVIRONMENT (74)
 
 
 def hard_exit(code: int) -> NoReturn:

@@ -136,6 +136,7 @@ class TrainConfig:
     momentum: float = 0.9  # sgd only
     weight_decay: float = 0.0
     schedule: str = "cosine"  # constant | cosine (with linear warm-up)
+    schedule_steps: int = 0  # the schedule's length in steps; 0 = this run's total (fix it if the run may be extended)
     warmup_steps: int = 100
     grad_clip: float = 0.0  # max global grad norm; 0 = off
     seed: int = 0
@@ -158,7 +159,8 @@ class TrainConfig:
         if not (0.0 <= self.label_smoothing < 1.0):
             _fail("train", "label_smoothing", self.label_smoothing, "must be in [0, 1)",
                   "e.g. --set train.label_smoothing=0.1")
-        for key in ("epochs", "max_steps", "warmup_steps", "seed", "eval_every_epochs", "finite_check_every"):
+        for key in ("epochs", "max_steps", "warmup_steps", "seed", "eval_every_epochs", "finite_check_every",
+                    "schedule_steps"):
             _at_least("train", self, key, 0)
         for key in ("global_batch_size", "grad_accum_steps", "log_every", "sync_every"):
             _at_least("train", self, key, 1)
@@ -199,7 +201,7 @@ class RunConfig:
 @dataclass(kw_only=True, frozen=True, slots=True)
 class DistConfig:
     device: str = "auto"  # auto (cuda when available, else cpu) | cpu | cuda
-    timeout_s: float = 300.0  # a collective that waits longer fails instead of hanging
+    timeout_s: float = 60.0  # a collective that waits longer fails, naming the ranks it waited for, instead of hanging
     strategy: str = "ddp"  # ddp (a whole replica per rank) | fsdp (FSDP2: parameters, gradients, optimizer sharded)
     shard_modules: str | tuple[str, ...] = "auto"  # fsdp units (and checkpointed blocks): class names, or auto
     reshard_after_forward: bool = True  # fsdp: free gathered parameters after forward (less memory, one more gather)
@@ -208,7 +210,7 @@ class DistConfig:
 
     def __post_init__(self):
         _choice("dist", self, "device", ("auto", "cpu", "cuda"))
-        _positive("dist", self, "timeout_s", 300)
+        _positive("dist", self, "timeout_s", 60)
         _choice("dist", self, "strategy", ("ddp", "fsdp"))
         names = (self.shard_modules,) if isinstance(self.shard_modules, str) else self.shard_modules
         if not names or not all(isinstance(n, str) and n.isidentifier() for n in names):
@@ -231,6 +233,7 @@ class CheckpointConfig:
     # async_save, not async: a Python keyword cannot name a dataclass field
     keep_best: int = 0  # also keep the k best evaluations' checkpoints as best_STEP.pt (never pruned); 0 = off
     best_metric: str = "test_loss"  # what keep_best ranks by: test_loss | test_accuracy | test_loss_ema | ..._ema
+    foreign: str = "refuse"  # refuse | keep: a new run in a dir holding another run's checkpoints (kept, never pruned)
 
     def __post_init__(self):
         _at_least("checkpoint", self, "every_steps", 0)
@@ -238,9 +241,13 @@ class CheckpointConfig:
             if (name if name.startswith("SIG") else f"SIG{name}") not in signal.Signals.__members__:
                 _fail("checkpoint", "signals", self.signals, f"{name} is not a signal",
                       "e.g. --set checkpoint.signals=SIGTERM,SIGUSR1")
+            if name.removeprefix("SIG") in ("KILL", "STOP"):
+                _fail("checkpoint", "signals", self.signals, f"{name} cannot be caught, so no checkpoint can follow it",
+                      "e.g. --set checkpoint.signals=SIGTERM,SIGUSR1")
         if self.keep_last < 2:
             _fail("checkpoint", "keep_last", self.keep_last, "must be >= 2 so a good checkpoint always survives",
                   "e.g. --set checkpoint.keep_last=2")
+        _choice("checkpoint", self, "foreign", ("refuse", "keep"))
         if not self.resume:
             _fail("checkpoint", "resume", self.resume, "must be auto, never or a path",
                   "e.g. --set checkpoint.resume=auto")
@@ -400,6 +407,15 @@ def _read_toml(path: str) -> dict:
     except FileNotFoundError:
         raise ConfigError(f"--config {path!r}: no such file; "
                           "give the path of a TOML file such as configs/debug_cpu.toml")
+    except IsADirectoryError:
+        raise ConfigError(f"--config {path!r}: is a folder, not a file; give the path of a TOML file "
+                          "such as configs/debug_cpu.toml") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--config {path!r}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                          "give a TOML file saved as UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"--config {path!r}: cannot be read ({e.strerror}); fix its permissions or give "
+                          "another file") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"--config {path!r}: not valid TOML ({e}); fix the file") from None
 

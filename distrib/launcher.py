@@ -5,13 +5,18 @@ launch environment (torch's agent sets RANK and the rest for each worker; runtim
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import shlex
 import signal
 import subprocess
 import sys
-from typing import Mapping, Sequence
+import tempfile
+from pathlib import Path
+from typing import Iterator, Mapping, Sequence
 
-from distrib.errors import EXIT_PREEMPTED, UserError
+from distrib.errors import EXIT_PREEMPTED, UserError, say
+from distrib.lifeline import read_statuses
 
 # Flags whose defaults we choose ourselves; None after parsing means neither the flag nor its PET_* form was given.
 _OUR_DEFAULTS = ("nnodes", "nproc_per_node", "rdzv_backend", "rdzv_endpoint", "rdzv_id")
@@ -124,12 +129,13 @@ def cpu_threads(environ: Mapping[str, str], num_workers: int, num_gpus: int) -> 
     return str(max(1, len(os.sched_getaffinity(0)) // max(num_workers, 1)))
 
 
-def failure_lines(error) -> list[str]:
-    """A ChildFailedError as one line per failed rank, the first failure first: which rank, how it ended, and its
-    exception when the worker's entry point has @record (the traceback itself is in that worker's stderr)."""
+def failure_lines(error, worker_pids: Mapping[int, int] | None = None) -> list[str]:
+    """A ChildFailedError as one line per failed rank, the first failure last (the cause ends the log, where one
+    looks first): which rank, how it ended, and the first line of its exception, uncut, when the worker's entry
+    point has @record (the worker printed the whole message to its stderr)."""
     first, _ = error.get_first_failure()
     lines = []
-    for rank in sorted(error.failures, key=lambda r: (r != first, r)):
+    for rank in sorted(error.failures, key=lambda r: (r == first, r)):
         failure = error.failures[rank]
         if failure.exitcode < 0:
             how = f"was killed by signal {-failure.exitcode} ({failure.signal_name()})"
@@ -138,56 +144,147 @@ def failure_lines(error) -> list[str]:
         message = failure.message
         if isinstance(message, dict):  # written by @record: {"message": "Type: text", "extraInfo": {...}}
             text = str(message.get("message", "")).strip()
-            how += f": {text.splitlines()[0][:600]}" if text else ""
+            how += f": {text.splitlines()[0]}" if text else ""
         note = " [first failure]" if rank == first else ""
-        lines.append(f"distrib launch: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}{note}")
+        pid = (worker_pids or {}).get(failure.pid, failure.pid)  # the worker's own pid, not its lifeline's
+        lines.append(f"distrib launch: rank {rank} (local rank {failure.local_rank}, pid {pid}) {how}{note}")
     return lines
 
 
-def signal_exit_code(signum: int) -> int:
-    """SIGTERM is how schedulers stop a job before preemption or its time limit: EXIT_PREEMPTED, so the job script
-    requeues it. Any other signal N: 128 + N, as a shell reports it."""
-    return EXIT_PREEMPTED if signum == signal.SIGTERM else 128 + signum
+# Signals that ask a run to stop for preemption: SLURM's --signal and scancel, Kubernetes and most schedulers.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StoppedBeforeStart(BaseException):
+    """A stop signal while distrib launch imports torch or parses (BaseException: no library's `except Exception`
+    may swallow it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def signal_exit_code(signum: int, codes: Sequence[int | None] = ()) -> int:
+    """The exit code after signal signum reached the launcher, from the exit codes of this attempt's workers (from
+    their lifelines; None: killed with it): EXIT_PREEMPTED for SIGTERM/SIGUSR1 when no worker had started (nothing
+    is lost) or when the workers ended with EXIT_PREEMPTED (their checkpoint is committed), so the job script
+    requeues; otherwise a worker's own failure code (e.g. EXIT_HUNG), or 128 + N as a shell reports signal N."""
+    if signum in STOP_SIGNALS:
+        if not codes or (all(c in (0, EXIT_PREEMPTED) for c in codes) and EXIT_PREEMPTED in codes):
+            return EXIT_PREEMPTED
+        if all(c == 0 for c in codes):
+            return 0
+    failed = [c for c in codes if c is not None and c > 0 and c != EXIT_PREEMPTED]
+    return failed[0] if failed else 128 + signum
+
+
+def _stopped_line(signum: int, codes: Sequence[int | None], code: int) -> str:
+    name = signal.Signals(signum).name
+    if not codes:
+        return f"distrib launch: stopped by {name} before any worker started; exit {code}" + (
+            ": requeue the job and it starts (or resumes) there" if code == EXIT_PREEMPTED else "")
+    ended = ", ".join("running (killed)" if c is None else f"killed by signal {-c}" if c < 0 else f"exit {c}"
+                      for c in codes)
+    verdict = ("every worker ended with 75 (checkpointed, or nothing to lose): requeue the job and it resumes there"
+               if code == EXIT_PREEMPTED
+               else "the workers had finished" if code == 0
+               else "not every worker ended with 75, so this is no preemption exit")
+    return f"distrib launch: stopped by {name}; the workers were stopped too ({ended}); {verdict}; exit {code}"
+
+
+@contextlib.contextmanager
+def stop_handlers(raise_for) -> Iterator[None]:
+    """SIGTERM and SIGUSR1 raise raise_for(signum) in the main thread while inside; the old handlers come back.
+    torch's agent installs its own SIGTERM handler (raising SignalException) once it starts workers."""
+    def handler(signum, frame):
+        raise raise_for(signum)
+    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
 
 
 def exit_code(error) -> int:
-    """The first failure's exit code (so a worker's EXIT_PREEMPTED reaches the job script), or its signal's."""
+    """The first failure's exit code (so a worker's EXIT_PREEMPTED reaches the job script), or 128 + N for the signal
+    N that killed it (a worker killed by SIGTERM did not checkpoint: no preemption exit)."""
     _, failure = error.get_first_failure()
-    return failure.exitcode if failure.exitcode > 0 else signal_exit_code(-failure.exitcode)
+    return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
+
+
+@contextlib.contextmanager
+def lifelines(args: argparse.Namespace) -> Iterator[Path]:
+    """Starts every worker under distrib.lifeline (it dies with this process and records its exit code in the
+    folder yielded) through torchrun's PYTHON_EXEC: the interpreter torch's agent runs workers with."""
+    with tempfile.TemporaryDirectory(prefix="distrib-launch-") as folder:
+        status = Path(folder, "status")
+        status.mkdir()
+        python = os.environ.get("PYTHON_EXEC", sys.executable)
+        restore = f"PYTHON_EXEC={shlex.quote(python)}; export PYTHON_EXEC" if "PYTHON_EXEC" in os.environ \
+            else "unset PYTHON_EXEC"
+        wrapper = Path(folder, "python-in-lifeline")  # the "binary" torch's log lines name
+        wrapper.write_text(f"#!/bin/sh\n{restore}\nexec {shlex.quote(sys.executable)} -m distrib.lifeline "
+                           f"--parent {os.getpid()} --status {shlex.quote(str(status))} {shlex.quote(python)} "
+                           '"$@"\n')
+        wrapper.chmod(0o755)
+        previous = os.environ.get("PYTHON_EXEC")
+        # --no-python and --run-path start no interpreter of ours: those workers run without a lifeline.
+        os.environ["PYTHON_EXEC"] = str(wrapper)
+        try:
+            yield status
+        finally:
+            if previous is None:
+                os.environ.pop("PYTHON_EXEC", None)
+            else:
+                os.environ["PYTHON_EXEC"] = previous
 
 
 def run(args: argparse.Namespace) -> int:
-    """torch.distributed.run.run, its failures turned into messages and exit codes instead of tracebacks."""
+    """torch.distributed.run.run, each worker under a lifeline, its failures turned into messages and exit codes
+    instead of tracebacks."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
 
-    try:
-        torchrun.run(args)
-    except ChildFailedError as e:
-        print("\n".join(failure_lines(e)), file=sys.stderr, flush=True)
-        return exit_code(e)
-    except SignalException as e:
-        # The agent has already passed the signal on to the workers and waited for them.
-        code = signal_exit_code(int(e.sigval))
-        print(f"distrib launch: stopped by {e.sigval.name}; the workers were stopped too (exit {code})",
-              file=sys.stderr)
-        return code
-    except RendezvousError as e:
-        raise UserError(f"rendezvous {args.rdzv_backend} at {args.rdzv_endpoint!r} (id {args.rdzv_id}) failed: "
-                        f"{e}; check that every node runs the same --nnodes, --rdzv-endpoint and --rdzv-id") from None
+    def signal_exception(signum: int) -> SignalException:  # what torch's own handler raises
+        return SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+
+    with lifelines(args) as status, stop_handlers(signal_exception):
+        try:
+            torchrun.run(args)
+        except SignalException as e:
+            # The agent has already passed the signal on to the workers and waited for them.
+            codes = [worker.code for worker in read_statuses(status)]
+            code = signal_exit_code(int(e.sigval), codes)
+            say(_stopped_line(int(e.sigval), codes, code))
+            return code
+        except ChildFailedError as e:
+            say("\n".join(failure_lines(e, {worker.pid: worker.worker_pid for worker in read_statuses(status)})))
+            return exit_code(e)
+        except RendezvousError as e:
+            raise UserError(f"rendezvous {args.rdzv_backend} at {args.rdzv_endpoint!r} (id {args.rdzv_id}) failed: "
+                            f"{e}; check that every node runs the same --nnodes, --rdzv-endpoint and --rdzv-id") \
+                from None
     return 0
 
 
 def main(argv: Sequence[str]) -> int:
-    """`distrib launch [torchrun options] SCRIPT|-m MODULE [args]`; returns the exit code."""
-    args = apply_defaults(parse_args(argv), os.environ)
-    threads = cpu_threads(os.environ, local_world_size(args.nproc_per_node), visible_gpu_count())
-    if threads is not None:
-        # Set here, in the one writer of the launch environment; torch's agent passes it on to every worker.
-        os.environ["OMP_NUM_THREADS"] = threads
-    return run(args)
+    """`distrib launch [torchrun options] SCRIPT|-m MODULE [args]`; returns the exit code. A stop signal from the
+    first moment on ends it with the preemption code (the job is requeued), also before torch is imported."""
+    try:
+        with stop_handlers(StoppedBeforeStart):
+            args = apply_defaults(parse_args(argv), os.environ)
+            threads = cpu_threads(os.environ, local_world_size(args.nproc_per_node), visible_gpu_count())
+            if threads is not None:
+                # Set here, in the one writer of the launch environment; torch's agent passes it on to every worker.
+                os.environ["OMP_NUM_THREADS"] = threads
+            return run(args)
+    except StoppedBeforeStart as e:
+        code = signal_exit_code(e.signum)
+        say(_stopped_line(e.signum, [], code))
+        return code
 
 
 def launch_trainer(nproc_per_node: int, train_argv: Sequence[str]) -> int:

@@ -1,5 +1,6 @@
-"""Preemption: a signal handler that only sets a flag; the ranks agree on it at a step boundary (inside the
-per-step all-reduce), then checkpoint and exit with EXIT_PREEMPTED, which job scripts answer with a requeue."""
+"""Preemption: during training a signal handler only sets a flag; the ranks agree on it at the next sync step (in
+its small all-reduce), checkpoint and exit with EXIT_PREEMPTED, which job scripts answer with a requeue; before
+training a signal ends the worker with EXIT_PREEMPTED at once."""
 
 from __future__ import annotations
 
@@ -14,6 +15,16 @@ class Preempted(Exception):
     def __init__(self, step: int, path):
         super().__init__(f"preempted at step {step}; checkpoint {path}")
         self.step, self.path = step, path
+
+
+class StoppedEarly(BaseException):
+    """A stop signal outside the training steps: while the worker starts, or after its final checkpoint
+    (BaseException: no `except Exception` on the way may swallow it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name} outside the training steps (starting up, or "
+                         "after the final checkpoint), so nothing was lost")
+        self.signum = signum
 
 
 class StopFlag:
@@ -44,3 +55,17 @@ def stop_on_signals(signals: list[signal.Signals]) -> Iterator[StopFlag]:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def exit_on_signals(signals: list[signal.Signals]) -> Iterator[None]:
+    """Outside the training steps (where stop_on_signals takes the signals over), a stop signal raises StoppedEarly:
+    the worker ends with EXIT_PREEMPTED at once, as nothing since the last checkpoint can be lost there."""
+    def handler(signum, frame):
+        raise StoppedEarly(signum)
+    previous = {s: signal.signal(s, handler) for s in signals}
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)

@@ -1,5 +1,6 @@
 """The per-worker runtime: reads the launch environment (the only reader), picks the device and backend, and opens
-and always closes the process group. The only module that names cuda, nccl or gloo."""
+and always closes the process group. The only module that picks a device or a backend (cuda/nccl, cpu/gloo): elsewhere
+cuda is named only to count GPUs (doctor, launcher) or as a dist.device value (config)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from distrib.config import DistConfig
-from distrib.errors import CollectiveTimeoutError, UserError
-
-LAUNCH_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+from distrib.errors import CollectiveTimeoutError, PeerLostError, UserError
+from distrib.lifeline import die_with_parent
+from distrib.peers import PeerWatch
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +32,7 @@ class LaunchEnv:
     master_addr: str = ""
     master_port: int = 0
     restart_count: int = 0
+    elastic: bool = False  # started by torch's elastic agent (torchrun, distrib launch): it dies with the agent
 
     @property
     def launched(self) -> bool:
@@ -67,7 +69,8 @@ def read_launch_env(environ: Mapping[str, str] = os.environ) -> LaunchEnv:
         raise UserError(f"LOCAL_RANK={local_rank} with LOCAL_WORLD_SIZE={local_world_size}, WORLD_SIZE={world_size}: "
                         "need 0 <= LOCAL_RANK < LOCAL_WORLD_SIZE <= WORLD_SIZE; fix the launcher")
     restarts = _int_var(environ, "TORCHELASTIC_RESTART_COUNT", 0)
-    return LaunchEnv(rank, local_rank, world_size, local_world_size, master_addr, master_port, restarts)
+    return LaunchEnv(rank, local_rank, world_size, local_world_size, master_addr, master_port, restarts,
+                     "TORCHELASTIC_RUN_ID" in environ)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +84,7 @@ class Runtime:
     device: torch.device
     backend: str
     restart_count: int = 0
+    peers: PeerWatch | None = None  # the other ranks' heartbeats; None in one process
 
     @property
     def is_main(self) -> bool:
@@ -156,6 +160,20 @@ def select_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def _store_prefix(env: LaunchEnv) -> str:
+    return f"distrib/restart_{env.restart_count}"
+
+
+def _peer_watch(env: LaunchEnv, timeout: timedelta) -> PeerWatch:
+    """Heartbeats over a connection of their own to the launcher's store (the one env:// names); its operations
+    time out in 10 s at most, so a diagnosis never waits long on a store whose host is gone."""
+    def connect() -> dist.Store:
+        store = dist.TCPStore(env.master_addr, env.master_port, is_master=False,
+                              timeout=min(timeout, timedelta(seconds=10)))
+        return dist.PrefixStore(f"{_store_prefix(env)}/peers", store)
+    return PeerWatch(connect, env.rank, env.world_size, timeout.total_seconds())
+
+
 def _init_process_group(env: LaunchEnv, device: torch.device, backend: str, timeout: timedelta) -> None:
     kwargs = dict(backend=backend, timeout=timeout, rank=env.rank, world_size=env.world_size)
     if device.type == "cuda":
@@ -166,7 +184,7 @@ def _init_process_group(env: LaunchEnv, device: torch.device, backend: str, time
         # keeps one store across restarts, and a stale peer address left by the previous attempt makes gloo's
         # connect hang or fail.
         store, _, _ = next(dist.rendezvous("env://", rank=env.rank, world_size=env.world_size, timeout=timeout))
-        dist.init_process_group(store=dist.PrefixStore(f"distrib/restart_{env.restart_count}", store), **kwargs)
+        dist.init_process_group(store=dist.PrefixStore(_store_prefix(env), store), **kwargs)
     else:
         # One process, no launcher: an in-memory store, so no port is needed and none can clash.
         dist.init_process_group(store=dist.HashStore(), **kwargs)
@@ -176,18 +194,26 @@ def _init_process_group(env: LaunchEnv, device: torch.device, backend: str, time
 def open_runtime(config: DistConfig, env: LaunchEnv | None = None) -> Iterator[Runtime]:
     """Opens the process group for this worker and always closes it, also when training raises."""
     env = env or read_launch_env()
+    if env.elastic:
+        # A worker of torchrun or distrib launch ends when its launcher does, even by SIGKILL (distrib launch's
+        # workers already are tied by distrib.lifeline; under torchrun this is the only tie). Not for processes a
+        # script of the user's started with RANK and MASTER_* set: that script may end before them on purpose.
+        die_with_parent()
     device = select_device(config.device, env.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before any CUDA work, or every rank allocates on GPU 0
     backend = "nccl" if device.type == "cuda" else "gloo"
-    _init_process_group(env, device, backend, timedelta(seconds=config.timeout_s))
-    runtime = Runtime(env.rank, env.local_rank, env.world_size, env.local_world_size, device, backend,
-                      env.restart_count)
-    ok = False
+    timeout = timedelta(seconds=config.timeout_s)
+    _init_process_group(env, device, backend, timeout)
+    ok, peers = False, None
     try:
-        yield runtime
+        peers = _peer_watch(env, timeout).start() if env.launched and env.world_size > 1 else None
+        yield Runtime(env.rank, env.local_rank, env.world_size, env.local_world_size, device, backend,
+                      env.restart_count, peers)
         ok = True
     finally:
+        if peers is not None:
+            peers.stop()
         close_process_group(barrier=ok)
 
 
@@ -201,19 +227,39 @@ def close_process_group(barrier: bool = True) -> None:
     dist.destroy_process_group()
 
 
+# Words in gloo's and NCCL's errors: the collective outwaited the timeout, or a peer's connection broke (it died).
+_TIMEOUT_WORDS = ("timed out", "timeout")
+_LOST_WORDS = ("connection closed", "connection reset", "connection refused", "broken pipe", "closed by peer",
+               "socket closed", "remote process exited", "econnreset", "epipe")
+
+
 @contextlib.contextmanager
-def collective_timeouts(timeout_s: float, where: Callable[[], str]) -> Iterator[None]:
-    """Turns a collective that outwaited dist.timeout_s into an error that says where training was and why that
-    happens, instead of gloo's bare "Timed out waiting 300000ms for recv". (NCCL's watchdog aborts the process
-    instead; its log names the collective.)"""
+def collective_timeouts(timeout_s: float, where: Callable[[], str], peers: PeerWatch | None = None) -> Iterator[None]:
+    """Turns a collective that outwaited dist.timeout_s, or lost a peer that died, into one line that says where
+    training was and names the ranks that did not arrive (host, pid, last step, still beating or not, from the
+    heartbeats), instead of gloo's traceback. (NCCL's watchdog may abort the process instead; its log names the
+    collective.)"""
+    if peers is not None:
+        peers.where = where
     try:
         yield
     except RuntimeError as e:  # gloo raises RuntimeError; torch's DistBackendError is one too
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         text = re.sub(r"^\[\S+\]\s*", "", text)  # gloo's "[.../unbound_buffer.cc:78] " source prefix
-        if "timed out" not in text.lower() and "timeout" not in text.lower():
-            raise
-        raise CollectiveTimeoutError(
-            f"{where()}: a collective waited longer than dist.timeout_s = {timeout_s:g} s ({text[:160]}); another "
-            "rank stopped or ran collectives this one did not (rank-0-only evaluation or saving?): see the other "
-            "ranks' errors, or raise dist.timeout_s if a rank is only slow") from e
+        text = re.split(r"(?<=\.)\s", text)[0]  # its first sentence: the rest is gloo's general advice
+        lowered = text.lower()
+        if any(word in lowered for word in _TIMEOUT_WORDS):
+            missing = peers.diagnose("timeout") if peers is not None else ""
+            raise CollectiveTimeoutError(
+                f"{where()}: a collective waited longer than dist.timeout_s = {timeout_s:g} s ({text[:200]}); "
+                + (f"did not arrive: {missing}; " if missing else "another rank stopped or ran collectives this "
+                   "one did not (rank-0-only evaluation or saving?), see the other ranks' errors; ")
+                + "raise dist.timeout_s if a rank is only slow") from None
+        if any(word in lowered for word in _LOST_WORDS):
+            missing = peers.diagnose("lost") if peers is not None else ""
+            raise PeerLostError(f"{where()}: lost {missing or 'a peer'} ({text[:200]}); this rank stopped too: "
+                                "the lost rank's own error says why") from None
+        raise
+    finally:
+        if peers is not None:
+            peers.where = lambda: "after training"

@@ -22,7 +22,7 @@ from distrib.config import TrainConfig
 from distrib.data import BatchPlan, epoch_steps
 from distrib.early_stop import EarlyStopping
 from distrib.ema import EMA
-from distrib.errors import UserError
+from distrib.errors import ConfigError, UserError
 from distrib.evaluation import autocast, evaluate
 from distrib.losses import Loss
 from distrib.metrics import Recorder
@@ -53,7 +53,14 @@ def lr_factor(step: int, total_steps: int, config: TrainConfig) -> float:
 
 
 def build_scheduler(optimizer, total_steps: int, config: TrainConfig):
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, config))
+    """The schedule spans train.schedule_steps when set (so a run extended later continues the same curve), else
+    this run's total_steps (an extended run then recomputes it: the cosine jumps back up)."""
+    length = config.schedule_steps or total_steps
+    if config.schedule == "cosine" and length < total_steps:
+        raise ConfigError(f"train.schedule_steps = {config.schedule_steps}: shorter than this run's {total_steps} "
+                          f"steps, so the learning rate would be 0 after step {length}; set it to {total_steps} or "
+                          "more, or to 0 (the run's length)")
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, length, config))
 
 
 @dataclass
@@ -201,13 +208,8 @@ class Trainer:
         return agreed.loss
 
     def _end_step(self, loss: torch.Tensor) -> None:
-        """Checkpoint, log and time the step just taken."""
+        """Time, log and checkpoint the step just taken: the save is not step time (the clock restarts after it)."""
         progress = self.state.progress
-        if self.agreement.stop_agreed:
-            path = self.checkpointer.save(progress.step) if self.checkpointer else None
-            raise Preempted(progress.step, path)
-        if self.checkpointer and self.checkpointer.due(progress.step):
-            self.checkpointer.save(progress.step)
         if self.is_log_step(progress.step):
             loss_value = loss.item()  # host sync: only on log steps, so the step times are honest here
             self.meter.step_done()
@@ -215,6 +217,12 @@ class Trainer:
                                    self.state.scheduler.get_last_lr()[0], **self.meter.window())
         else:
             self.meter.step_done()
+        if self.agreement.stop_agreed:
+            path = self.checkpointer.save(progress.step) if self.checkpointer else None
+            raise Preempted(progress.step, path)
+        if self.checkpointer and self.checkpointer.due(progress.step):
+            self.checkpointer.save(progress.step)
+            self.meter.restart_clock()
         if self.on_step_end:
             self.on_step_end(progress.step)
 

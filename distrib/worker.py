@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from distrib.agreement import RankAgreement
 from distrib.best import BestCheckpoints
-from distrib.checkpoint import Checkpointer, check_compatible, save_atomic, set_rng_state
+from distrib.checkpoint import Checkpointer, CheckpointError, check_compatible, save_atomic, set_rng_state
 from distrib.checkpoint_sharded import ShardedCheckpointer, committing, make_checkpointer
 from distrib.config import Config, to_dict, write_resolved
 from distrib.data import Data, DataInfo, load_data, make_plan
@@ -29,6 +29,7 @@ from distrib.models import batchnorm_layers, build_model, data_kwargs
 from distrib.parallel import full_model_state, memory_report, parallelize, place_model, sync_batchnorm
 from distrib.preempt import Preempted, parse_signals, stop_on_signals
 from distrib.preflight import dry_batch
+from distrib.rundir import checkpoint_dir, environment_faults, own_folders
 from distrib.runtime import LaunchEnv, Runtime, collective_timeouts, open_runtime
 from distrib.throughput import count_flops_per_sample, meter_for
 from distrib.train import Trainer, TrainState, new_state
@@ -38,8 +39,8 @@ ModelArg = nn.Module | Callable[..., nn.Module] | None  # distrib.fit's model: a
 
 def run(config: Config, env: LaunchEnv | None = None) -> dict:
     """Trains on this worker's device inside an open process group; returns the run's summary."""
-    with open_runtime(config.dist, env) as runtime:
-        return train_on(config, runtime)
+    with environment_faults(), open_runtime(config.dist, env) as runtime, own_folders(config, runtime):
+        return train_on(config, runtime)  # run.dir and checkpoint.dir locked for the run's life
 
 
 def _total_steps(config: Config, steps_per_epoch: int) -> int:
@@ -48,20 +49,16 @@ def _total_steps(config: Config, steps_per_epoch: int) -> int:
     return min(by_epochs, by_steps) if by_epochs and by_steps else by_epochs or by_steps
 
 
-def _checkpoint_dir(config: Config) -> Path:
-    return Path(config.checkpoint.dir or Path(config.run.dir) / "checkpoints")
-
-
 def _best(config: Config, runtime: Runtime) -> BestCheckpoints | None:
     ckpt = config.checkpoint
-    return BestCheckpoints(ckpt.keep_best, ckpt.best_metric, _checkpoint_dir(config), runtime.is_main) \
+    return BestCheckpoints(ckpt.keep_best, ckpt.best_metric, checkpoint_dir(config), runtime.is_main) \
         if ckpt.keep_best else None
 
 
 def _checkpointer(config: Config, runtime: Runtime, state: TrainState, global_batch_size: int,
                   info: DataInfo) -> Checkpointer | ShardedCheckpointer:
     ckpt = config.checkpoint
-    return make_checkpointer(ckpt, config.dist.strategy, _checkpoint_dir(config), runtime,
+    return make_checkpointer(ckpt, config.dist.strategy, checkpoint_dir(config), runtime,
                              lambda: {**state.state_dict(global_batch_size), "config": to_dict(config),
                                       "world_size": runtime.world_size, "data_seed": config.train.seed,
                                       "global_batch_size": global_batch_size, "data": info.to_dict()})
@@ -73,9 +70,15 @@ def _resume(state: TrainState, config: Config, runtime: Runtime, checkpointer: C
     loaded = checkpointer.load(config.checkpoint.resume, notes.append)
     if loaded is None:
         return None
-    changed = check_compatible(config.checkpoint.resume, loaded["config"], to_dict(config),
-                               config.checkpoint.allow_config_change)
-    state.load_state_dict(loaded, global_batch_size)
+    path = checkpointer.resumed_from
+    changed = check_compatible(str(path), loaded["config"], to_dict(config), config.checkpoint.allow_config_change)
+    try:
+        state.load_state_dict(loaded, global_batch_size)
+    except (RuntimeError, KeyError, ValueError, TypeError) as e:  # another model's or optimizer's tensors
+        reason = " ".join(str(e).split()) or type(e).__name__  # torch's reasons follow a header line: keep them
+        raise CheckpointError(f"checkpoint {path}: does not fit this run's model or optimizer "
+                              f"({type(e).__name__}: {reason[:300]}); resume it with the config it was taken with, "
+                              "or start afresh with a new run.dir") from None
     if state.best and config.checkpoint.resume == "auto":
         state.best.drop_abandoned(state.progress.step)
     if loaded["world_size"] == runtime.world_size:  # per-rank RNG streams only map onto the same ranks
@@ -138,15 +141,16 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
     recorder.start(to_dict(config), resumed_from, runtime.restart_count)  # trackers: fail here, not mid-run
     try:
         with stop_on_signals(parse_signals(config.checkpoint.signals)) as stop, \
-                collective_timeouts(config.dist.timeout_s, lambda: f"after step {state.progress.step}"), \
+                collective_timeouts(config.dist.timeout_s, lambda: f"after step {state.progress.step}",
+                                    runtime.peers), \
                 committing(checkpointer):
             agreement = RankAgreement(stop, runtime.device, runtime.world_size, synced_at=state.progress.step)
             evaluator = _evaluator(config, runtime, data, loss)
             trainer = Trainer(state, loss, config.train, runtime.device, plan, total_steps, evaluator, recorder,
                               meter, agreement, checkpointer, on_step_end)
             metrics = trainer.fit(data.train)
-    except BaseException as e:
-        recorder.close("preempted" if isinstance(e, Preempted) else "failed")  # the trackers see the run end
+    except BaseException as e:  # flush metrics and trackers now: the CLI's os._exit skips finalisers
+        recorder.close("preempted" if isinstance(e, Preempted) else "failed")
         raise
     return _finish(config, runtime, data, state, metrics, meter, recorder, resumed_from, start, model is None)
 

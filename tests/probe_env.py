@@ -1,6 +1,6 @@
 """A plain torchrun-style script for the launcher tests: writes the launch variables its worker sees to
-OUT_DIR/rank<R>.json after one all-reduce, and can die on purpose: probe_env.py OUT_DIR [exit|kill RANK].
-Also a model.factory whose rank 1 stalls, for the collective-timeout test."""
+OUT_DIR/rank<R>.json after one all-reduce, and can die on purpose: probe_env.py OUT_DIR [exit|kill RANK], or wait
+to be stopped: probe_env.py OUT_DIR sleep. Also model.factory functions whose rank 1 stalls, hangs or dies."""
 
 import json
 import os
@@ -37,6 +37,15 @@ def stalling_network():
     return _network_that(lambda: time.sleep(10))
 
 
+def hanging_network():
+    """model.factory: rank 1 says so on stderr, then hangs (a 10-minute sleep) in its third forward."""
+    def hang():
+        sys.stderr.write("probe: rank 1 hangs\n")
+        sys.stderr.flush()
+        time.sleep(600)
+    return _network_that(hang)
+
+
 def dying_network():
     """model.factory: rank 1 is killed mid-training (SIGKILL, as the OOM killer does)."""
     return _network_that(lambda: os.kill(os.getpid(), signal.SIGKILL))
@@ -49,6 +58,8 @@ def main() -> None:
     total = torch.ones(1)
     dist.all_reduce(total)
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps({**seen, "all_reduce": int(total.item())}))
+    if sys.argv[2:] == ["sleep"]:
+        time.sleep(600)  # until the test stops it
     if len(sys.argv) > 3:
         how, victim = sys.argv[2], int(sys.argv[3])
         if dist.get_rank() == victim:

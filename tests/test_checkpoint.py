@@ -117,3 +117,89 @@ def test_sigkill_during_a_save_never_leaves_a_partial_file(tmp_path):
         state = read_checkpoint(path, CPU)
         assert torch.equal(state["model"]["w"], torch.full((4_000_000,), float(state["progress"]["step"])))
     assert list_checkpoints(tmp_path) == [path]
+
+
+SMALL = ["data.name=synthetic", "data.synthetic_train_size=256", "data.synthetic_test_size=64", "run.progress=false",
+         "train.global_batch_size=32", "train.schedule=constant", "train.warmup_steps=2", "train.eval_every_epochs=0",
+         "dist.device=cpu"]
+
+
+@pytest.mark.timeout(120)
+def test_checkpoint_time_is_not_step_time(tmp_path, monkeypatch):
+    """A virtual clock: each reading moves it 1 ms, and every save 100 s. Steps stay milliseconds long."""
+    from distrib import checkpoint, throughput
+    from distrib.config import load_config
+    from distrib.worker import run
+
+    clock = [0.0]
+
+    def perf_counter():
+        clock[0] += 1e-3
+        return clock[0]
+
+    real_save = checkpoint.Checkpointer.save
+
+    def slow_save(self, step):
+        clock[0] += 100.0
+        return real_save(self, step)
+
+    monkeypatch.setattr(throughput.time, "perf_counter", perf_counter)
+    monkeypatch.setattr(checkpoint.Checkpointer, "save", slow_save)
+    summary = run(load_config(None, [*SMALL, f"run.dir={tmp_path}", "train.max_steps=12", "checkpoint.every_steps=2",
+                                     "metrics.timing_skip_steps=0", "train.log_every=3"]))
+    assert summary["timed_steps"] == 12 and summary["step_time_p95_s"] < 1.0, summary
+
+
+@pytest.mark.timeout(120)
+def test_a_preempted_run_closes_its_recorder(tmp_path, monkeypatch):
+    """The CLI ends with os._exit, which skips finalisers: the recorder (metrics.jsonl, TensorBoard's writer and its
+    queue) is closed on the way out of a run that stops early."""
+    import os
+    import signal
+
+    from distrib.config import load_config
+    from distrib.metrics import Recorder
+    from distrib.preempt import Preempted
+    from distrib.train import Trainer
+    from distrib.worker import run
+
+    real_step, real_close, closed = Trainer.step, Recorder.close, []
+
+    def step(self, micro_batches):
+        if self.state.progress.step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # the run's handler only sets its flag
+        return real_step(self, micro_batches)
+
+    def close(self):
+        closed.append(self._board is not None)
+        real_close(self)
+
+    monkeypatch.setattr(Trainer, "step", step)
+    monkeypatch.setattr(Recorder, "close", close)
+    with pytest.raises(Preempted, match="preempted at step 2"):
+        run(load_config(None, [*SMALL, f"run.dir={tmp_path}", "train.max_steps=50", "train.log_every=2",
+                               "metrics.tensorboard=true"]))
+    assert closed == [True]
+
+
+@pytest.mark.timeout(180)
+def test_ranks_that_do_not_share_checkpoint_dir_are_told_so_on_every_rank(tmp_path):
+    """Before, the ranks compared steps, and a checkpoint's name carries its step: an unshared folder passed. Node 1
+    holds another file of the same step, node 2 none at all (its error reaches every rank: nobody waits on it)."""
+    from support import run as run_cmd
+
+    _write(tmp_path / "node0" / "ck", 10)
+    state = {"format": FORMAT, "version": VERSION, "progress": {"step": 10}, "model": {"w": torch.zeros(1000)}}
+    state["checksum"] = digest(state)
+    save_atomic(state, checkpoint_path(tmp_path / "node1" / "ck", 10))
+    (tmp_path / "node2" / "ck").mkdir(parents=True)
+    result = run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
+                      str(REPO / "tests" / "probe_unshared.py"), str(tmp_path)], timeout=150)
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
+    assert [line[:15] for line in lines] == ["rank 0 error ch", "rank 1 error ch", "rank 2 error ch"], result
+    assert len({line[7:] for line in lines}) == 1  # one message, on every rank
+    theirs = read_checkpoint(tmp_path / "node0" / "ck" / "step_00000010.pt", CPU)["checksum"]
+    for text in ("the ranks did not load the same file", f"rank 0: {theirs[:16]}", f"rank 1: {state['checksum'][:16]}",
+                 "rank 2: checkpoint ck/step_00000010.pt: no such file",
+                 "checkpoint.dir must be one folder shared by every node"):
+        assert text in lines[0], lines[0]

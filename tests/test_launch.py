@@ -26,7 +26,7 @@ from support import free_port
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from distrib import launcher
-from distrib.errors import EXIT_PREEMPTED, CollectiveTimeoutError, UserError
+from distrib.errors import EXIT_HUNG, EXIT_PREEMPTED, CollectiveTimeoutError, PeerLostError, UserError
 from distrib.runtime import collective_timeouts
 
 SAME_IN_BOTH = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -132,30 +132,35 @@ def test_cpu_workers_share_the_cores_unless_the_user_chose():
     assert launcher.cpu_threads({}, 2, num_gpus=2) is None  # GPU workers: torchrun's default
 
 
-def test_failure_summary_is_one_line_per_rank_first_failure_first(tmp_path):
+def test_failure_summary_is_one_line_per_rank_first_failure_last(tmp_path):
     error_file = tmp_path / "error.json"
     error_file.write_text(json.dumps({"message": {"message": "ValueError: bad batch\nmore",
                                                   "extraInfo": {"py_callstack": "Traceback ...", "timestamp": "5"}}}))
     failures = {0: ProcessFailure(0, 100, -signal.SIGTERM, "/nonexistent"),
                 3: ProcessFailure(1, 101, 3, str(error_file))}
     error = ChildFailedError("train", failures)
-    lines = launcher.failure_lines(error)
-    assert lines[0] == "distrib launch: rank 3 (local rank 1, pid 101) exited with code 3: ValueError: bad batch " \
+    lines = launcher.failure_lines(error, {101: 201})  # lifeline pid 101 ran worker pid 201
+    assert lines[1] == "distrib launch: rank 3 (local rank 1, pid 201) exited with code 3: ValueError: bad batch " \
                        "[first failure]"
-    assert lines[1] == "distrib launch: rank 0 (local rank 0, pid 100) was killed by signal 15 (SIGTERM)"
+    assert lines[0] == "distrib launch: rank 0 (local rank 0, pid 100) was killed by signal 15 (SIGTERM)"
     assert launcher.exit_code(error) == 3
+    assert launcher.exit_code(ChildFailedError("train", {0: failures[0]})) == 128 + signal.SIGTERM  # no checkpoint
     assert launcher.signal_exit_code(signal.SIGTERM) == EXIT_PREEMPTED
     assert launcher.signal_exit_code(signal.SIGKILL) == 128 + 9
 
 
-def test_a_collective_timeout_names_the_step_and_other_errors_pass_through():
+def test_a_collective_timeout_or_lost_peer_names_the_step_and_other_errors_pass_through():
     with pytest.raises(CollectiveTimeoutError, match=r"^after step 7: a collective waited longer than "
-                                                      r"dist.timeout_s = 3 s \(Timed out waiting 3000ms"):
+                                                      r"dist.timeout_s = 3 s \(Timed out waiting 3000ms") as caught:
         with collective_timeouts(3.0, lambda: "after step 7"):
             raise RuntimeError("[/src/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv")
-    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+    assert caught.value.exit_code == EXIT_HUNG
+    with pytest.raises(PeerLostError, match=r"^after step 7: lost a peer \(Connection closed by peer \[h\]:1\.\)"):
         with collective_timeouts(3.0, lambda: "after step 7"):
-            raise RuntimeError("Connection closed by peer")
+            raise RuntimeError("[pair.cc:1] Connection closed by peer [h]:1. This is typically caused by ...")
+    with pytest.raises(RuntimeError, match="mat1 and mat2 shapes"):
+        with collective_timeouts(3.0, lambda: "after step 7"):
+            raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
 
 
 # ---------------------------------------------------------------- real launches (2 CPU workers each)
@@ -263,13 +268,14 @@ def test_train_nproc_per_node_trains_like_one_process(tmp_path, reference):
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("factory, code, ending", [
-    ("stalling_network", 2, r"exited with code 2: CollectiveTimeoutError: after step \d+: a collective waited "
-                            r"longer than dist\.timeout_s = 3 s"),
+    ("stalling_network", EXIT_HUNG, r"exited with code 69: CollectiveTimeoutError: after step \d+: a collective "
+                                    r"waited longer than dist\.timeout_s = 3 s .*did not arrive: rank 1 \(host "),
     ("dying_network", 128 + 9, r"was killed by signal 9 \(SIGKILL\)"),
 ], ids=["stalls", "dies"])
 def test_trainer_rank_that_stalls_or_dies_ends_the_run_with_its_step_or_rank(tmp_path, factory, code, ending):
     """The trainer's own workers (which catch SIGTERM to checkpoint) still end the run fast; a stalled collective
-    names the step instead of hanging."""
+    names the step and the rank that did not arrive instead of hanging; the survivors of a dead rank say in one line
+    which peer they lost, with no traceback; no two lines are glued together."""
     done = run_one(distrib_cmd("train", "--nproc-per-node", "2", "--config", CLUSTER_CONFIG, *SMALL,
                                "--set", f"model.factory=probe_env:{factory}", "--set", "dist.timeout_s=3",
                                "--set", f"run.dir={tmp_path}/run"),
@@ -278,3 +284,9 @@ def test_trainer_rank_that_stalls_or_dies_ends_the_run_with_its_step_or_rank(tmp
     assert done.seconds < 60, done.text()
     first = next(line for line in done.stderr.splitlines() if line.endswith("[first failure]"))
     assert re.search(r"distrib launch: rank \d \(local rank \d, pid \d+\) " + ending, first), done.text()
+    assert "Traceback" not in done.stderr, done.text()
+    assert all(line.startswith(("distrib", "[distrib]", "W", "E", "I")) for line in done.stderr.splitlines()), \
+        done.text()  # lines of the ranks never glued: each starts with its writer's prefix (or torch's log level)
+    if factory == "dying_network":
+        assert re.search(r"^distrib: error: after step \d+: lost rank 1 \(host \S+, pid \d+, .*no heartbeat",
+                         done.stderr, re.M), done.text()

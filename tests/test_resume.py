@@ -192,3 +192,34 @@ def test_sigterm_to_one_process_checkpoints_exits_75_and_the_next_run_resumes(tm
     resumed = run(load_config(None, [*BASE, f"run.dir={tmp_path}/stopped", *steps]))
     assert resumed["resumed_from_step"] == stopped_at
     _assert_bitwise(_final(tmp_path / "stopped"), _final(tmp_path / "whole"))
+
+
+def _lrs(run_dir: Path) -> dict[int, float]:
+    lines = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {line["step"]: line["lr"] for line in lines if "lr" in line}
+
+
+@pytest.mark.timeout(240)
+def test_extending_a_run_keeps_its_schedule_only_with_schedule_steps(tmp_path):
+    """train.schedule_steps fixes the cosine's length: stopping at 12 and extending to 24 is bitwise the 24-step run.
+    Without it, the extension recomputes the schedule: the learning rate jumps from 0 back up."""
+    cosine = ["train.schedule=cosine", "train.warmup_steps=2", "train.log_every=1", "train.lr=0.05"]
+    run(load_config(None, [*BASE, *cosine, f"run.dir={tmp_path}/whole", "train.max_steps=24"]))
+    for name, fixed in (("fixed", ["train.schedule_steps=24"]), ("recomputed", [])):
+        for steps in (12, 24):
+            run(load_config(None, [*BASE, *cosine, *fixed, f"run.dir={tmp_path}/{name}", f"train.max_steps={steps}"]))
+    _assert_bitwise(_final(tmp_path / "fixed"), _final(tmp_path / "whole"))
+    assert _lrs(tmp_path / "fixed") == _lrs(tmp_path / "whole")
+    recomputed = _lrs(tmp_path / "recomputed")
+    assert recomputed[12] == 0.0 and recomputed[13] == pytest.approx(0.5 * 0.05)  # from 0 back to half the peak
+
+
+def test_a_schedule_shorter_than_the_run_is_refused():
+    from distrib.config import TrainConfig
+    from distrib.errors import ConfigError
+    from distrib.train import build_scheduler
+
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    with pytest.raises(ConfigError, match=r"train.schedule_steps = 50: shorter than this run's 80 steps"):
+        build_scheduler(optimizer, 80, TrainConfig(schedule_steps=50))
+    assert build_scheduler(optimizer, 80, TrainConfig(schedule_steps=100)).get_last_lr()[0] > 0

@@ -101,3 +101,48 @@ def test_a_preemption_signal_requeues_the_job(cluster, tmp_path):
     text = log.read_text()
     assert "distrib launch: stopped by SIGTERM" in text and f"requeueing job {job_id}" in text, text[-5000:]
     assert job["Restarts"] == "1"
+
+
+def _launchers(job_id: str) -> list[int]:
+    """This machine's `distrib launch` processes of the job (both fake nodes run here)."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"launch" in cmdline and f"SLURM_JOB_ID={job_id}".encode() in environ and b"distrib" in b" ".join(cmdline):
+            found.append(int(proc.name))
+    return found
+
+
+def _handles_sigterm(pid: int) -> bool:
+    """SigCgt has SIGTERM: distrib launch runs its own code (it installs its handler first, then imports torch)."""
+    try:
+        line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(int(line.split()[1], 16) >> (15 - 1) & 1)
+
+
+@pytest.mark.timeout(900)
+def test_a_preemption_signal_while_the_launchers_start_requeues_the_job(cluster, tmp_path):
+    """SIGUSR1 to the batch script as soon as both launchers run their own code (importing torch, before any
+    worker): they exit 75 at once and the job is requeued, instead of failing with 143. (In the half second before
+    a launcher's interpreter runs its code, SIGTERM kills it: train.sbatch requeues that step's 143 too.)"""
+    job_id, log = _submit(cluster, tmp_path, "--set", "train.max_steps=100000", "--set", f"run.dir={tmp_path}/run")
+    deadline = time.monotonic() + 180
+    while len([pid for pid in _launchers(job_id) if _handles_sigterm(pid)]) < 2:  # both nodes' launchers
+        assert time.monotonic() < deadline and _job(cluster, job_id)["JobState"] not in ENDED, \
+            log.read_text() if log.exists() else "(no output)"
+        time.sleep(0.1)
+    _slurm(cluster, "scancel", "--signal=USR1", "--batch", job_id)
+    try:
+        job = _wait(cluster, job_id, lambda job: job["Restarts"] != "0", timeout=120, log=log)
+    finally:
+        subprocess.run(["scancel", job_id], env=cluster, timeout=60)
+    text = log.read_text()
+    assert "distrib launch: stopped by SIGTERM before any worker started; exit 75" in text, text[-5000:]
+    assert f"requeueing job {job_id}" in text and "[distrib] step" not in text, text[-5000:]
+    assert job["Restarts"] == "1"

@@ -1,0 +1,179 @@
+"""Workers die with their launcher, and the launcher learns how each worker ended: Linux's parent-death signal, and
+the small parent process that `distrib launch` puts between its elastic agent and each worker (no torch import).
+
+    python -m distrib.lifeline --parent PID --status DIR COMMAND [ARGS ...]
+
+runs COMMAND as a child that is SIGKILLed when this process dies, which is SIGKILLed when PID (the launcher) dies;
+passes stop signals on when the child is ready for them (see Relay); writes the child's exit code to DIR; and ends
+as the child did (same code or signal).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# Signals the elastic agent, SLURM or a user send to stop a worker; the lifeline relays them to the worker.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def die_with_parent(parent_pid: int | None = None) -> bool:
+    """Asks Linux to SIGKILL this process when its parent ends (SIGKILL of the parent included), then checks that
+    the parent did not already end before the request (the race prctl's manual warns of): then this process is
+    an orphan and ends now. parent_pid is the parent it should have; None checks only for adoption by init (pid 1).
+    False where there is no prctl (not Linux): nothing is tied."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    parent = os.getppid()
+    if parent == 1 or (parent_pid is not None and parent != parent_pid):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    """How one worker of the latest attempt stands: its lifeline's pid (the one torch's agent reports), the worker's
+    own pid, and its exit code (negative: killed by that signal; None: running, or killed with its lifeline)."""
+
+    pid: int
+    worker_pid: int
+    code: int | None
+
+
+def write_status(status_dir: Path, attempt: str, status: Status) -> None:
+    """DIR/ATTEMPT.PID, written to a temp name and renamed, so the launcher never reads half a file."""
+    path = status_dir / f"{attempt}.{status.pid}"
+    temp = path.with_suffix(".tmp")
+    temp.write_text(json.dumps({"worker_pid": status.worker_pid, "code": status.code}))
+    os.replace(temp, path)
+
+
+def read_statuses(status_dir: Path) -> list[Status]:
+    """The latest attempt's workers; an empty list when no worker was ever started."""
+    by_attempt: dict[int, list[Status]] = {}
+    for path in Path(status_dir).glob("*.*"):
+        attempt, _, pid = path.name.partition(".")
+        if attempt.isdigit() and pid.isdigit():
+            try:
+                saved = json.loads(path.read_text())
+                status = Status(int(pid), saved["worker_pid"], saved["code"])
+            except (OSError, ValueError, KeyError):
+                status = Status(int(pid), int(pid), None)
+            by_attempt.setdefault(int(attempt), []).append(status)
+    return by_attempt[max(by_attempt)] if by_attempt else []
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Whether process pid has a handler for signum (SigCgt in /proc/PID/status): its own code has started."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+class Relay:
+    """Passes stop signals on to the worker (in a process group of its own, so that only this relay decides when):
+    at once if the worker handles the signal, or has run for READY_S; else once it handles it. A worker that is
+    still starting its interpreter would otherwise die of a SIGTERM its trainer turns into a clean preemption exit a
+    moment later. A stopped worker (SIGSTOP, a debugger) is continued, or it would act only after the agent's grace
+    period and SIGKILL."""
+
+    READY_S = 10.0
+
+    def __init__(self):
+        self.child: subprocess.Popen | None = None
+        self.started_at = 0.0
+        self.pending: list[int] = []
+
+    def __call__(self, signum, frame) -> None:
+        self.pending.append(signum)
+        self.relay()
+
+    def start(self, child: subprocess.Popen) -> None:
+        self.child, self.started_at = child, time.monotonic()
+        self.relay()
+
+    def relay(self) -> None:
+        child = self.child
+        if child is None or child.poll() is not None:
+            return
+        ready = time.monotonic() - self.started_at >= self.READY_S
+        for signum in list(self.pending):
+            if ready or catches(child.pid, signum):
+                try:
+                    self.pending.remove(signum)
+                except ValueError:  # relayed meanwhile by the signal handler, which calls this too
+                    continue
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.pid, signum)
+                    os.killpg(child.pid, signal.SIGCONT)
+
+    def wait(self) -> int:
+        while True:  # with a timeout: a signal that came while the child was not ready is relayed from here
+            try:
+                return self.child.wait(timeout=0.1 if self.pending else 1.0)
+            except subprocess.TimeoutExpired:
+                self.relay()
+
+
+def _child_setup(lifeline_pid: int):
+    def setup() -> None:  # runs in the child between fork and exec
+        os.setpgid(0, 0)
+        die_with_parent(lifeline_pid)
+    return setup
+
+
+def run(parent_pid: int, status_dir: Path, command: Sequence[str]) -> int:
+    """Runs command under this lifeline; returns its exit code (negative: the signal that ended it)."""
+    die_with_parent(parent_pid)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # set by the elastic agent for each attempt
+    relay = Relay()
+    for signum in STOP_SIGNALS:  # before the child exists: a stop request must never end this process alone
+        signal.signal(signum, relay)
+    child = subprocess.Popen(list(command), preexec_fn=_child_setup(os.getpid()))
+    relay.start(child)
+    write_status(status_dir, attempt, Status(os.getpid(), child.pid, None))
+    code = relay.wait()
+    write_status(status_dir, attempt, Status(os.getpid(), child.pid, code))
+    return code
+
+
+def end_like(code: int) -> None:
+    """Ends this process as the child ended, so the agent reports the child's code or signal."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code < 0:
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code if code >= 0 else 128 - code)
+
+
+def main(argv: Sequence[str]) -> None:
+    if len(argv) < 5 or argv[0] != "--parent" or argv[2] != "--status":
+        sys.stderr.write("usage: python -m distrib.lifeline --parent PID --status DIR COMMAND [ARGS ...]\n")
+        os._exit(2)
+    end_like(run(int(argv[1]), Path(argv[3]), argv[4:]))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,249 @@
+"""A run's life and death: workers end with their launcher (SIGKILL included) on every launch path, a stopped or hung
+rank is named within dist.timeout_s with its own exit code, a stop signal at any moment ends in the preemption code
+only when nothing is lost, and every line of a failing run is whole."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from launch_support import CLUSTER_CONFIG, PROBE, SMALL, Launches, clean_env, distrib_cmd
+
+from distrib import launcher
+from distrib.errors import EXIT_HUNG, EXIT_PREEMPTED
+from distrib.lifeline import Status, read_statuses, write_status
+from distrib.peers import PeerWatch
+
+LONG = [*SMALL, "--set", "train.max_steps=100000", "--set", "train.log_every=1"]  # runs until stopped
+
+def probe_env(**extra: str) -> dict[str, str]:
+    """The environment with tests/ on PYTHONPATH, for probe_env's model factories."""
+    return clean_env(PYTHONPATH=os.pathsep.join(filter(None, (str(PROBE.parent), os.environ.get("PYTHONPATH")))),
+                     **extra)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below pid (children by /proc's parent pid, whatever session they are in)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            children.setdefault(int(stat.read_text().rsplit(")", 1)[1].split()[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with contextlib.suppress(OSError):
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+        return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+    return {}
+
+
+def _cmdline(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    return ""
+
+
+def _alive(pid: int) -> bool:
+    """Running or stopped, not a zombie (an orphan's zombie waits for init to reap it)."""
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    return False
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether the process has a handler for signum (SigCgt in /proc/PID/status): its Python code has started."""
+    with contextlib.suppress(OSError, StopIteration):
+        line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("SigCgt:"))
+        return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
+
+
+def _workers(launcher_pid: int) -> dict[int, int]:
+    """rank -> pid of the launcher's worker processes (not their lifelines)."""
+    found = {}
+    for pid in _descendants(launcher_pid):
+        rank = _environ(pid).get("RANK")
+        if rank is not None and "distrib.lifeline" not in _cmdline(pid):
+            found[int(rank)] = pid
+    return found
+
+
+def _wait_until(condition, timeout: float, what: str, launches: Launches):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.2)
+    launches.close()
+    raise AssertionError(f"no {what} after {timeout}s:\n{_stderr(launches, 0)[-4000:]}")
+
+
+def _stderr(launches: Launches, index: int) -> str:
+    return Path(f"{launches.procs[index][1]}.err").read_text()
+
+
+def _proc(launches: Launches, index: int = 0) -> subprocess.Popen:
+    return launches.procs[index][0]
+
+
+# ---------------------------------------------------------------- lifelines and exit codes, no launch
+
+
+def test_a_signal_is_a_preemption_only_when_nothing_is_lost():
+    term, usr1, hup = signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP
+    assert launcher.signal_exit_code(term, []) == EXIT_PREEMPTED  # no worker yet: nothing to lose
+    assert launcher.signal_exit_code(usr1, []) == EXIT_PREEMPTED
+    assert launcher.signal_exit_code(term, [75, 75]) == EXIT_PREEMPTED  # every worker checkpointed
+    assert launcher.signal_exit_code(term, [EXIT_HUNG, None]) == EXIT_HUNG  # a hung rank: no checkpoint
+    assert launcher.signal_exit_code(term, [75, None]) == 128 + term  # one worker killed before it checkpointed
+    assert launcher.signal_exit_code(term, [-15, -15]) == 128 + term  # a plain script that ends on SIGTERM
+    assert launcher.signal_exit_code(term, [0, 0]) == 0
+    assert launcher.signal_exit_code(hup, []) == 128 + hup
+
+
+def test_lifeline_records_and_passes_on_how_its_worker_ended(tmp_path):
+    for code, script in ((7, "raise SystemExit(7)"), (-signal.SIGKILL, "import os; os.kill(os.getpid(), 9)")):
+        status = tmp_path / f"status{code}"
+        status.mkdir()
+        done = subprocess.run([sys.executable, "-m", "distrib.lifeline", "--parent", str(os.getpid()), "--status",
+                               str(status), sys.executable, "-c", script], timeout=60, env=clean_env())
+        assert done.returncode == code
+        [worker] = read_statuses(status)
+        assert worker.code == code and worker.worker_pid != worker.pid
+    write_status(tmp_path, "0", Status(10, 11, 1))
+    write_status(tmp_path, "1", Status(12, 13, None))
+    assert read_statuses(tmp_path) == [Status(12, 13, None)]  # the latest attempt only
+
+
+def test_the_diagnosis_names_who_did_not_arrive_and_whether_it_still_beats():
+    """Three ranks on one store: rank 2 arrived at the failed collective too, rank 1 did not and stopped beating."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    watches = [PeerWatch(lambda: store, rank, 3, timeout_s=4.0) for rank in range(3)]
+    watches[0].where = lambda: "after step 7"
+    for watch in watches:
+        watch._beat()  # one beat each, as start() does; no threads: rank 1 then stays silent
+    store.set("arrived/2", "after step 7")
+    started = time.monotonic()
+    text = watches[0].diagnose("timeout")
+    assert time.monotonic() - started >= watches[0].grace_s()
+    assert text == f"rank 1 (host {socket.gethostname()}, pid {os.getpid()}, before training; no heartbeat since: " \
+                   "stopped, killed, or its host is gone)"
+
+
+# ---------------------------------------------------------------- real launches (2 CPU workers each)
+
+
+def _kill_cases():
+    train = ["train", "--config", CLUSTER_CONFIG, *LONG]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    return {
+        "train": lambda out: distrib_cmd(*train[:1], "--nproc-per-node", "2", *train[1:], "--set", f"run.dir={out}"),
+        "torchrun": lambda out: [*torchrun, "-m", "distrib", *map(str, train), "--set", f"run.dir={out}"],
+        "launch-script": lambda out: distrib_cmd("launch", "--nproc-per-node", "2", PROBE, out, "sleep"),
+    }
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("path", ["train", "torchrun", "launch-script"])
+def test_workers_end_with_their_launcher_even_on_sigkill(tmp_path, path):
+    out = tmp_path / "out"
+    out.mkdir()
+    with Launches(tmp_path) as launches:
+        launches.start(_kill_cases()[path](out))
+        workers = _wait_until(lambda: len(_workers(_proc(launches).pid)) == 2 and _workers(_proc(launches).pid),
+                              150, "2 workers", launches)
+        time.sleep(3)  # past their start: the tie must hold while they work, not only while they start
+        tree = _descendants(_proc(launches).pid)
+        os.kill(_proc(launches).pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(map(_alive, tree)):
+            time.sleep(0.2)
+        left = [f"{pid}: {_cmdline(pid)[:120]}" for pid in tree if _alive(pid)]
+        assert not left, f"10 s after the launcher's SIGKILL ({path}), still running: {left}; workers {workers}"
+
+
+@pytest.mark.timeout(240)
+def test_a_stopped_rank_ends_the_run_within_the_timeout_and_is_named(tmp_path):
+    """SIGSTOP of rank 1 at dist.timeout_s = 20: the run ends within 40 s with EXIT_HUNG, its last line naming
+    rank 1, its host and its last step."""
+    cmd = distrib_cmd("train", "--nproc-per-node", "2", "--config", CLUSTER_CONFIG, *LONG,
+                      "--set", "dist.timeout_s=20", "--set", f"run.dir={tmp_path}/run")
+    with Launches(tmp_path) as launches:
+        launches.start(cmd)
+        _wait_until(lambda: "[distrib] step 3 " in _stderr(launches, 0), 150, "training", launches)
+        workers = _workers(_proc(launches).pid)
+        os.kill(workers[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        [done] = launches.wait(timeout=120)
+        seconds = time.monotonic() - stopped
+    assert done.returncode == EXIT_HUNG, done.text()
+    assert seconds < 40, f"ended {seconds:.1f}s after the SIGSTOP\n{done.text()}"
+    last = done.stderr.strip().splitlines()[-1]
+    assert "did not arrive: rank 1 (host " in last and f"pid {workers[1]}, after step " in last, done.text()
+    assert "no heartbeat since" in last and last.endswith("[first failure]"), done.text()
+    print(f"stopped rank named after {seconds:.1f}s")
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_while_a_rank_hangs_is_no_preemption(tmp_path):
+    """A hung rank cannot checkpoint, so a preemption signal then must not answer 'requeue me' (75)."""
+    cmd = distrib_cmd("train", "--nproc-per-node", "2", "--config", CLUSTER_CONFIG, *LONG,
+                      "--set", "model.factory=probe_env:hanging_network", "--set", "dist.timeout_s=3",
+                      "--set", f"run.dir={tmp_path}/run")
+    with Launches(tmp_path) as launches:
+        launches.start(cmd, probe_env(TORCH_ELASTIC_SHUTDOWN_TIMEOUT="12"))
+        _wait_until(lambda: "probe: rank 1 hangs" in _stderr(launches, 0), 150, "a hung rank", launches)
+        os.kill(_proc(launches).pid, signal.SIGTERM)
+        [done] = launches.wait(timeout=120)
+    assert done.returncode == EXIT_HUNG, done.text()
+    assert "distrib launch: stopped by SIGTERM" in done.stderr, done.text()
+    assert "not every worker ended with 75, so this is no preemption exit; exit 69" in done.stderr, done.text()
+    assert "did not arrive: rank 1 (host " in done.stderr, done.text()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_a_stop_signal_before_the_workers_exist_is_a_preemption(tmp_path, signum):
+    with Launches(tmp_path) as launches:
+        launches.start(distrib_cmd("launch", "--nproc-per-node", "2", PROBE, tmp_path, "sleep"))
+        started = time.monotonic()
+        # 0.5 s after the start, or once the interpreter has started (a loaded machine may take longer for that).
+        _wait_until(lambda: _catches(_proc(launches).pid, signum), 30, "signal handler", launches)
+        time.sleep(max(0.0, started + 0.5 - time.monotonic()))
+        os.kill(_proc(launches).pid, signum)
+        [done] = launches.wait(timeout=60)
+    assert done.returncode == EXIT_PREEMPTED, done.text()
+    assert f"stopped by {signum.name} before any worker started; exit 75" in done.stderr, done.text()
+
+
+@pytest.mark.timeout(200)
+def test_a_stop_signal_while_the_trainers_start_is_a_preemption(tmp_path):
+    """SIGTERM once the workers exist but before they train (importing torch, joining the process group)."""
+    cmd = distrib_cmd("train", "--nproc-per-node", "2", "--config", CLUSTER_CONFIG, *LONG,
+                      "--set", f"run.dir={tmp_path}/run")
+    with Launches(tmp_path) as launches:
+        launches.start(cmd)
+        _wait_until(lambda: len(_workers(_proc(launches).pid)) == 2, 150, "2 workers", launches)
+        os.kill(_proc(launches).pid, signal.SIGTERM)
+        [done] = launches.wait(timeout=120)
+    assert done.returncode == EXIT_PREEMPTED, done.text()
+    assert "every worker ended with 75" in done.stderr and "outside the training steps" in done.stderr, done.text()
+    assert not (tmp_path / "run" / "summary.json").exists()
+    print(json.dumps(done.stderr.splitlines()[-3:]))
