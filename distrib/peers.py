@@ -42,7 +42,7 @@ class PeerWatch:
         self._thread = threading.Thread(target=self._run, name="distrib-heartbeat", daemon=True)
 
     def start(self) -> "PeerWatch":
-        self._beat()  # the first beat before training, so every rank's host and pid are known from the start
+        self.beat()  # the first beat before training, so every rank's host and pid are known from the start
         self._thread.start()
         return self
 
@@ -55,7 +55,7 @@ class PeerWatch:
             self._store = self._connect()
         return self._store
 
-    def _beat(self) -> None:
+    def beat(self) -> None:
         self._count += 1
         beat = Beat(self._host, os.getpid(), self.where(), self._count)
         with self._lock:
@@ -64,7 +64,7 @@ class PeerWatch:
     def _run(self) -> None:
         while not self._stop.wait(BEAT_INTERVAL_S):
             try:
-                self._beat()
+                self.beat()
             except Exception:  # the store is gone (its host ended): nothing left to tell anyone
                 return
 
@@ -98,9 +98,13 @@ class PeerWatch:
         with self._lock:
             self._store_().set(f"arrived/{self.rank}", self.where())
         before = self.beats()
-        time.sleep(self.grace_s())
+        deadline = time.monotonic() + self.grace_s()
+        while True:  # until the grace ends, or every rank is known to have arrived (none is missing)
+            time.sleep(0.5)
+            arrived = {rank for rank in range(self.world_size) if self._read(f"arrived/{rank}") is not None}
+            if len(arrived) == self.world_size or time.monotonic() >= deadline:
+                break
         after = self.beats()
-        arrived = {rank for rank in range(self.world_size) if self._read(f"arrived/{rank}") is not None}
         silent = {rank for rank, beat in after.items() if before.get(rank) == beat}
         if failure == "lost":  # a connection broke: the lost ranks are those whose heartbeat stopped
             missing = sorted(silent - {self.rank}) or sorted(set(range(self.world_size)) - arrived)

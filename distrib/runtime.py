@@ -241,6 +241,7 @@ def collective_timeouts(timeout_s: float, where: Callable[[], str], peers: PeerW
     collective.)"""
     if peers is not None:
         peers.where = where
+        peers.beat()  # at once: the last beat of a rank that stops soon must not say "before training"
     try:
         yield
     except RuntimeError as e:  # gloo raises RuntimeError; torch's DistBackendError is one too

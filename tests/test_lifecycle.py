@@ -138,7 +138,7 @@ def test_the_diagnosis_names_who_did_not_arrive_and_whether_it_still_beats():
     watches = [PeerWatch(lambda: store, rank, 3, timeout_s=4.0) for rank in range(3)]
     watches[0].where = lambda: "after step 7"
     for watch in watches:
-        watch._beat()  # one beat each, as start() does; no threads: rank 1 then stays silent
+        watch.beat()  # one beat each, as start() does; no threads: rank 1 then stays silent
     store.set("arrived/2", "after step 7")
     started = time.monotonic()
     text = watches[0].diagnose("timeout")
