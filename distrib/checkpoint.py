@@ -121,6 +121,19 @@ def digest(state: dict) -> str:
     return h.hexdigest()
 
 
+def load_failure(error: BaseException) -> str:
+    """Why torch.load failed, in one line. A file the weights-only unpickler refused would run code when unpickled:
+    say so and give the unpickler's own reason, never torch's hint to retry with weights_only=False."""
+    text = " ".join(str(error).split())
+    unpickler = re.search(r"WeightsUnpickler error: (.*?)(?: Check the documentation|$)", text)
+    if unpickler and "Unsupported global" in unpickler.group(1):
+        return (f"unsafe: the weights-only unpickler refused it ({unpickler.group(1).strip()}); it names code, not "
+                "just tensors: do not load it unless you trust its source and know what it runs")
+    if unpickler:
+        return f"unreadable (the weights-only unpickler: {unpickler.group(1).strip()})"
+    return f"unreadable ({type(error).__name__}: {text or 'no reason given'})"
+
+
 def read_checkpoint(path: Path, device: torch.device) -> dict:
     """Loads with weights_only=True (never anything unsafe) onto `device`, then checks format and checksum."""
     path = Path(path)
@@ -133,8 +146,7 @@ def read_checkpoint(path: Path, device: torch.device) -> dict:
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path}: no such file; give an existing path or checkpoint.resume=auto")
     except Exception as e:  # noqa: BLE001 - truncated, garbled, or refused by the weights-only unpickler
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"checkpoint {path}: unreadable or unsafe ({type(e).__name__}: {reason[:200]})") from None
+        raise CheckpointError(f"checkpoint {path}: {load_failure(e)}") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path}: not a distrib checkpoint (no format={FORMAT!r} field)")
     if state.get("version") != VERSION:

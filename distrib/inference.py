@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from distrib.checkpoint import list_checkpoints, read_checkpoint
+from distrib.checkpoint import list_checkpoints, load_failure, read_checkpoint
 from distrib.config import Config, load_config
 from distrib.data import DataInfo, eval_batches, load_data, load_inputs
 from distrib.errors import UserError
@@ -123,8 +123,7 @@ def _read_weights(path: Path) -> dict:
     try:
         weights = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as e:  # noqa: BLE001 - truncated, garbled, or refused by the weights-only unpickler
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise UserError(f"{path}: not a readable model state_dict ({type(e).__name__}: {reason[:200]}); "
+        raise UserError(f"{path}: not a readable model state_dict ({load_failure(e)}); "
                         "give the model.pt that distrib train wrote") from None
     if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
         raise UserError(f"{path}: not a model state_dict (a dict of tensors); give the model.pt that distrib train "
