@@ -26,7 +26,7 @@ def clean_env(**extra: str) -> dict[str, str]:
     return {**env, "PYTHONUNBUFFERED": "1", **extra}
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError, IndexError):
@@ -47,7 +47,7 @@ def kill_tree(proc: subprocess.Popen) -> None:
         return  # ended: its pid may belong to someone else by now
     with contextlib.suppress(ProcessLookupError):
         os.kill(proc.pid, signal.SIGSTOP)  # no new children while we look for them
-    pids = _descendants(proc.pid)
+    pids = descendants(proc.pid)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
     for pid in pids:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from launch_support import CLUSTER_CONFIG, PROBE, SMALL, Launches, clean_env, distrib_cmd
+from processes import descendants
 
 from distrib import launcher
 from distrib.errors import EXIT_HUNG, EXIT_PREEMPTED
@@ -28,20 +29,6 @@ def probe_env(**extra: str) -> dict[str, str]:
     """The environment with tests/ on PYTHONPATH, for probe_env's model factories."""
     return clean_env(PYTHONPATH=os.pathsep.join(filter(None, (str(PROBE.parent), os.environ.get("PYTHONPATH")))),
                      **extra)
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below pid (children by /proc's parent pid, whatever session they are in)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            children.setdefault(int(stat.read_text().rsplit(")", 1)[1].split()[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -75,7 +62,7 @@ def _catches(pid: int, signum: int) -> bool:
 def _workers(launcher_pid: int) -> dict[int, int]:
     """rank -> pid of the launcher's worker processes (not their lifelines)."""
     found = {}
-    for pid in _descendants(launcher_pid):
+    for pid in descendants(launcher_pid):
         rank = _environ(pid).get("RANK")
         if rank is not None and "distrib.lifeline" not in _cmdline(pid):
             found[int(rank)] = pid
@@ -170,7 +157,7 @@ def test_workers_end_with_their_launcher_even_on_sigkill(tmp_path, path):
         workers = _wait_until(lambda: len(_workers(_proc(launches).pid)) == 2 and _workers(_proc(launches).pid),
                               150, "2 workers", launches)
         time.sleep(3)  # past their start: the tie must hold while they work, not only while they start
-        tree = _descendants(_proc(launches).pid)
+        tree = descendants(_proc(launches).pid)
         os.kill(_proc(launches).pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and any(map(_alive, tree)):
