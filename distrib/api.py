@@ -60,11 +60,11 @@ def fit(model: nn.Module | Callable[..., nn.Module], train_data, test_data,
     (20, 128)
     """
     from distrib.data import data_from_datasets
-    from distrib.rundir import environment_faults, own_folders
+    from distrib.rundir import environment_faults
     from distrib.runtime import open_runtime
     from distrib.worker import train_on
 
     resolved = resolve_config(config, overrides)
-    with environment_faults(), open_runtime(resolved.dist) as runtime, own_folders(resolved, runtime):
+    with environment_faults(), open_runtime(resolved.dist) as runtime:  # train_on locks the run's folders
         data = data_from_datasets(train_data, test_data, resolved.data, runtime, resolved.train.seed)
         return train_on(resolved, runtime, data=data, model=model, loss_fn=loss_fn)

@@ -340,6 +340,7 @@ class Checkpointer:
 def save_atomic_text(text: str, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)  # a run without distrib's CLI (the bench) has none yet
         tmp.write_text(text)
         os.replace(tmp, path)
     except OSError as e:

@@ -155,15 +155,6 @@ def failure_lines(error, worker_pids: Mapping[int, int] | None = None) -> list[s
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
-class StoppedBeforeStart(BaseException):
-    """A stop signal while distrib launch imports torch or parses (BaseException: no library's `except Exception`
-    may swallow it)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
 def signal_exit_code(signum: int, codes: Sequence[int | None] = ()) -> int:
     """The exit code after signal signum reached the launcher, from the exit codes of this attempt's workers (from
     their lifelines; None: killed with it): EXIT_PREEMPTED for SIGTERM/SIGUSR1 when no worker had started (nothing
@@ -192,12 +183,23 @@ def _stopped_line(signum: int, codes: Sequence[int | None], code: int) -> str:
     return f"distrib launch: stopped by {name}; the workers were stopped too ({ended}); {verdict}; exit {code}"
 
 
+def _exit_before_start(signum, frame) -> None:
+    """A stop signal before any worker or store exists: nothing to stop or lose, so the launcher ends at once. Not by
+    raising: an exception raised inside an import (torch, numpy) can leave a module half-initialised and end the
+    launcher with an ImportError instead."""
+    code = signal_exit_code(signum)
+    say(_stopped_line(signum, [], code))
+    os._exit(code)
+
+
 @contextlib.contextmanager
-def stop_handlers(raise_for) -> Iterator[None]:
-    """SIGTERM and SIGUSR1 raise raise_for(signum) in the main thread while inside; the old handlers come back.
-    torch's agent installs its own SIGTERM handler (raising SignalException) once it starts workers."""
-    def handler(signum, frame):
+def stop_handlers(raise_for=None) -> Iterator[None]:
+    """SIGTERM and SIGUSR1 raise raise_for(signum) in the main thread while inside (without raise_for: end the
+    launcher at once); the old handlers come back. torch's agent installs its own SIGTERM handler (raising
+    SignalException) once it starts workers."""
+    def raising(signum, frame):
         raise raise_for(signum)
+    handler = raising if raise_for else _exit_before_start
     previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
     try:
         yield
@@ -273,18 +275,13 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str]) -> int:
     """`distrib launch [torchrun options] SCRIPT|-m MODULE [args]`; returns the exit code. A stop signal from the
     first moment on ends it with the preemption code (the job is requeued), also before torch is imported."""
-    try:
-        with stop_handlers(StoppedBeforeStart):
-            args = apply_defaults(parse_args(argv), os.environ)
-            threads = cpu_threads(os.environ, local_world_size(args.nproc_per_node), visible_gpu_count())
-            if threads is not None:
-                # Set here, in the one writer of the launch environment; torch's agent passes it on to every worker.
-                os.environ["OMP_NUM_THREADS"] = threads
-            return run(args)
-    except StoppedBeforeStart as e:
-        code = signal_exit_code(e.signum)
-        say(_stopped_line(e.signum, [], code))
-        return code
+    with stop_handlers():
+        args = apply_defaults(parse_args(argv), os.environ)
+        threads = cpu_threads(os.environ, local_world_size(args.nproc_per_node), visible_gpu_count())
+        if threads is not None:
+            # Set here, in the one writer of the launch environment; torch's agent passes it on to every worker.
+            os.environ["OMP_NUM_THREADS"] = threads
+        return run(args)
 
 
 def launch_trainer(nproc_per_node: int, train_argv: Sequence[str]) -> int:

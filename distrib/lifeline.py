@@ -59,7 +59,7 @@ class Status:
 def write_status(status_dir: Path, attempt: str, status: Status) -> None:
     """DIR/ATTEMPT.PID, written to a temp name and renamed, so the launcher never reads half a file."""
     path = status_dir / f"{attempt}.{status.pid}"
-    temp = path.with_suffix(".tmp")
+    temp = path.with_name(f"{path.name}.tmp")  # per worker: the lifelines of one attempt write at the same time
     temp.write_text(json.dumps({"worker_pid": status.worker_pid, "code": status.code}))
     os.replace(temp, path)
 

@@ -39,8 +39,8 @@ ModelArg = nn.Module | Callable[..., nn.Module] | None  # distrib.fit's model: a
 
 def run(config: Config, env: LaunchEnv | None = None) -> dict:
     """Trains on this worker's device inside an open process group; returns the run's summary."""
-    with environment_faults(), open_runtime(config.dist, env) as runtime, own_folders(config, runtime):
-        return train_on(config, runtime)  # run.dir and checkpoint.dir locked for the run's life
+    with environment_faults(), open_runtime(config.dist, env) as runtime:
+        return train_on(config, runtime)  # which locks run.dir and checkpoint.dir once the input is checked
 
 
 def _total_steps(config: Config, steps_per_epoch: int) -> int:
@@ -123,36 +123,40 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
     inputs, targets = dry_batch(placed, data.train, data.info, runtime.device)
     meter = meter_for(config, runtime)
     meter.flops_per_sample = count_flops_per_sample(placed, inputs, targets)
-    # Placed before sharding (in _model), so the device-mismatch listing sees the whole model.
-    state = new_state(parallelize(placed, runtime, config.speed, config.dist, config.train.precision), config.train,
-                      total_steps, runtime.device, best=_best(config, runtime))
-    checkpointer = _checkpointer(config, runtime, state, plan.global_batch_size, data.info)
-    resumed_from = _resume(state, config, runtime, checkpointer, plan.global_batch_size, notes)
-    recorder = Recorder(Path(config.run.dir), runtime.is_main, config.run.progress, metrics=config.metrics,
-                        run_ids=state.tracker_ids)
-    if runtime.is_main:  # only now: a run that failed above left the earlier run's config.toml as it was
-        write_resolved(config, Path(config.run.dir))
-    recorder.info(f"world size {runtime.world_size}, device {runtime.device}, backend {runtime.backend}")
-    for note in notes:
-        recorder.info(note)
-    recorder.info(f"{total_steps} steps of {plan.global_batch_size} samples ({runtime.world_size} ranks x "
-                  f"{config.train.grad_accum_steps} micro-steps x {plan.micro_batch_size}), "
-                  f"{type(data.train).__name__}")
-    recorder.start(to_dict(config), resumed_from, runtime.restart_count)  # trackers: fail here, not mid-run
-    try:
-        with stop_on_signals(parse_signals(config.checkpoint.signals)) as stop, \
-                collective_timeouts(config.dist.timeout_s, lambda: f"after step {state.progress.step}",
-                                    runtime.peers), \
-                committing(checkpointer):
-            agreement = RankAgreement(stop, runtime.device, runtime.world_size, synced_at=state.progress.step)
-            evaluator = _evaluator(config, runtime, data, loss)
-            trainer = Trainer(state, loss, config.train, runtime.device, plan, total_steps, evaluator, recorder,
-                              meter, agreement, checkpointer, on_step_end)
-            metrics = trainer.fit(data.train)
-    except BaseException as e:  # flush metrics and trackers now: the CLI's os._exit skips finalisers
-        recorder.close("preempted" if isinstance(e, Preempted) else "failed")
-        raise
-    return _finish(config, runtime, data, state, metrics, meter, recorder, resumed_from, start, model is None)
+    # Only now, once the user's input passed: rank 0 locks run.dir and checkpoint.dir for the rest of the run (a
+    # refused run wrote nothing, not even a lock file); the resume choice below is made under the lock.
+    with own_folders(config, runtime):
+        # Placed before sharding (in _model), so the device-mismatch listing sees the whole model.
+        state = new_state(parallelize(placed, runtime, config.speed, config.dist, config.train.precision), config.train,
+                          total_steps, runtime.device, best=_best(config, runtime))
+        checkpointer = _checkpointer(config, runtime, state, plan.global_batch_size, data.info)
+        resumed_from = _resume(state, config, runtime, checkpointer, plan.global_batch_size, notes)
+        recorder = Recorder(Path(config.run.dir), runtime.is_main, config.run.progress, metrics=config.metrics,
+                            run_ids=state.tracker_ids)
+        if runtime.is_main:  # only now: a run that failed above left the earlier run's config.toml as it was
+            write_resolved(config, Path(config.run.dir))
+        recorder.info(f"world size {runtime.world_size}, device {runtime.device}, backend {runtime.backend}")
+        for note in notes:
+            recorder.info(note)
+        recorder.info(f"{total_steps} steps of {plan.global_batch_size} samples ({runtime.world_size} ranks x "
+                      f"{config.train.grad_accum_steps} micro-steps x {plan.micro_batch_size}), "
+                      f"{type(data.train).__name__}")
+        recorder.start(to_dict(config), resumed_from, runtime.restart_count)  # trackers: fail here, not mid-run
+        try:
+            with stop_on_signals(parse_signals(config.checkpoint.signals)) as stop, \
+                    collective_timeouts(config.dist.timeout_s, lambda: f"after step {state.progress.step}",
+                                        runtime.peers), \
+                    committing(checkpointer):
+                agreement = RankAgreement(stop, runtime.device, runtime.world_size, synced_at=state.progress.step)
+                evaluator = _evaluator(config, runtime, data, loss)
+                trainer = Trainer(state, loss, config.train, runtime.device, plan, total_steps, evaluator, recorder,
+                                  meter, agreement, checkpointer, on_step_end)
+                metrics = trainer.fit(data.train)
+        except BaseException as e:  # flush metrics and trackers now: the CLI's os._exit skips finalisers
+            recorder.close("preempted" if isinstance(e, Preempted) else "failed")
+            raise
+        return _finish(config, runtime, data, state, metrics, meter, recorder, resumed_from, start,
+                       model is None)
 
 
 def _evaluator(config: Config, runtime: Runtime, data: Data, loss: Loss) -> Callable[[nn.Module], dict]:

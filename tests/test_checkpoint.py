@@ -174,16 +174,16 @@ def test_a_preempted_run_closes_its_recorder(tmp_path, monkeypatch):
             os.kill(os.getpid(), signal.SIGTERM)  # the run's handler only sets its flag
         return real_step(self, micro_batches)
 
-    def close(self):
-        closed.append(self._board is not None)
-        real_close(self)
+    def close(self, status="finished"):
+        closed.append((status, [logger.name for logger in self._trackers]))
+        real_close(self, status)
 
     monkeypatch.setattr(Trainer, "step", step)
     monkeypatch.setattr(Recorder, "close", close)
     with pytest.raises(Preempted, match="preempted at step 2"):
         run(load_config(None, [*SMALL, f"run.dir={tmp_path}", "train.max_steps=50", "train.log_every=2",
                                "metrics.tensorboard=true"]))
-    assert closed == [True]
+    assert closed == [("preempted", ["tensorboard"])]
 
 
 @pytest.mark.timeout(180)
