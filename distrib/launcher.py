@@ -199,13 +199,10 @@ def stop_handlers(raise_for=None) -> Iterator[None]:
     SignalException) once it starts workers."""
     def raising(signum, frame):
         raise raise_for(signum)
-    handler = raising if raise_for else _exit_before_start
-    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
-    try:
+    from distrib.preempt import signal_handlers
+
+    with signal_handlers(STOP_SIGNALS, raising if raise_for else _exit_before_start):
         yield
-    finally:
-        for s, old in previous.items():
-            signal.signal(s, old)
 
 
 def exit_code(error) -> int:

@@ -46,15 +46,22 @@ def parse_signals(text: str) -> list[signal.Signals]:
 
 
 @contextlib.contextmanager
+def signal_handlers(signals, handler) -> Iterator[None]:
+    """`handler` for each of `signals` while inside; the old handlers come back after."""
+    previous = {s: signal.signal(s, handler) for s in signals}
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
+
+
+@contextlib.contextmanager
 def stop_on_signals(signals: list[signal.Signals]) -> Iterator[StopFlag]:
     """Installs the flag-setting handler for the duration of training, then puts the old handlers back."""
     flag = StopFlag()
-    previous = {s: signal.signal(s, flag.set) for s in signals}
-    try:
+    with signal_handlers(signals, flag.set):
         yield flag
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 @contextlib.contextmanager
@@ -63,9 +70,5 @@ def exit_on_signals(signals: list[signal.Signals]) -> Iterator[None]:
     the worker ends with EXIT_PREEMPTED at once, as nothing since the last checkpoint can be lost there."""
     def handler(signum, frame):
         raise StoppedEarly(signum)
-    previous = {s: signal.signal(s, handler) for s in signals}
-    try:
+    with signal_handlers(signals, handler):
         yield
-    finally:
-        for s, old in previous.items():
-            signal.signal(s, old)
