@@ -72,6 +72,21 @@ def _submit(env, tmp_path: Path, *trainer_args: str) -> tuple[str, Path]:
 
 
 @pytest.mark.timeout(900)
+def _signal_when(env, job_id: str, log: Path, ready) -> dict[str, str]:
+    """Once ready() (the job still running), SIGUSR1 to the batch script as --signal=B:USR1@120 sends it; returns
+    the job once SLURM has requeued it, and cancels it either way."""
+    deadline = time.monotonic() + 180
+    while not ready():
+        assert time.monotonic() < deadline and _job(env, job_id)["JobState"] not in ENDED, \
+            log.read_text() if log.exists() else "(no output)"
+        time.sleep(0.1)
+    _slurm(env, "scancel", "--signal=USR1", "--batch", job_id)
+    try:
+        return _wait(env, job_id, lambda job: job["Restarts"] != "0", timeout=120, log=log)
+    finally:
+        subprocess.run(["scancel", job_id], env=env, timeout=60)
+
+
 def test_sbatch_trains_on_two_nodes_like_one_process(cluster, tmp_path):
     reference = train_reference(tmp_path / "reference", tmp_path)
     run_dir = tmp_path / "run"
@@ -88,16 +103,7 @@ def test_a_preemption_signal_requeues_the_job(cluster, tmp_path):
     """SIGUSR1 to the batch script, as --signal=B:USR1@120 sends it: the launchers exit 75 and the job is requeued."""
     job_id, log = _submit(cluster, tmp_path, "--set", "train.max_steps=100000", "--set", "train.log_every=1",
                           "--set", f"run.dir={tmp_path}/run")
-    deadline = time.monotonic() + 180
-    while "[distrib] step" not in (log.read_text() if log.exists() else ""):  # training has started
-        assert time.monotonic() < deadline and _job(cluster, job_id)["JobState"] not in ENDED, \
-            log.read_text() if log.exists() else "(no output)"
-        time.sleep(0.5)
-    _slurm(cluster, "scancel", "--signal=USR1", "--batch", job_id)
-    try:
-        job = _wait(cluster, job_id, lambda job: job["Restarts"] != "0", timeout=120, log=log)
-    finally:
-        subprocess.run(["scancel", job_id], env=cluster, timeout=60)
+    job = _signal_when(cluster, job_id, log, lambda: "[distrib] step" in (log.read_text() if log.exists() else ""))
     text = log.read_text()
     assert "distrib launch: stopped by SIGTERM" in text and f"requeueing job {job_id}" in text, text[-5000:]
     assert job["Restarts"] == "1"
@@ -132,16 +138,8 @@ def test_a_preemption_signal_while_the_launchers_start_requeues_the_job(cluster,
     worker): they exit 75 at once and the job is requeued, instead of failing with 143. (In the half second before
     a launcher's interpreter runs its code, SIGTERM kills it: train.sbatch requeues that step's 143 too.)"""
     job_id, log = _submit(cluster, tmp_path, "--set", "train.max_steps=100000", "--set", f"run.dir={tmp_path}/run")
-    deadline = time.monotonic() + 180
-    while len([pid for pid in _launchers(job_id) if _handles_sigterm(pid)]) < 2:  # both nodes' launchers
-        assert time.monotonic() < deadline and _job(cluster, job_id)["JobState"] not in ENDED, \
-            log.read_text() if log.exists() else "(no output)"
-        time.sleep(0.1)
-    _slurm(cluster, "scancel", "--signal=USR1", "--batch", job_id)
-    try:
-        job = _wait(cluster, job_id, lambda job: job["Restarts"] != "0", timeout=120, log=log)
-    finally:
-        subprocess.run(["scancel", job_id], env=cluster, timeout=60)
+    # Both nodes' launchers run their own code (so handle SIGTERM), before any worker exists.
+    job = _signal_when(cluster, job_id, log, lambda: len([p for p in _launchers(job_id) if _handles_sigterm(p)]) == 2)
     text = log.read_text()
     assert "distrib launch: stopped by SIGTERM before any worker started; exit 75" in text, text[-5000:]
     assert f"requeueing job {job_id}" in text and "[distrib] step" not in text, text[-5000:]
