@@ -60,8 +60,8 @@ def fit(model: nn.Module | Callable[..., nn.Module], train_data, test_data,
     (20, 128)
     """
     from distrib.data import data_from_datasets
-    from distrib.rundir import environment_faults
-    from distrib.runtime import open_runtime
+    from distrib.distributed.runtime import open_runtime
+    from distrib.launch.rundir import environment_faults
     from distrib.worker import train_on
 
     resolved = resolve_config(config, overrides)

@@ -22,18 +22,18 @@ EXIT_USER_ERROR = 2
 
 def _train(args: argparse.Namespace) -> int:
     from distrib.config import load_config
+    from distrib.launch.rundir import check_folders
     from distrib.metrics import require_loggers
-    from distrib.rundir import check_folders
 
     config = load_config(args.config, args.set)  # fail on a bad config before starting any worker
     _check_nproc(args.nproc_per_node)
     check_folders(config, probe_locks=True)  # writable and not another live run's (rank 0 then locks them)
     require_loggers(config.metrics)  # a missing tracker package: one line here, not one per worker
     if args.nproc_per_node is not None:
-        from distrib.launcher import launch_trainer
+        from distrib.launch.launcher import launch_trainer
 
         return launch_trainer(args.nproc_per_node, args.argv)
-    from distrib.preempt import StoppedEarly, exit_on_signals, parse_signals
+    from distrib.launch.preempt import StoppedEarly, exit_on_signals, parse_signals
 
     try:
         # A stop request outside the training steps (importing torch, waiting for the other ranks, after the final
@@ -55,11 +55,11 @@ def _check_nproc(nproc_per_node: int | None) -> None:
 
 
 def _worker(config) -> int:
-    from distrib.preempt import Preempted
-    from distrib.worker import run
+    from distrib.launch.preempt import Preempted
+    from distrib.worker import run_training
 
     try:
-        run(config)
+        run_training(config)
     except Preempted as e:
         say(f"distrib: {e}; exit code {EXIT_PREEMPTED}: requeue the job and it resumes there")
         return EXIT_PREEMPTED
@@ -67,14 +67,14 @@ def _worker(config) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from distrib.doctor import main as doctor
+    from distrib.launch.doctor import main as doctor
 
     _check_nproc(args.nproc_per_node)
     return doctor(args.nproc_per_node)
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from distrib.plot import plot_run
+    from distrib.metrics.plot import plot_run
 
     print(plot_run(args.run_dir, args.out))
     return 0
@@ -82,13 +82,13 @@ def _plot(args: argparse.Namespace) -> int:
 
 def _use(args: argparse.Namespace) -> int:
     """distrib eval and distrib predict: checked here, then run in this process or in N launched workers."""
-    from distrib.inference import check_input, load_trained
+    from distrib.training.inference import check_input, load_trained
 
     trained = load_trained(args.source, args.config, args.set)  # a bad run dir or checkpoint fails before any worker
     if args.command == "predict":
         check_input(args.input)
     if args.nproc_per_node is not None:
-        from distrib.launcher import main as launch
+        from distrib.launch.launcher import main as launch
 
         return launch(["--nproc-per-node", str(args.nproc_per_node), "-m", "distrib", args.command, *args.argv])
     from torch.distributed.elastic.multiprocessing.errors import record
@@ -99,8 +99,8 @@ def _use(args: argparse.Namespace) -> int:
 def _use_worker(args: argparse.Namespace, trained) -> int:
     from pathlib import Path
 
-    from distrib.inference import evaluate_trained, predict_trained
-    from distrib.runtime import open_runtime
+    from distrib.distributed.runtime import open_runtime
+    from distrib.training.inference import evaluate_trained, predict_trained
 
     with open_runtime(trained.config.dist) as runtime:
         if args.command == "eval":
@@ -180,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if argv[:1] == ["launch"]:  # passed through untouched, so every torchrun flag means what it means there
-            from distrib.launcher import main as launch
+            from distrib.launch.launcher import main as launch
 
             return launch(argv[1:])
         args = _parser().parse_args(argv)

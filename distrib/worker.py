@@ -15,29 +15,29 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from distrib.agreement import RankAgreement
-from distrib.best import BestCheckpoints
-from distrib.checkpoint import Checkpointer, CheckpointError, check_compatible, save_atomic, set_rng_state
-from distrib.checkpoint_sharded import ShardedCheckpointer, committing, make_checkpointer
+from distrib.checkpoint.best import BestCheckpoints
+from distrib.checkpoint.format import Checkpointer, CheckpointError, check_compatible, save_atomic, set_rng_state
+from distrib.checkpoint.sharded import ShardedCheckpointer, committing, make_checkpointer
 from distrib.config import Config, to_dict, write_resolved
 from distrib.data import Data, DataInfo, load_data, make_plan
-from distrib.evaluation import evaluate
+from distrib.distributed.agreement import RankAgreement
+from distrib.distributed.parallel import full_model_state, memory_report, parallelize, place_model, sync_batchnorm
+from distrib.distributed.runtime import LaunchEnv, Runtime, collective_timeouts, open_runtime
 from distrib.factory import accepted, call_factory
-from distrib.losses import Loss, LossFn, build_loss
+from distrib.launch.preempt import Preempted, parse_signals, stop_on_signals
+from distrib.launch.rundir import checkpoint_dir, environment_faults, own_folders
 from distrib.metrics import Recorder
-from distrib.models import batchnorm_layers, build_model, data_kwargs
-from distrib.parallel import full_model_state, memory_report, parallelize, place_model, sync_batchnorm
-from distrib.preempt import Preempted, parse_signals, stop_on_signals
-from distrib.preflight import dry_batch
-from distrib.rundir import checkpoint_dir, environment_faults, own_folders
-from distrib.runtime import LaunchEnv, Runtime, collective_timeouts, open_runtime
-from distrib.throughput import count_flops_per_sample, meter_for
-from distrib.train import Trainer, TrainState, new_state
+from distrib.models.build import batchnorm_layers, build_model, data_kwargs
+from distrib.training.evaluation import evaluate
+from distrib.training.losses import Loss, LossFn, build_loss
+from distrib.training.preflight import dry_batch
+from distrib.training.throughput import count_flops_per_sample, meter_for
+from distrib.training.trainer import Trainer, TrainState, new_state
 
 ModelArg = nn.Module | Callable[..., nn.Module] | None  # distrib.fit's model: a module, a function, or the config's
 
 
-def run(config: Config, env: LaunchEnv | None = None) -> dict:
+def run_training(config: Config, env: LaunchEnv | None = None) -> dict:
     """Trains on this worker's device inside an open process group; returns the run's summary."""
     with environment_faults(), open_runtime(config.dist, env) as runtime:
         return train_on(config, runtime)  # which locks run.dir and checkpoint.dir once the input is checked
@@ -151,7 +151,7 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
                 evaluator = _evaluator(config, runtime, data, loss)
                 trainer = Trainer(state, loss, config.train, runtime.device, plan, total_steps, evaluator, recorder,
                                   meter, agreement, checkpointer, on_step_end)
-                metrics = trainer.fit(data.train)
+                metrics = trainer.train(data.train)
         except BaseException as e:  # flush metrics and trackers now: the CLI's os._exit skips finalisers
             recorder.close("preempted" if isinstance(e, Preempted) else "failed")
             raise
@@ -189,7 +189,7 @@ def _finish(config: Config, runtime: Runtime, data: Data, state: TrainState, met
         if ema_state is not None:
             save_atomic(ema_state, run_dir / "model_ema.pt")
         if from_config:  # a model given to distrib.fit in Python has no factory that model.json could name
-            from distrib.inference import write_model_card
+            from distrib.training.inference import write_model_card
 
             write_model_card(run_dir / "model.json", config, data.info)
     elapsed = time.perf_counter() - start

@@ -60,7 +60,7 @@ class HandLoop:
         import torch
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        from distrib.models import Network
+        from distrib.models.network import Network
 
         torch.manual_seed(0)
         self.model = DDP(Network())
@@ -134,7 +134,7 @@ def common_overrides(args, run_dir: Path) -> list[str]:
 
 
 def _train(args, runtime, overrides: list[str], run_dir: Path, after_step) -> dict:
-    """distrib's own path: load_config, then worker.train_on (data, model, DDP, Trainer.fit), with after_step()
+    """distrib's own path: load_config, then worker.train_on (data, model, DDP, Trainer.train), with after_step()
     called at the trainer's own end-of-step mark; returns its summary."""
     from distrib.config import load_config
     from distrib.worker import train_on
@@ -218,7 +218,7 @@ def worker(args) -> None:
 
     torch.set_num_threads(args.threads or max(1, len(os.sched_getaffinity(0)) // int(os.environ["WORLD_SIZE"])))
     from distrib.config import DistConfig
-    from distrib.runtime import open_runtime
+    from distrib.distributed.runtime import open_runtime
 
     code = 0
     try:
@@ -276,7 +276,7 @@ def summarise(args, runs: dict[int, dict[str, list[dict]]]) -> dict:
     """Medians per variant on each clock, the ratios, and whether the targets were met (paired ratios)."""
     import torch
 
-    from distrib.runtime import cpu_name
+    from distrib.distributed.runtime import cpu_name
 
     medians = {ws: {name: {key: statistics.median(r[key] for r in values) for key in (*CLOCKS, "final_loss")}
                     for name, values in by.items()} for ws, by in runs.items()}

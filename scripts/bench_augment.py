@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 from distrib.data import Augment, BatchPlan, DeviceBatches, Normalizer, Split, epoch_steps  # noqa: E402
-from distrib.runtime import Runtime  # noqa: E402
+from distrib.distributed.runtime import Runtime  # noqa: E402
 
 TARGET = 5.0
 STATS = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))

@@ -51,8 +51,8 @@ def check_equivalence(runtime, steps: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from distrib.models import Network
-    from distrib.parallel import place_model, wrap_ddp
+    from distrib.distributed.parallel import place_model, wrap_ddp
+    from distrib.models.network import Network
 
     saved = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False  # same kernels both times
@@ -107,9 +107,9 @@ def check_mismatch(runtime) -> list[dict]:
     """A buffer that stays behind after .to(), and a tensor made in forward() on another device, must be named."""
     import torch
 
+    from distrib.distributed.parallel import explain_device_errors, place_model
     from distrib.errors import DeviceMismatchError
-    from distrib.models import Network
-    from distrib.parallel import explain_device_errors, place_model
+    from distrib.models.network import Network
 
     elsewhere = "cpu" if runtime.device.type != "cpu" else "meta"
 
@@ -144,7 +144,7 @@ def check_mismatch(runtime) -> list[dict]:
 def _forward_explained(model, runtime, explain_device_errors) -> None:
     import torch
 
-    from distrib.parallel import place_model
+    from distrib.distributed.parallel import place_model
 
     model = place_model(model, runtime.device)
     inputs = torch.zeros(2, 1, 28, 28, device=runtime.device)
@@ -175,7 +175,7 @@ def measure(runtime, batch: int, mode: str, args, run_dir: Path) -> dict:
 
 def run_all(args) -> tuple[list[dict], list[dict]]:
     from distrib.config import DistConfig
-    from distrib.runtime import open_runtime
+    from distrib.distributed.runtime import open_runtime
 
     checks, rows = [], []
     deadline = time.monotonic() + args.budget_s

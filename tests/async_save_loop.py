@@ -8,11 +8,11 @@ import sys
 import torch
 import torch.nn as nn
 
-from distrib.checkpoint_sharded import ShardedCheckpointer
+from distrib.checkpoint.sharded import ShardedCheckpointer
 from distrib.config import DistConfig
-from distrib.fsdp import shard
-from distrib.parallel import training_state
-from distrib.runtime import open_runtime
+from distrib.distributed.fsdp import shard
+from distrib.distributed.parallel import training_state
+from distrib.distributed.runtime import open_runtime
 
 if __name__ == "__main__":
     with open_runtime(DistConfig(device="cpu")) as runtime:

@@ -6,7 +6,7 @@ forward, i.e. inside optimizer step N with one micro-step. Unset: a plain Networ
 import os
 import signal
 
-from distrib.models import Network
+from distrib.models.network import Network
 
 
 class _Dying(Network):

@@ -10,10 +10,10 @@ import torch
 from distrib.cli import hard_exit
 from distrib.config import load_config
 from distrib.data import load_data
-from distrib.evaluation import evaluate
-from distrib.models import Network
-from distrib.parallel import place_model, wrap_ddp
-from distrib.runtime import open_runtime
+from distrib.distributed.parallel import place_model, wrap_ddp
+from distrib.distributed.runtime import open_runtime
+from distrib.models.network import Network
+from distrib.training.evaluation import evaluate
 
 
 def main(out: str, loader: str) -> None:

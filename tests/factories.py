@@ -3,7 +3,7 @@
 import torch
 import torch.nn as nn
 
-from distrib.models import Network
+from distrib.models.network import Network
 
 
 def network():

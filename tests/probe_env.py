@@ -18,7 +18,7 @@ KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "G
 
 def _network_that(act_on_rank1) -> "torch.nn.Module":
     """The seed Network, whose rank 1 calls act_on_rank1() in its third forward (the third training step)."""
-    from distrib.models import Network
+    from distrib.models.network import Network
 
     class Probe(Network):
         calls = 0

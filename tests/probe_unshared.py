@@ -5,9 +5,9 @@ import os
 import sys
 from pathlib import Path
 
-from distrib.checkpoint import CheckpointError, load_for_resume
+from distrib.checkpoint.format import CheckpointError, load_for_resume
 from distrib.config import DistConfig
-from distrib.runtime import open_runtime
+from distrib.distributed.runtime import open_runtime
 
 if __name__ == "__main__":
     with open_runtime(DistConfig(device="cpu", timeout_s=60)) as runtime:

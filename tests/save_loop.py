@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from distrib.checkpoint import FORMAT, VERSION, digest, save_atomic
+from distrib.checkpoint.format import FORMAT, VERSION, digest, save_atomic
 
 if __name__ == "__main__":
     step = 0

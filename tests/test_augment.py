@@ -9,7 +9,7 @@ from torchvision.transforms import functional as F
 from distrib.config import DataConfig
 from distrib.data import Augment, BatchPlan, DeviceBatches, Split, epoch_steps, load_data
 from distrib.data.augment import draws
-from distrib.runtime import Runtime
+from distrib.distributed.runtime import Runtime
 
 
 def _runtime(rank: int = 0, world_size: int = 1) -> Runtime:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from support import REPO
 
-from distrib.checkpoint import (
+from distrib.checkpoint.format import (
     FORMAT,
     VERSION,
     CheckpointError,
@@ -133,7 +133,7 @@ def test_checkpoint_time_is_not_step_time(tmp_path, monkeypatch):
     """A virtual clock: each reading moves it 1 ms, and every save 100 s. Steps stay milliseconds long."""
     from distrib import checkpoint, throughput
     from distrib.config import load_config
-    from distrib.worker import run
+    from distrib.worker import run_training
 
     clock = [0.0]
 
@@ -149,8 +149,9 @@ def test_checkpoint_time_is_not_step_time(tmp_path, monkeypatch):
 
     monkeypatch.setattr(throughput.time, "perf_counter", perf_counter)
     monkeypatch.setattr(checkpoint.Checkpointer, "save", slow_save)
-    summary = run(load_config(None, [*SMALL, f"run.dir={tmp_path}", "train.max_steps=12", "checkpoint.every_steps=2",
-                                     "metrics.timing_skip_steps=0", "train.log_every=3"]))
+    summary = run_training(load_config(None, [*SMALL, f"run.dir={tmp_path}", "train.max_steps=12",
+                                              "checkpoint.every_steps=2", "metrics.timing_skip_steps=0",
+                                              "train.log_every=3"]))
     assert summary["timed_steps"] == 12 and summary["step_time_p95_s"] < 1.0, summary
 
 
@@ -162,10 +163,10 @@ def test_a_preempted_run_closes_its_recorder(tmp_path, monkeypatch):
     import signal
 
     from distrib.config import load_config
+    from distrib.launch.preempt import Preempted
     from distrib.metrics import Recorder
-    from distrib.preempt import Preempted
-    from distrib.train import Trainer
-    from distrib.worker import run
+    from distrib.training.trainer import Trainer
+    from distrib.worker import run_training
 
     real_step, real_close, closed = Trainer.step, Recorder.close, []
 
@@ -181,7 +182,7 @@ def test_a_preempted_run_closes_its_recorder(tmp_path, monkeypatch):
     monkeypatch.setattr(Trainer, "step", step)
     monkeypatch.setattr(Recorder, "close", close)
     with pytest.raises(Preempted, match="preempted at step 2"):
-        run(load_config(None, [*SMALL, f"run.dir={tmp_path}", "train.max_steps=50", "train.log_every=2",
+        run_training(load_config(None, [*SMALL, f"run.dir={tmp_path}", "train.max_steps=50", "train.log_every=2",
                                "metrics.tensorboard=true"]))
     assert closed == [("preempted", ["tensorboard"])]
 

@@ -9,8 +9,8 @@ from support import make_idx_dir
 from distrib import data
 from distrib.config import DataConfig
 from distrib.data import Augment, BatchPlan, DeviceBatches, LoaderBatches, Normalizer, Split, epoch_steps, idx
+from distrib.distributed.runtime import Runtime
 from distrib.errors import ConfigError, UserError
-from distrib.runtime import Runtime
 
 CPU = Runtime(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"), backend="gloo")
 

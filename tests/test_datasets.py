@@ -13,8 +13,8 @@ from distrib import cli
 from distrib.config import DataConfig
 from distrib.data import BatchPlan, eval_batches, idx, load_data, normalize
 from distrib.data.tensors import channel_stats
+from distrib.distributed.runtime import Runtime
 from distrib.errors import UserError
-from distrib.runtime import Runtime
 
 CPU = Runtime(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"), backend="gloo")
 

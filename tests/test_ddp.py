@@ -8,18 +8,18 @@ import torch.nn.functional as F
 from support import SMALL, assert_ok, distrib, load_weights, max_relative_diff, sets, torchrun_train
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from distrib.agreement import RankAgreement
 from distrib.config import DistConfig, load_config
 from distrib.data import BatchPlan, DeviceBatches, load_splits, normalize
-from distrib.losses import cross_entropy
+from distrib.distributed.agreement import RankAgreement
+from distrib.distributed.parallel import place_model, wrap_ddp
+from distrib.distributed.runtime import open_runtime
+from distrib.launch.preempt import StopFlag
 from distrib.metrics import Recorder
-from distrib.models import Network
-from distrib.parallel import place_model, wrap_ddp
-from distrib.preempt import StopFlag
-from distrib.runtime import open_runtime
-from distrib.throughput import Throughput
-from distrib.train import Trainer, lr_factor, new_state
-from distrib.worker import run
+from distrib.models.network import Network
+from distrib.training.losses import cross_entropy
+from distrib.training.throughput import Throughput
+from distrib.training.trainer import Trainer, lr_factor, new_state
+from distrib.worker import run_training
 
 SYNTHETIC = [*SMALL, "data.synthetic_train_size=1536", "data.synthetic_test_size=200", "train.log_every=5",
              "train.warmup_steps=3"]
@@ -60,7 +60,7 @@ def _plain_reference(config) -> dict:
 def test_one_process_ddp_equals_plain_loop_bitwise(tmp_path, accum):
     # 40 steps of 64 cross an epoch boundary (24 steps per epoch), so the reshuffle is covered too.
     config = _config(tmp_path, "train.max_steps=40", "train.global_batch_size=64", f"train.grad_accum_steps={accum}")
-    summary = run(config)
+    summary = run_training(config)
     assert summary["steps"] == 40 and summary["epochs"] == 1 and summary["world_size"] == 1
     reference = _plain_reference(config)
     trained = load_weights(tmp_path)
@@ -71,8 +71,10 @@ def test_one_process_ddp_equals_plain_loop_bitwise(tmp_path, accum):
 
 @pytest.mark.timeout(120)
 def test_accumulation_matches_a_bigger_micro_batch(tmp_path):
-    one = run(_config(tmp_path / "a", "train.max_steps=20", "train.global_batch_size=8", "train.grad_accum_steps=1"))
-    two = run(_config(tmp_path / "b", "train.max_steps=20", "train.global_batch_size=8", "train.grad_accum_steps=2"))
+    one = run_training(_config(tmp_path / "a", "train.max_steps=20", "train.global_batch_size=8",
+                                       "train.grad_accum_steps=1"))
+    two = run_training(_config(tmp_path / "b", "train.max_steps=20", "train.global_batch_size=8",
+                                       "train.grad_accum_steps=2"))
     assert one["steps"] == two["steps"] == 20
     diff = max_relative_diff(load_weights(tmp_path / "b"), load_weights(tmp_path / "a"))
     assert diff < 1e-6, diff

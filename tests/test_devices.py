@@ -6,9 +6,9 @@ import torch.nn as nn
 from support import SMALL, sets
 
 from distrib import cli
+from distrib.distributed.parallel import check_batch, explain_device_errors, misplaced_tensors, place_model, unwrap
 from distrib.errors import DeviceMismatchError
-from distrib.models import Network
-from distrib.parallel import check_batch, explain_device_errors, misplaced_tensors, place_model, unwrap
+from distrib.models.network import Network
 
 CPU = torch.device("cpu")
 

@@ -8,7 +8,7 @@ import socket
 import pytest
 from launch_support import clean_env, distrib_cmd, run_one
 
-from distrib.doctor import (
+from distrib.launch.doctor import (
     Facts,
     check_local_rank,
     check_master_addr,

@@ -5,8 +5,8 @@ import torch
 from support import SMALL, distrib, sets
 
 from distrib import cli, data
+from distrib.distributed.runtime import read_launch_env, select_device
 from distrib.errors import UserError
-from distrib.runtime import read_launch_env, select_device
 
 
 def _fails(capsys, tmp_path, *overrides, config=None):

@@ -16,7 +16,7 @@ import torch
 from support import REPO, assert_ok, free_port, kill_tree, load_weights, max_relative_diff, torchrun_train
 from test_resume import _wait_for, _worker_pid
 
-from distrib.checkpoint_sharded import _choose, list_sharded
+from distrib.checkpoint.sharded import _choose, list_sharded
 from distrib.config import load_config
 from distrib.errors import ConfigError
 from distrib.worker import run
@@ -197,8 +197,8 @@ def test_fsdp_config_mistakes_name_the_key(overrides, message):
 
 
 def test_named_blocks_that_the_model_lacks_are_refused():
-    from distrib.fsdp import find_blocks
-    from distrib.models import Network
+    from distrib.distributed.fsdp import find_blocks
+    from distrib.models.network import Network
 
     assert [type(m).__name__ for m in find_blocks(Network(), ("Linear",))] == ["Linear"] * 3
     assert [type(m).__name__ for m in find_blocks(Network(), "auto")] == ["Conv2d", "Linear", "Linear", "Linear"]
@@ -223,7 +223,7 @@ def test_device_mismatch_listing_works_under_fsdp(capsys, tmp_path, factory, exp
 
 
 def test_fsdp_never_starts_over_silently_beside_ddp_checkpoints(tmp_path):
-    from distrib.checkpoint import CheckpointError
+    from distrib.checkpoint.format import CheckpointError
 
     (tmp_path / "step_00000010.pt").write_bytes(b"a ddp checkpoint")
     with pytest.raises(CheckpointError, match="holds one-file \\(ddp\\) checkpoints and no sharded ones"):

@@ -19,9 +19,9 @@ from launch_support import CLUSTER_CONFIG, PROBE, SMALL, Launches, clean_env, di
 from processes import descendants
 
 from distrib import launcher
+from distrib.distributed.peers import PeerWatch
 from distrib.errors import EXIT_HUNG, EXIT_PREEMPTED
-from distrib.lifeline import Status, read_statuses, write_status
-from distrib.peers import PeerWatch
+from distrib.launch.lifeline import Status, read_statuses, write_status
 
 LONG = [*SMALL, "--set", "train.max_steps=100000", "--set", "train.log_every=1"]  # runs until stopped
 
@@ -64,7 +64,7 @@ def _workers(launcher_pid: int) -> dict[int, int]:
     found = {}
     for pid in descendants(launcher_pid):
         rank = _environ(pid).get("RANK")
-        if rank is not None and "distrib.lifeline" not in _cmdline(pid):
+        if rank is not None and "distrib.launch.lifeline" not in _cmdline(pid):
             found[int(rank)] = pid
     return found
 
@@ -107,8 +107,8 @@ def test_lifeline_records_and_passes_on_how_its_worker_ended(tmp_path):
     for code, script in ((7, "raise SystemExit(7)"), (-signal.SIGKILL, "import os; os.kill(os.getpid(), 9)")):
         status = tmp_path / f"status{code}"
         status.mkdir()
-        done = subprocess.run([sys.executable, "-m", "distrib.lifeline", "--parent", str(os.getpid()), "--status",
-                               str(status), sys.executable, "-c", script], timeout=60, env=clean_env())
+        done = subprocess.run([sys.executable, "-m", "distrib.launch.lifeline", "--parent", str(os.getpid()),
+                               "--status", str(status), sys.executable, "-c", script], timeout=60, env=clean_env())
         assert done.returncode == code
         [worker] = read_statuses(status)
         assert worker.code == code and worker.worker_pid != worker.pid

@@ -10,12 +10,12 @@ from user_package import write_user_package
 from distrib import cli
 from distrib.config import load_config
 from distrib.data import load_data
+from distrib.distributed.runtime import open_runtime
 from distrib.errors import ConfigError
-from distrib.evaluation import evaluate
-from distrib.losses import cross_entropy
-from distrib.models import Network
-from distrib.runtime import open_runtime
-from distrib.worker import run
+from distrib.models.network import Network
+from distrib.training.evaluation import evaluate
+from distrib.training.losses import cross_entropy
+from distrib.worker import run_training
 
 SYNTHETIC = [*SMALL, "train.max_steps=8"]
 
@@ -23,9 +23,10 @@ SYNTHETIC = [*SMALL, "train.max_steps=8"]
 @pytest.mark.timeout(120)
 def test_a_loss_function_by_name_trains_like_the_built_in_key(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(write_user_package(tmp_path / "outside")))
-    by_key = run(load_config(None, [*SYNTHETIC, f"run.dir={tmp_path}/key", "train.label_smoothing=0.2"]))
-    by_function = run(load_config(None, [*SYNTHETIC, f"run.dir={tmp_path}/fn", "train.loss=userpkg.losses:smoothed"]))
-    plain = run(load_config(None, [*SYNTHETIC, f"run.dir={tmp_path}/plain"]))
+    by_key = run_training(load_config(None, [*SYNTHETIC, f"run.dir={tmp_path}/key", "train.label_smoothing=0.2"]))
+    by_function = run_training(load_config(None, [*SYNTHETIC, f"run.dir={tmp_path}/fn",
+                                                   "train.loss=userpkg.losses:smoothed"]))
+    plain = run_training(load_config(None, [*SYNTHETIC, f"run.dir={tmp_path}/plain"]))
     key, function = load_weights(tmp_path / "key"), load_weights(tmp_path / "fn")
     assert all(torch.equal(key[name], function[name]) for name in key)  # the same loss, bit for bit
     assert not torch.equal(key["out.weight"], load_weights(tmp_path / "plain")["out.weight"])

@@ -12,7 +12,7 @@ from test_rundir import snapshot
 from distrib import checkpoint, cli
 from distrib.config import load_config
 from distrib.errors import EXIT_ENVIRONMENT, UserError
-from distrib.worker import run
+from distrib.worker import run_training
 
 BASE = ["data.name=synthetic", "data.synthetic_train_size=256", "data.synthetic_test_size=64", "run.progress=false",
         "train.global_batch_size=32", "train.schedule=constant", "train.warmup_steps=2", "train.log_every=3",
@@ -23,7 +23,7 @@ BASE = ["data.name=synthetic", "data.synthetic_train_size=256", "data.synthetic_
 def earlier(tmp_path_factory) -> Path:
     """A finished run: config.toml, metrics.jsonl, summary.json, model.pt, checkpoints at steps 3 and 6."""
     run_dir = tmp_path_factory.mktemp("earlier")
-    run(load_config(None, [*BASE, f"run.dir={run_dir}", "train.max_steps=6"]))
+    run_training(load_config(None, [*BASE, f"run.dir={run_dir}", "train.max_steps=6"]))
     return run_dir
 
 
@@ -76,7 +76,8 @@ def test_a_checkpoint_dir_that_is_a_file_stops_the_worker_before_training(tmp_pa
     (tmp_path / "a_file").write_text("keep me\n")
     before = snapshot(folder)
     with pytest.raises(UserError, match="checkpoint.dir = .*a_file': is a file"):
-        run(load_config(None, [*BASE, f"run.dir={folder}", f"checkpoint.dir={tmp_path}/a_file", "train.max_steps=9"]))
+        run_training(load_config(None, [*BASE, f"run.dir={folder}", f"checkpoint.dir={tmp_path}/a_file",
+                                         "train.max_steps=9"]))
     _untouched(folder, before)
 
 
@@ -123,7 +124,8 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_says_how_much_space_is_ne
     assert sorted(n for n in after if n.startswith("checkpoints/")) == \
         ["checkpoints/.distrib-run", "checkpoints/step_00000003.pt", "checkpoints/step_00000006.pt"]  # no temp file
     monkeypatch.undo()
-    resumed = run(load_config(None, [*BASE, f"run.dir={folder}", "train.max_steps=12"]))  # space again: it resumes
+    # space again: it resumes
+    resumed = run_training(load_config(None, [*BASE, f"run.dir={folder}", "train.max_steps=12"]))
     assert resumed["resumed_from_step"] == 6 and resumed["steps"] == 12
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from distrib import cli
 from distrib.errors import UserError
-from distrib.plot import make_figure, plot_run, read_records
+from distrib.metrics.plot import make_figure, plot_run, read_records
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -85,7 +85,7 @@ def test_stop_and_resume_at_world_size_2_and_move_the_checkpoint_to_world_size_1
 
 @pytest.mark.timeout(120)
 def test_a_changed_global_batch_is_refused_unless_allowed(tmp_path):
-    from distrib.checkpoint import CheckpointError
+    from distrib.checkpoint.format import CheckpointError
 
     run(load_config(None, [*BASE, f"run.dir={tmp_path}", "train.max_steps=12"]))
     with pytest.raises(CheckpointError, match=r"train.global_batch_size: 32 -> 64.*allow_config_change=true"):
@@ -217,7 +217,7 @@ def test_extending_a_run_keeps_its_schedule_only_with_schedule_steps(tmp_path):
 def test_a_schedule_shorter_than_the_run_is_refused():
     from distrib.config import TrainConfig
     from distrib.errors import ConfigError
-    from distrib.train import build_scheduler
+    from distrib.training.trainer import build_scheduler
 
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     with pytest.raises(ConfigError, match=r"train.schedule_steps = 50: shorter than this run's 80 steps"):

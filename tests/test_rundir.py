@@ -16,10 +16,10 @@ import pytest
 from support import REPO, kill_tree
 
 from distrib import cli
-from distrib.checkpoint import list_checkpoints, run_id_of
+from distrib.checkpoint.format import list_checkpoints, run_id_of
 from distrib.config import load_config
-from distrib.rundir import LOCK_NAME, FolderBusyError, lock_folder
-from distrib.worker import run
+from distrib.launch.rundir import LOCK_NAME, FolderBusyError, lock_folder
+from distrib.worker import run_training
 
 BASE = ["data.name=synthetic", "data.synthetic_train_size=512", "data.synthetic_test_size=64", "run.progress=false",
         "train.global_batch_size=32", "train.schedule=constant", "train.warmup_steps=2", "train.log_every=4",
@@ -47,7 +47,7 @@ def test_the_lock_names_its_holder_and_dies_with_it(tmp_path):
     finally:
         os.close(fd)
     # A holder killed with SIGKILL leaves no stale lock: the kernel drops it with the process.
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from distrib.rundir import lock_folder; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from distrib.launch.rundir import lock_folder; "
                                f"lock_folder('run.dir', {str(tmp_path)!r}); print('locked', flush=True); "
                                "time.sleep(60)"], stdout=subprocess.PIPE, text=True, cwd=REPO,
                               env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -102,7 +102,7 @@ def test_two_runs_started_together_on_one_run_dir_one_trains_the_other_is_refuse
 
 
 def _train(run_dir, *overrides) -> dict:
-    return run(load_config(None, [*BASE, f"run.dir={run_dir}", *overrides]))
+    return run_training(load_config(None, [*BASE, f"run.dir={run_dir}", *overrides]))
 
 
 def _cli(capsys, run_dir, *overrides) -> tuple[int, str]:

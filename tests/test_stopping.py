@@ -10,13 +10,13 @@ import pytest
 import torch
 from support import REPO, assert_ok, torchrun_train
 
-from distrib.checkpoint import read_checkpoint
+from distrib.checkpoint.format import read_checkpoint
 from distrib.config import load_config
-from distrib.inference import load_trained
+from distrib.distributed.parallel import unwrap
 from distrib.metrics import Recorder
-from distrib.parallel import unwrap
-from distrib.plot import make_figure, read_records
-from distrib.train import Trainer
+from distrib.metrics.plot import make_figure, read_records
+from distrib.training.inference import load_trained
+from distrib.training.trainer import Trainer
 from distrib.worker import run
 
 BASE = ["data.name=synthetic", "data.synthetic_train_size=128", "data.synthetic_test_size=50", "dist.device=cpu",
@@ -188,7 +188,7 @@ class _FakeCheckpointer:
 
 
 def test_best_set_keeps_the_k_best_and_an_automatic_resume_drops_the_abandoned_future(tmp_path):
-    from distrib.best import BestCheckpoints
+    from distrib.checkpoint.best import BestCheckpoints
 
     best = BestCheckpoints(2, "test_accuracy", tmp_path, is_main=True)
     for step, accuracy in ((4, 0.5), (8, 0.7), (12, 0.6), (16, 0.6), (20, 0.4)):
@@ -224,9 +224,9 @@ def test_ema_works_on_fsdp_sharded_parameters():
     from torch.distributed.fsdp import fully_shard
 
     from distrib.config import DistConfig
-    from distrib.ema import EMA
-    from distrib.models import Network
-    from distrib.runtime import open_runtime
+    from distrib.distributed.runtime import open_runtime
+    from distrib.models.network import Network
+    from distrib.training.ema import EMA
 
     with open_runtime(DistConfig(device="cpu")) as runtime:
         assert runtime.world_size == 1

@@ -14,10 +14,10 @@ from distrib import cli, throughput
 from distrib.config import load_config
 from distrib.errors import ConfigError, UserError
 from distrib.metrics import Recorder
-from distrib.models import Network
-from distrib.throughput import Throughput, count_flops_per_sample, peak_flops
-from distrib.train import Trainer
-from distrib.worker import run
+from distrib.models.network import Network
+from distrib.training.throughput import Throughput, count_flops_per_sample, peak_flops
+from distrib.training.trainer import Trainer
+from distrib.worker import run_training
 
 RUN = [*SMALL, "data.synthetic_train_size=1024", "data.synthetic_test_size=200", "train.max_steps=24", "train.epochs=0",
        "train.global_batch_size=64", "train.log_every=8", "train.warmup_steps=3", "metrics.timing_skip_steps=4",
@@ -42,7 +42,7 @@ def _assert_consistent(summary: dict, world_size: int) -> None:
 
 @pytest.mark.timeout(120)
 def test_summary_and_log_lines_hold_consistent_throughput(tmp_path):
-    summary = run(load_config(None, [*RUN, f"run.dir={tmp_path}"]))
+    summary = run_training(load_config(None, [*RUN, f"run.dir={tmp_path}"]))
     _assert_consistent(summary, 1)
     assert json.loads((tmp_path / "summary.json").read_text())["mfu"] == summary["mfu"]
     steps = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
@@ -138,10 +138,10 @@ def test_static_graph_refuses_gradient_accumulation():
 @pytest.mark.timeout(120)
 def test_speed_options_train_to_the_same_weights(tmp_path):
     """channels_last, gradient_as_bucket_view, static_graph and small buckets change speed, not the result."""
-    base = run(load_config(None, [*RUN, f"run.dir={tmp_path}/a"]))
+    base = run_training(load_config(None, [*RUN, f"run.dir={tmp_path}/a"]))
     options = ["speed.channels_last=true", "speed.static_graph=true", "speed.gradient_as_bucket_view=true",
                "speed.bucket_cap_mb=0.01"]
-    fast = run(load_config(None, [*RUN, f"run.dir={tmp_path}/b", *options]))
+    fast = run_training(load_config(None, [*RUN, f"run.dir={tmp_path}/b", *options]))
     assert fast["test_loss"] == pytest.approx(base["test_loss"], rel=1e-4)
 
 
@@ -178,7 +178,7 @@ def _count_host_reads(monkeypatch) -> list[tuple[int, str]]:
 @pytest.mark.timeout(60)
 def test_nothing_is_read_on_the_host_between_sync_steps(tmp_path, monkeypatch):
     reads = _count_host_reads(monkeypatch)
-    summary = run(load_config(None, [*RUN, f"run.dir={tmp_path}", "train.sync_every=5"]))
+    summary = run_training(load_config(None, [*RUN, f"run.dir={tmp_path}", "train.sync_every=5"]))
     assert summary["steps"] == 24 and reads
     assert {step for step, _ in reads} == {5, 8, 10, 15, 16, 20, 24}  # every 5th step and the log steps
 
@@ -199,7 +199,7 @@ def test_loss_and_stop_votes_are_reduced_on_sync_steps_only(tmp_path, monkeypatc
     real = Trainer._agree
     monkeypatch.setattr(Trainer, "_agree",
                         lambda self, local, step: synced.append(step) or real(self, local, step))
-    run(load_config(None, [*RUN, f"run.dir={tmp_path}", "train.sync_every=5"]))
+    run_training(load_config(None, [*RUN, f"run.dir={tmp_path}", "train.sync_every=5"]))
     assert synced == [5, 8, 10, 15, 16, 20, 24]  # every 5th step and every log step (8, 16, 24)
 
 
@@ -207,7 +207,7 @@ def test_loss_and_stop_votes_are_reduced_on_sync_steps_only(tmp_path, monkeypatc
 def test_tensorboard_scalars_on_rank_0(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # in the dev extra
 
-    run(load_config(None, [*RUN, f"run.dir={tmp_path}", "metrics.tensorboard=true"]))
+    run_training(load_config(None, [*RUN, f"run.dir={tmp_path}", "metrics.tensorboard=true"]))
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     tags = set(events.Tags()["scalars"])

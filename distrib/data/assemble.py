@@ -14,8 +14,8 @@ from distrib.config import DataConfig
 from distrib.data.augment import Augment
 from distrib.data.batching import BatchSource, DeviceBatches, Failed, LoaderBatches, collate
 from distrib.data.tensors import DataInfo, Normalizer, Split, channel_stats, stats_indices
+from distrib.distributed.runtime import Runtime
 from distrib.errors import UserError
-from distrib.runtime import Runtime
 
 Stats = tuple[tuple[float, ...], tuple[float, ...]]
 

@@ -12,8 +12,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from distrib.config import DataConfig, TrainConfig
 from distrib.data.augment import Augment
 from distrib.data.tensors import Normalizer, Split
+from distrib.distributed.runtime import Runtime
 from distrib.errors import ConfigError, UserError
-from distrib.runtime import Runtime
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

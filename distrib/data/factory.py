@@ -15,7 +15,7 @@ from distrib.errors import UserError
 EXPECTED = ("(train, test): two map-style datasets of (tensor, int label), or two (inputs, labels) tensor pairs")
 
 
-def call_factory(spec: str, kwargs: dict) -> tuple[Any, Any]:
+def call_data_factory(spec: str, kwargs: dict) -> tuple[Any, Any]:
     """Imports and calls the factory; anything it raises becomes one line naming it."""
     module_name, _, attr = spec.partition(":")
     where = f"data.factory = {spec!r}"

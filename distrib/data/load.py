@@ -12,10 +12,10 @@ import torch.distributed as dist
 from distrib.config import DataConfig
 from distrib.data import idx, named
 from distrib.data.assemble import Data, Loaded, build, distributed, materialize, on_rank0
-from distrib.data.factory import as_split_or_dataset, call_factory
+from distrib.data.factory import as_split_or_dataset, call_data_factory
 from distrib.data.tensors import FASHION_MNIST_STATS, Split
+from distrib.distributed.runtime import Runtime
 from distrib.errors import UserError
-from distrib.runtime import Runtime
 
 KNOWN_STATS = {"fashion-mnist": FASHION_MNIST_STATS, "mnist": idx.SETS["mnist"].stats, "cifar10": named.CIFAR_STATS,
                "synthetic": FASHION_MNIST_STATS}  # synthetic keeps the values it was always normalised with
@@ -98,7 +98,7 @@ def _prepare(config: DataConfig, log) -> None:
 def _read(config: DataConfig) -> Loaded:
     """Every rank's part, after _prepare: reads both splits (no collectives, so a failure cannot hang a rank)."""
     if config.factory:
-        train, test = call_factory(config.factory, config.kwargs)
+        train, test = call_data_factory(config.factory, config.kwargs)
         where = f"data.factory = {config.factory!r}"
         return Loaded(config.factory, as_split_or_dataset(train, f"{where}: train"),
                       as_split_or_dataset(test, f"{where}: test"))

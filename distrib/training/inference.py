@@ -14,16 +14,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from distrib.checkpoint import list_checkpoints, load_failure, read_checkpoint
+from distrib.checkpoint.format import list_checkpoints, load_failure, read_checkpoint
 from distrib.config import Config, load_config
 from distrib.data import DataInfo, eval_batches, load_data, load_inputs
+from distrib.distributed.parallel import parallelize, place_model, unwrap
+from distrib.distributed.runtime import Runtime
 from distrib.errors import UserError
-from distrib.evaluation import autocast, evaluate
-from distrib.losses import build_loss
 from distrib.metrics import write_json_atomic
-from distrib.models import build_model, factory_call
-from distrib.parallel import parallelize, place_model, unwrap
-from distrib.runtime import Runtime
+from distrib.models.build import build_model, factory_call
+from distrib.training.evaluation import autocast, evaluate
+from distrib.training.losses import build_loss
 
 CARD_FORMAT, CARD_VERSION = "distrib.model", 1
 SPLITS = ("test", "train")  # `--input test`: a split of the run's own data; a folder of that name is ./test

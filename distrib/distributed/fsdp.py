@@ -20,8 +20,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.utils.checkpoint import checkpoint
 
 from distrib.config import DistConfig
+from distrib.distributed.runtime import Runtime
 from distrib.errors import ConfigError
-from distrib.runtime import Runtime
 
 # auto: a child (looking inside ModuleList / ModuleDict / Sequential containers) holding at least this share of the
 # model's parameters is a block; so the layers of a model up to 64 layers deep each become one.

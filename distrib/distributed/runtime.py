@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from distrib.config import DistConfig
+from distrib.distributed.peers import PeerWatch
 from distrib.errors import CollectiveTimeoutError, PeerLostError, UserError
-from distrib.lifeline import die_with_parent
-from distrib.peers import PeerWatch
+from distrib.launch.lifeline import die_with_parent
 
 
 @dataclass(frozen=True, slots=True)

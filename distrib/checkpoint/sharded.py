@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from distrib.checkpoint import (
+from distrib.checkpoint.format import (
     FORMAT,
     VERSION,
     Checkpointer,
@@ -36,15 +36,15 @@ from distrib.checkpoint import (
     save_atomic,
 )
 from distrib.config import CheckpointConfig
-from distrib.preempt import Preempted
-from distrib.runtime import Runtime
+from distrib.distributed.runtime import Runtime
+from distrib.launch.preempt import Preempted
 
 _NAME = re.compile(r"^step_(\d{8})$")
 MANIFEST, TRAINER = "manifest.json", "trainer.pt"
 SHARDED = ("model", "optimizer", "ema")  # the parts DCP writes (ema: when on); the rest goes into trainer.pt
 
 
-def checkpoint_dir(directory: Path, step: int) -> Path:
+def step_dir(directory: Path, step: int) -> Path:
     return Path(directory) / f"step_{step:08d}"
 
 
@@ -175,7 +175,7 @@ class ShardedCheckpointer:
         dist.all_gather_object(rngs, rng_state(self.runtime))
         state = self.collect()
         shards = {key: state.pop(key) for key in SHARDED if key in state}
-        final = checkpoint_dir(self.directory, step)
+        final = step_dir(self.directory, step)
         tmp = final.with_name(f".{final.name}.tmp")
         if self.runtime.is_main:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a killed run

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from distrib.preempt import StopFlag
+from distrib.launch.preempt import StopFlag
 
 
 @dataclass(frozen=True)

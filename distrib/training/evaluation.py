@@ -10,9 +10,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distrib.data import eval_batches
-from distrib.losses import Loss, cross_entropy
-from distrib.parallel import is_sharded, unwrap
-from distrib.runtime import Runtime
+from distrib.distributed.parallel import is_sharded, unwrap
+from distrib.distributed.runtime import Runtime
+from distrib.training.losses import Loss, cross_entropy
 
 _FIXED_POINT = 2.0 ** 32  # losses summed as integers: exact, whatever the order of the sum
 TOP_K = 5  # top-5 accuracy is reported when there are more than TOP_K classes

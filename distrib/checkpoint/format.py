@@ -19,8 +19,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from distrib.distributed.runtime import Runtime
 from distrib.errors import EnvironmentFault, UserError
-from distrib.runtime import Runtime
 
 FORMAT, VERSION = "distrib.checkpoint", 1
 _NAME = re.compile(r"^step_(\d{8})\.pt$")

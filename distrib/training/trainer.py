@@ -14,21 +14,28 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from distrib.agreement import RankAgreement
-from distrib.best import BestCheckpoints
-from distrib.checkpoint import Checkpointer
-from distrib.checkpoint_sharded import ShardedCheckpointer
+from distrib.checkpoint.best import BestCheckpoints
+from distrib.checkpoint.format import Checkpointer
+from distrib.checkpoint.sharded import ShardedCheckpointer
 from distrib.config import TrainConfig
 from distrib.data import BatchPlan, epoch_steps
-from distrib.early_stop import EarlyStopping
-from distrib.ema import EMA
+from distrib.distributed.agreement import RankAgreement
+from distrib.distributed.parallel import (
+    explain_device_errors,
+    grad_sync,
+    load_training_state,
+    local_tensor,
+    training_state,
+    unwrap,
+)
 from distrib.errors import ConfigError, UserError
-from distrib.evaluation import autocast, evaluate
-from distrib.losses import Loss
+from distrib.launch.preempt import Preempted
 from distrib.metrics import Recorder
-from distrib.parallel import explain_device_errors, grad_sync, load_training_state, local_tensor, training_state, unwrap
-from distrib.preempt import Preempted
-from distrib.throughput import Throughput
+from distrib.training.early_stop import EarlyStopping
+from distrib.training.ema import EMA
+from distrib.training.evaluation import autocast, evaluate
+from distrib.training.losses import Loss
+from distrib.training.throughput import Throughput
 
 __all__ = ["Progress", "TrainState", "Trainer", "autocast", "build_optimizer", "build_scheduler", "evaluate",
            "lr_factor", "new_state"]
@@ -263,7 +270,7 @@ class Trainer:
             return {"stop_reason": "early_stop", "stop_detail": self.state.early_stop.reason()}
         return {"stop_reason": "completed", "stop_detail": f"trained {self.total_steps} steps"}
 
-    def fit(self, train_source) -> dict:
+    def train(self, train_source) -> dict:
         """Trains from the state's progress to total_steps; evaluates each eval_every_epochs and at the end."""
         progress = self.state.progress
         bar = self.recorder.progress_bar(self.total_steps, initial=progress.step)

@@ -14,10 +14,10 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distrib import fsdp
 from distrib.config import DistConfig, SpeedConfig
+from distrib.distributed import fsdp
+from distrib.distributed.runtime import Runtime
 from distrib.errors import DeviceMismatchError, UserError
-from distrib.runtime import Runtime
 
 _MISMATCH_PHRASES = ("Expected all tensors to be on the same device", "is not on the expected device")
 _MAX_LISTED = 10

@@ -1,7 +1,7 @@
 """Workers die with their launcher, and the launcher learns how each worker ended: Linux's parent-death signal, and
 the small parent process that `distrib launch` puts between its elastic agent and each worker (no torch import).
 
-    python -m distrib.lifeline --parent PID --status DIR COMMAND [ARGS ...]
+    python -m distrib.launch.lifeline --parent PID --status DIR COMMAND [ARGS ...]
 
 runs COMMAND as a child that is SIGKILLed when this process dies, which is SIGKILLed when PID (the launcher) dies;
 passes stop signals on when the child is ready for them (see Relay); writes the child's exit code to DIR; and ends
@@ -142,7 +142,7 @@ def _child_setup(lifeline_pid: int):
     return setup
 
 
-def run(parent_pid: int, status_dir: Path, command: Sequence[str]) -> int:
+def supervise(parent_pid: int, status_dir: Path, command: Sequence[str]) -> int:
     """Runs command under this lifeline; returns its exit code (negative: the signal that ended it)."""
     die_with_parent(parent_pid)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # set by the elastic agent for each attempt
@@ -170,9 +170,9 @@ def end_like(code: int) -> None:
 
 def main(argv: Sequence[str]) -> None:
     if len(argv) < 5 or argv[0] != "--parent" or argv[2] != "--status":
-        sys.stderr.write("usage: python -m distrib.lifeline --parent PID --status DIR COMMAND [ARGS ...]\n")
+        sys.stderr.write("usage: python -m distrib.launch.lifeline --parent PID --status DIR COMMAND [ARGS ...]\n")
         os._exit(2)
-    end_like(run(int(argv[1]), Path(argv[3]), argv[4:]))
+    end_like(supervise(int(argv[1]), Path(argv[3]), argv[4:]))
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ import torch
 import torch.nn as nn
 
 from distrib.data import DataInfo
+from distrib.distributed.parallel import check_batch, explain_device_errors, unwrap
 from distrib.errors import UserError
-from distrib.parallel import check_batch, explain_device_errors, unwrap
 
 DRY_BATCH_SIZE = 2
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
 from distrib.errors import EXIT_PREEMPTED, UserError, say
-from distrib.lifeline import read_statuses
+from distrib.launch.lifeline import read_statuses
 
 # Flags whose defaults we choose ourselves; None after parsing means neither the flag nor its PET_* form was given.
 _OUR_DEFAULTS = ("nnodes", "nproc_per_node", "rdzv_backend", "rdzv_endpoint", "rdzv_id")
@@ -199,7 +199,7 @@ def stop_handlers(raise_for=None) -> Iterator[None]:
     SignalException) once it starts workers."""
     def raising(signum, frame):
         raise raise_for(signum)
-    from distrib.preempt import signal_handlers
+    from distrib.launch.preempt import signal_handlers
 
     with signal_handlers(STOP_SIGNALS, raising if raise_for else _exit_before_start):
         yield
@@ -223,7 +223,7 @@ def lifelines(args: argparse.Namespace) -> Iterator[Path]:
         restore = f"PYTHON_EXEC={shlex.quote(python)}; export PYTHON_EXEC" if "PYTHON_EXEC" in os.environ \
             else "unset PYTHON_EXEC"
         wrapper = Path(folder, "python-in-lifeline")  # the "binary" torch's log lines name
-        wrapper.write_text(f"#!/bin/sh\n{restore}\nexec {shlex.quote(sys.executable)} -m distrib.lifeline "
+        wrapper.write_text(f"#!/bin/sh\n{restore}\nexec {shlex.quote(sys.executable)} -m distrib.launch.lifeline "
                            f"--parent {os.getpid()} --status {shlex.quote(str(status))} {shlex.quote(python)} "
                            '"$@"\n')
         wrapper.chmod(0o755)
@@ -239,7 +239,7 @@ def lifelines(args: argparse.Namespace) -> Iterator[Path]:
                 os.environ["PYTHON_EXEC"] = previous
 
 
-def run(args: argparse.Namespace) -> int:
+def run_agent(args: argparse.Namespace) -> int:
     """torch.distributed.run.run, each worker under a lifeline, its failures turned into messages and exit codes
     instead of tracebacks."""
     from torch.distributed import run as torchrun
@@ -278,7 +278,7 @@ def main(argv: Sequence[str]) -> int:
         if threads is not None:
             # Set here, in the one writer of the launch environment; torch's agent passes it on to every worker.
             os.environ["OMP_NUM_THREADS"] = threads
-        return run(args)
+        return run_agent(args)
 
 
 def launch_trainer(nproc_per_node: int, train_argv: Sequence[str]) -> int:

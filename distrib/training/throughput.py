@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distrib.config import Config
-from distrib.runtime import Runtime
+from distrib.distributed.runtime import Runtime
 
 # Dense peak FLOP/s of one device (no sparsity), from the vendors' data sheets, by a substring of its name; the first
 # match wins (so "H100 PCIe" before "H100"; "GH200" is an H200). "fp32" is the plain (non-tensor-core) rate: with

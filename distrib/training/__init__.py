@@ -1,0 +1,7 @@
+"""Training and using a trained model: the Trainer and its TrainState (the step and the loop), losses, exact
+evaluation, EMA, early stopping, throughput, the dry batch before step 1, and eval/predict on a trained run."""
+
+from distrib.training.evaluation import evaluate
+from distrib.training.trainer import Trainer, TrainState, new_state
+
+__all__ = ["TrainState", "Trainer", "evaluate", "new_state"]
