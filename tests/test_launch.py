@@ -25,9 +25,9 @@ from launch_support import (
 from support import free_port
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from distrib import launcher
 from distrib.distributed.runtime import collective_timeouts
 from distrib.errors import EXIT_HUNG, EXIT_PREEMPTED, CollectiveTimeoutError, PeerLostError, UserError
+from distrib.launch import launcher
 
 SAME_IN_BOTH = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                 "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "TORCHELASTIC_RESTART_COUNT",
