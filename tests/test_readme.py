@@ -3,8 +3,9 @@
 import dataclasses
 import re
 
-from distrib.config import Config
 from support import REPO
+
+from distrib.config import Config
 
 # A table row's first cell names one or more keys, e.g. `data.factory`, `data.kwargs`.
 _ROW = re.compile(r"^\|([^|]*)\|")
