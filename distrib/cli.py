@@ -82,11 +82,12 @@ def _plot(args: argparse.Namespace) -> int:
 
 def _use(args: argparse.Namespace) -> int:
     """distrib eval and distrib predict: checked here, then run in this process or in N launched workers."""
-    from distrib.training.inference import check_input, load_trained
+    from distrib.training.inference import check_input, check_rebuildable, load_trained
 
     trained = load_trained(args.source, args.config, args.set)  # a bad run dir or checkpoint fails before any worker
     if args.command == "predict":
         check_input(args.input)
+    check_rebuildable(trained, args.input if args.command == "predict" else None)  # before any data is read
     if args.nproc_per_node is not None:
         from distrib.launch.launcher import main as launch
 

@@ -1,8 +1,10 @@
-"""A finished run run again (same run.dir) trains nothing: one line says so and how to retrain or extend, summary.json
-stays byte-identical, `distrib train` exits 0 and fit() returns the summary the run wrote."""
+"""Coming back to a finished run: run again (same run.dir) it trains nothing, one line says so and how to retrain or
+extend, summary.json stays byte-identical, `distrib train` exits 0 and fit() returns the summary the run wrote; and
+`distrib eval` refuses a fit() run in one line before reading any data."""
 
 import json
 
+import pytest
 import torch
 from support import SMALL
 
@@ -49,3 +51,20 @@ def test_distrib_train_again_on_a_finished_run_exits_0_and_leaves_summary_json(t
     line = _the_line(capfd.readouterr().err)
     assert (tmp_path / "run" / "summary.json").read_bytes() == summary
     assert line.startswith(f"distrib: {tmp_path}/run: the run is finished (2 of 2 steps done)"), line
+
+
+def test_distrib_eval_refuses_a_fit_run_before_reading_any_data(tmp_path, capfd, monkeypatch):
+    """A fit() run's datasets were given in Python: eval (and predict on a split) say so in one line, exit 2, and
+    never load the config's data (Fashion-MNIST by default: 60,000 samples read, or downloaded, for nothing)."""
+    import distrib.training.inference as inference
+
+    fit(_model, _tensors(128), _tensors(32), overrides={**STEPS, "run.dir": str(tmp_path / "run")})
+    monkeypatch.setattr(inference, "load_data", lambda *args, **kwargs: pytest.fail("loaded the config's data"))
+    capfd.readouterr()
+    for argv in (["eval", str(tmp_path / "run")], ["predict", str(tmp_path / "run"), "--input", "test", "--out",
+                                                     str(tmp_path / "p.jsonl")]):
+        assert main(argv) == 2
+        err = capfd.readouterr().err.strip()
+        assert err.startswith(f"distrib: error: {tmp_path}/run: trained through distrib.fit() on datasets given "
+                              "in Python") and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "run" / "eval.json").exists() and not (tmp_path / "p.jsonl").exists()
