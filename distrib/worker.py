@@ -183,13 +183,28 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
                 agreement = RankAgreement(stop, runtime.device, runtime.world_size, synced_at=state.progress.step)
                 evaluator = _evaluator(config, runtime, data, loss)
                 trainer = Trainer(state, loss, config.train, runtime.device, plan, total_steps, evaluator, recorder,
-                                  meter, agreement, checkpointer, on_step_end)
+                                  meter, agreement, checkpointer, _after_step(runtime, on_step_end))
                 metrics = trainer.train(data.train)
         except BaseException as e:  # flush metrics and trackers now: the CLI's os._exit skips finalisers
             recorder.close("preempted" if isinstance(e, Preempted) else "failed")
             raise
         return _finish(config, runtime, data, state, metrics, meter, recorder, resumed_from, start,
                        model is None)
+
+
+def _after_step(runtime: Runtime, on_step_end: Callable[[int], None] | None) -> Callable[[int], None] | None:
+    """A heartbeat that names the step just finished (a stopped rank is then named at its true step), then the
+    caller's on_step_end."""
+    peers = runtime.peers
+    if peers is None:
+        return on_step_end
+
+    def after_step(step: int) -> None:
+        peers.step_done()
+        if on_step_end:
+            on_step_end(step)
+
+    return after_step
 
 
 def _evaluator(config: Config, runtime: Runtime, data: Data, loss: Loss) -> Callable[[nn.Module], dict]:

@@ -25,7 +25,7 @@ from launch_support import (
 from support import free_port
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from distrib import launcher
+from distrib.launch import launcher
 from distrib.distributed.runtime import collective_timeouts
 from distrib.errors import EXIT_HUNG, EXIT_PREEMPTED, CollectiveTimeoutError, PeerLostError, UserError
 
