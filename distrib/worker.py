@@ -42,8 +42,15 @@ ModelArg = nn.Module | Callable[..., nn.Module] | None  # distrib.fit's model: a
 
 def run_training(config: Config, env: LaunchEnv | None = None) -> dict:
     """Trains on this worker's device inside an open process group; returns the run's summary."""
-    with environment_faults(), open_runtime(config.dist, env) as runtime:
+    with environment_faults(), open_runtime(config.dist, env) as runtime, peers_lost(config, runtime):
         return train_on(config, runtime)  # which locks run.dir and checkpoint.dir once the input is checked
+
+
+def peers_lost(config: Config, runtime: Runtime):
+    """Before (and after) the training steps too, a peer that died or hangs is one line naming it (PeerLostError,
+    CollectiveTimeoutError), not gloo's traceback: e.g. rank 0 waiting in the run.dir lock's broadcast while rank 1
+    failed on its input."""
+    return collective_timeouts(config.dist.timeout_s, lambda: "before training", runtime.peers)
 
 
 def _total_steps(config: Config, steps_per_epoch: int) -> int:

@@ -19,9 +19,9 @@ import pytest
 from launch_support import CLUSTER_CONFIG, PROBE, SMALL, Launches, clean_env, distrib_cmd
 from processes import descendants
 
-from distrib.launch import launcher
 from distrib.distributed.peers import PeerWatch
 from distrib.errors import EXIT_HUNG, EXIT_PREEMPTED
+from distrib.launch import launcher
 from distrib.launch.lifeline import Status, read_statuses, write_status
 
 LONG = [*SMALL, "--set", "train.max_steps=100000", "--set", "train.log_every=1"]  # runs until stopped
