@@ -234,17 +234,6 @@ def test_a_dead_worker_ends_the_whole_run_and_is_named(tmp_path, how, code, endi
     assert "Traceback" not in done.stderr.split("distrib launch: rank")[-1]  # no traceback from the launcher
 
 
-@pytest.mark.timeout(150)
-def test_a_worker_exception_reaches_the_launcher_summary(tmp_path):
-    """@record on the trainer: the launcher's line names the rank and its exception (here one every rank raises)."""
-    done = run_one(distrib_cmd("train", "--nproc-per-node", "2", "--config", CLUSTER_CONFIG, *SMALL,
-                               "--set", "train.global_batch_size=63", "--set", f"run.dir={tmp_path}/run"),
-                   tmp_path, timeout=90)
-    assert done.returncode == 2, done.text()
-    assert "[first failure]" in done.stderr
-    assert "exited with code 2: ConfigError: train.global_batch_size = 63" in done.stderr, done.text()
-
-
 # ---------------------------------------------------------------- training: the weights of one process
 
 
