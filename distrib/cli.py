@@ -211,7 +211,7 @@ def _reported_by_launcher(error: BaseException, record: bool = True) -> bool:
     """A worker of distrib launch on its last attempt writes its error to torch's error file instead of stderr: the
     launcher's last line names it, once for all the ranks that share it. Elsewhere (one process, torchrun, a restart
     still to come) the worker prints it."""
-    from distrib.launch.launcher import launched_by_distrib
+    from distrib.launch.reporting import launched_by_distrib
 
     if not launched_by_distrib():
         return False

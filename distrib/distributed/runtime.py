@@ -18,8 +18,8 @@ import torch.distributed as dist
 from distrib.config import DistConfig
 from distrib.distributed.peers import PeerWatch
 from distrib.errors import CollectiveTimeoutError, PeerLostError, UserError
-from distrib.launch.launcher import launched_by_distrib
 from distrib.launch.lifeline import die_with_parent
+from distrib.launch.reporting import launched_by_distrib
 
 
 @dataclass(frozen=True, slots=True)

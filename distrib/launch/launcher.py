@@ -17,19 +17,12 @@ from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
 
 from distrib.errors import EXIT_PREEMPTED, UserError, say
+from distrib.launch.reporting import REPORTS_VAR, failure_lines, quiet_torch_failure_lines
 
 # Flags whose defaults we choose ourselves; None after parsing means neither the flag nor its PET_* form was given.
 _OUR_DEFAULTS = ("nnodes", "nproc_per_node", "rdzv_backend", "rdzv_endpoint", "rdzv_id")
 SLURM_PORT_BASE, SLURM_PORT_SPAN = 20000, 20000  # rendezvous port = base + job id % span: one per job, no clash
 TORCHRUN_DEFAULTS = {"nnodes": "1:1", "rdzv_backend": "static", "rdzv_endpoint": "", "rdzv_id": "none"}
-# Set by distrib launch for its workers: it prints their errors (from torch's error file) in its last line, once for
-# all ranks that share one, so a worker on its last attempt writes its error there instead of to stderr.
-REPORTS_VAR = "DISTRIB_LAUNCH_REPORTS"
-
-
-def launched_by_distrib(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether distrib launch (not torchrun) started this process: the one reader of REPORTS_VAR."""
-    return environ.get(REPORTS_VAR) == "1"
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -137,43 +130,6 @@ def cpu_threads(environ: Mapping[str, str], num_workers: int, num_gpus: int) -> 
     return str(max(1, len(os.sched_getaffinity(0)) // max(num_workers, 1)))
 
 
-def _how(failure) -> str:
-    """How a rank ended, and the first line of its exception when its entry point wrote torch's error file."""
-    if failure.exitcode < 0:
-        how = f"was killed by signal {-failure.exitcode} ({failure.signal_name()})"
-    else:
-        how = f"exited with code {failure.exitcode}"
-    message = failure.message
-    if isinstance(message, dict):  # written by @record: {"message": "Type: text", "extraInfo": {...}}
-        text = str(message.get("message", "")).strip()
-        how += f": {text.splitlines()[0]}" if text else ""
-    return how
-
-
-def failure_lines(error, worker_pids: Mapping[int, int] | None = None) -> list[str]:
-    """A ChildFailedError as one line per way of failing, the first failure last (the cause ends the log, where one
-    looks first): which ranks, how they ended, and the first line of their exception, uncut, when the worker's entry
-    point has @record. Ranks that failed alike (one mistake every rank makes) share one line."""
-    first, _ = error.get_first_failure()
-    by_how: dict[str, list[int]] = {}
-    for rank in sorted(error.failures):
-        failure = error.failures[rank]
-        how = _how(failure)
-        if rank != first and how in (f"exited with code {EXIT_PREEMPTED}", "was killed by signal 15 (SIGTERM)"):
-            how = "was stopped by the launcher when the first failure ended the run"  # not a failure of its own
-        by_how.setdefault(how, []).append(rank)
-    lines = []
-    for how, ranks in sorted(by_how.items(), key=lambda item: first in item[1]):
-        failures = [error.failures[rank] for rank in ranks]
-        pids = [(worker_pids or {}).get(f.pid, f.pid) for f in failures]  # the worker's own pid, not its lifeline's
-        if len(ranks) == 1:
-            who = f"rank {ranks[0]} (local rank {failures[0].local_rank}, pid {pids[0]})"
-        else:
-            who = f"ranks {', '.join(map(str, ranks))} (pids {', '.join(map(str, pids))})"
-        lines.append(f"distrib launch: {who} {how}" + (" [first failure]" if first in ranks else ""))
-    return lines
-
-
 # Signals that ask a run to stop for preemption: SLURM's --signal and scancel, Kubernetes and most schedulers.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -275,7 +231,7 @@ def run_agent(args: argparse.Namespace) -> int:
 
     from distrib.launch.lifeline import read_statuses  # here: `python -m distrib.launch.lifeline` imports this module
 
-    with lifelines(args) as status, stop_handlers(signal_exception), _quiet_torch_failure_lines():
+    with lifelines(args) as status, stop_handlers(signal_exception), quiet_torch_failure_lines():
         try:
             torchrun.run(args)
         except SignalException as e:
@@ -292,23 +248,6 @@ def run_agent(args: argparse.Namespace) -> int:
                             f"{e}; check that every node runs the same --nnodes, --rdzv-endpoint and --rdzv-id") \
                 from None
     return 0
-
-
-@contextlib.contextmanager
-def _quiet_torch_failure_lines() -> Iterator[None]:
-    """Leaves out torch's agent's own log lines about failed and stopped workers ("failed (exitcode: 2) local_rank:
-    ...", "Sending process ... closing signal SIGTERM"): failure_lines says the same once, with the cause."""
-    import logging
-
-    def keep(record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(("failed (exitcode", "Sending process"))
-
-    logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-    logger.addFilter(keep)
-    try:
-        yield
-    finally:
-        logger.removeFilter(keep)
 
 
 def check_program(args: argparse.Namespace) -> None:
