@@ -327,6 +327,17 @@ class Config:
                    self.train.ema_decay)
 
 
+def check_world_size(global_batch_size: int, grad_accum_steps: int, world_size: int) -> None:
+    """train.global_batch_size splits into world_size x train.grad_accum_steps equal micro-batches: checked by each
+    worker's batch plan, and by the launcher before any worker starts."""
+    parts = world_size * grad_accum_steps
+    if global_batch_size % parts:
+        low = global_batch_size // parts * parts or parts
+        raise ConfigError(f"train.global_batch_size = {global_batch_size}: must divide into world_size "
+                          f"({world_size}) x train.grad_accum_steps ({grad_accum_steps}) = {parts} equal "
+                          f"micro-batches; use {low} or {low + parts}")
+
+
 def _sections() -> dict[str, type]:
     return {f.name: f.default_factory for f in dataclasses.fields(Config)}
 

@@ -72,15 +72,25 @@ def checkpoint_activations(model: nn.Module, spec: str | tuple[str, ...]) -> int
 
 def shard(model: nn.Module, runtime: Runtime, config: DistConfig, precision: str) -> FSDPModule:
     """fully_shard on each block, then on the root (which takes the rest). Every rank holds the same initial weights
-    (the worker seeds before building) and keeps its own 1/world_size slice of each: no broadcast is needed."""
+    (the worker seeds before building) and keeps its own 1/world_size slice of each: no broadcast is needed.
+
+    Under bf16, each BatchNorm is a unit of its own that computes in fp32 (its parameters and inputs; autocast casts
+    its output back for the next layer): its running statistics are fp32 buffers, which FSDP does not cast, and
+    batch_norm refuses bf16 weights beside them ("expected scalar type BFloat16 but found Float")."""
     mesh = init_device_mesh(runtime.device.type, (runtime.world_size,))  # explicit: CPU runs on a GPU host too
     mixed = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16"
              else MixedPrecisionPolicy())
     offload = CPUOffloadPolicy(pin_memory=runtime.pin_memory) if config.cpu_offload else OffloadPolicy()
     options = dict(mesh=mesh, reshard_after_forward=config.reshard_after_forward, mp_policy=mixed,
                    offload_policy=offload)
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m is not model] \
+        if precision == "bf16" else []
+    for norm in norms:
+        fully_shard(norm, **{**options, "mp_policy": MixedPrecisionPolicy(param_dtype=torch.float32,
+                                                                          reduce_dtype=torch.float32)})
     for block in find_blocks(model, config.shard_modules):
-        fully_shard(block, **options)
+        if not any(block is norm for norm in norms):  # a norm large enough to be a block is sharded already
+            fully_shard(block, **options)
     return fully_shard(model, **options)
 
 
