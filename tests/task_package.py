@@ -108,13 +108,15 @@ import torch.nn.functional as F
 
 
 class Block(nn.Module):
-    """Pre-norm causal self-attention and MLP; no dropout (its masks would differ between world sizes)."""
+    """Pre-norm causal self-attention and MLP; no dropout (its masks would differ between world sizes). No qkv bias:
+    the key bias's true gradient is zero (softmax ignores a constant per row), so Adam would scale its rounding noise,
+    which differs between world sizes, up to full steps."""
 
     def __init__(self, dim, n_heads):
         super().__init__()
         self.n_heads = n_heads
         self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
     def forward(self, x):

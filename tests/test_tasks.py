@@ -204,3 +204,23 @@ def test_wrong_pairings_are_one_line_naming_both_shapes_and_write_nothing(task_r
     for text in expected:
         assert text in last, last
     assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == EARLIER
+
+
+RESUMED = {  # dict samples through the DataLoader path; masks with -100 on the device path, two micro-steps each
+    "dict": [*BASE, "data.factory=taskpkg.data:dict_lm", "model.factory=taskpkg.models:dict_lm",
+             "train.optimizer=adamw", "train.lr=0.003"],
+    "segmentation": DENSE["segmentation"],
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("task", sorted(RESUMED))
+def test_stop_mid_epoch_and_resume_is_bitwise(task_root, tmp_path, task):
+    common = [*RESUMED[task], "train.schedule=constant", "train.grad_accum_steps=2"]
+    _one_process(tmp_path / "whole", [*common, "train.max_steps=7"])
+    _one_process(tmp_path / "parts", [*common, "train.max_steps=3"])  # 4 steps per epoch: stopped inside epoch 0
+    resumed = _one_process(tmp_path / "parts", [*common, "train.max_steps=7"])
+    assert resumed["resumed_from_step"] == 3 and resumed["epochs"] == 1
+    whole, parts = load_weights(tmp_path / "whole"), load_weights(tmp_path / "parts")
+    assert all(torch.equal(whole[key], parts[key]) for key in whole)
+    assert resumed["test_loss"] == _summary(tmp_path / "whole")["test_loss"]
