@@ -21,10 +21,16 @@ def _shape(shape) -> str:
 
 
 def data_kwargs(info: DataInfo) -> dict:
-    """What the data tells a factory that asks: num_classes, in_channels, image_size (an int for square images)."""
-    channels, *size = info.input_shape
-    image_size = size[0] if len(size) == 2 and size[0] == size[1] else tuple(size)
-    return {"num_classes": info.num_classes, "in_channels": channels, "image_size": image_size}
+    """What the data tells a factory that asks: num_classes; in_channels and image_size (an int for square images)
+    for images; in_features for vectors of features; seq_len for sequences of integer ids."""
+    offered = {"num_classes": info.num_classes}
+    if len(info.input_shape) == 3:
+        channels, *size = info.input_shape
+        offered.update(in_channels=channels, image_size=size[0] if size[0] == size[1] else tuple(size))
+    elif len(info.input_shape) == 1:
+        integer = info.inputs.startswith(("int", "uint"))
+        offered["seq_len" if integer and not info.inputs.startswith("uint8") else "in_features"] = info.input_shape[0]
+    return offered
 
 
 def factory_call(config: ModelConfig, info: DataInfo) -> tuple[str, dict]:
