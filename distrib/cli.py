@@ -101,6 +101,7 @@ def _use_worker(args: argparse.Namespace, trained) -> int:
     from pathlib import Path
 
     from distrib.distributed.runtime import open_runtime
+    from distrib.metrics.recorder import headline
     from distrib.training.inference import evaluate_trained, predict_trained
 
     with open_runtime(trained.config.dist) as runtime:
@@ -108,8 +109,8 @@ def _use_worker(args: argparse.Namespace, trained) -> int:
             out = Path(args.out) if args.out else trained.out_dir / "eval.json"
             metrics = evaluate_trained(trained, runtime, out)
             if runtime.is_main:
-                print(f"test accuracy {100 * metrics['test_accuracy']:.2f}%, loss {metrics['test_loss']:.4f} over "
-                      f"{metrics['test_count']} samples at world size {runtime.world_size}; written to {out}")
+                print(f"{headline(metrics)}, loss {metrics['test_loss']:.4f} over {metrics['test_count']} samples at "
+                      f"world size {runtime.world_size}; written to {out}")
         else:
             count = predict_trained(trained, runtime, args.input, Path(args.out))
             if runtime.is_main:

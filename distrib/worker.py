@@ -27,10 +27,13 @@ from distrib.factory import accepted, call_factory
 from distrib.launch.preempt import Preempted, parse_signals, stop_on_signals
 from distrib.launch.rundir import checkpoint_dir, environment_faults, own_folders
 from distrib.metrics import Recorder
+from distrib.metrics.recorder import headline
 from distrib.models.build import batchnorm_layers, build_model, data_kwargs
-from distrib.training.evaluation import evaluate
+from distrib.training.evaluation import MetricFn, Task, evaluate
 from distrib.training.losses import Loss, LossFn, build_loss
-from distrib.training.preflight import dry_batch
+from distrib.training.notes import task_notes
+from distrib.training.optimizers import check_user_optimizer
+from distrib.training.preflight import dry_batch, task_for
 from distrib.training.throughput import flops_per_sample, meter_for, tokens_per_sample
 from distrib.training.trainer import Trainer, TrainState, new_state
 
@@ -110,7 +113,8 @@ def _model(config: Config, runtime: Runtime, data: Data, model: ModelArg, notes:
 
 
 def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None] | None = None, *,
-             data: Data | None = None, model: ModelArg = None, loss_fn: LossFn | None = None) -> dict:
+             data: Data | None = None, model: ModelArg = None, loss_fn: LossFn | None = None,
+             metrics: tuple[MetricFn, ...] = ()) -> dict:
     """Trains inside an open process group; returns the run's summary. Everything that can fail on the user's input
     (data, model, the dry batch, the checkpoint to resume) runs before anything is written to run.dir, so a run that
     fails leaves an earlier run's files there as they were. on_step_end(step) runs after each step's bookkeeping."""
@@ -118,18 +122,20 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
     data = data or load_data(config.data, runtime, config.train.seed)
     plan = make_plan(data.train.num_samples, config.train, runtime)
     total_steps = _total_steps(config, plan.steps_per_epoch)
-    loss = build_loss(config.train, loss_fn)
     placed = _model(config, runtime, data, model, notes)
-    inputs, targets = dry_batch(placed, data.train, data.info, runtime.device)
+    dry = dry_batch(placed, data.train, data.info, runtime.device, build_loss(config.train, loss_fn))
+    loss, task = dry.loss, task_for(dry, config.metrics.eval, metrics)
+    check_user_optimizer(config.train)
+    notes += task_notes(config.train, loss, task, placed, total_steps)
     meter = meter_for(config, runtime)
-    meter.flops_per_sample = flops_per_sample(placed, inputs, targets)
-    meter.tokens_per_sample = tokens_per_sample(inputs)
+    meter.flops_per_sample = flops_per_sample(placed, dry.inputs, dry.targets, loss)
+    meter.tokens_per_sample = tokens_per_sample(dry.inputs)
     # Only now, once the user's input passed: rank 0 locks run.dir and checkpoint.dir for the rest of the run (a
     # refused run wrote nothing, not even a lock file); the resume choice below is made under the lock.
     with own_folders(config, runtime):
         # Placed before sharding (in _model), so the device-mismatch listing sees the whole model.
         state = new_state(parallelize(placed, runtime, config.speed, config.dist, config.train.precision), config.train,
-                          total_steps, runtime.device, best=_best(config, runtime))
+                          total_steps, runtime.device, best=_best(config, runtime), log=notes.append)
         checkpointer = _checkpointer(config, runtime, state, plan.global_batch_size, data.info)
         resumed_from = _resume(state, config, runtime, checkpointer, plan.global_batch_size, notes)
         recorder = Recorder(Path(config.run.dir), runtime.is_main, config.run.progress, metrics=config.metrics,
@@ -149,7 +155,7 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
                                         runtime.peers), \
                     committing(checkpointer):
                 agreement = RankAgreement(stop, runtime.device, runtime.world_size, synced_at=state.progress.step)
-                evaluator = _evaluator(config, runtime, data, loss)
+                evaluator = _evaluator(config, runtime, data, loss, task)
                 trainer = Trainer(state, loss, config.train, runtime.device, plan, total_steps, evaluator, recorder,
                                   meter, agreement, checkpointer, on_step_end)
                 metrics = trainer.train(data.train)
@@ -160,10 +166,10 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
                        model is None)
 
 
-def _evaluator(config: Config, runtime: Runtime, data: Data, loss: Loss) -> Callable[[nn.Module], dict]:
+def _evaluator(config: Config, runtime: Runtime, data: Data, loss: Loss, task: Task) -> Callable[[nn.Module], dict]:
     def evaluate_model(model: nn.Module) -> dict:
         return evaluate(model, data.test, data.info.num_classes, config.data.eval_batch_size, runtime, loss,
-                        config.train.precision, data.info.class_names)
+                        config.train.precision, data.info.class_names, task)
 
     return evaluate_model
 
@@ -200,7 +206,6 @@ def _finish(config: Config, runtime: Runtime, data: Data, state: TrainState, met
                **({"best_checkpoints": state.best.describe()} if state.best else {}),
                **meter.summary(), **memory, "elapsed_seconds": elapsed, "data": data.info.to_dict()}
     recorder.write_summary(summary)
-    recorder.info(f"done in {elapsed:.1f}s: test accuracy {100 * metrics['test_accuracy']:.2f}%, "
-                  f"summary in {run_dir / 'summary.json'}")
+    recorder.info(f"done in {elapsed:.1f}s: {headline(metrics)}, summary in {run_dir / 'summary.json'}")
     recorder.close()
     return summary

@@ -168,7 +168,8 @@ def _vocab_check(path: Path, vocab_size: int) -> Callable[[torch.Tensor], None]:
 
 def token_info(name: str, seq_len: int, vocab_size: int) -> DataInfo:
     """What a model is told about token data: sequences [seq_len] of ids below vocab_size, no normalisation."""
-    return DataInfo(name, (seq_len,), vocab_size, (), (0.0,), (1.0,))
+    kind = f"int64 [{seq_len}]"  # inputs and targets alike
+    return DataInfo(name, (seq_len,), vocab_size, (), (), (), inputs=kind, targets=kind)
 
 
 def token_data(config: DataConfig, runtime: Runtime, seed: int) -> tuple[DataInfo, TokenWindows, TokenWindows]:
