@@ -36,7 +36,7 @@ from distrib.training.losses import Loss, LossFn, build_loss
 from distrib.training.notes import task_notes
 from distrib.training.optimizers import check_user_optimizer
 from distrib.training.preflight import dry_batch, task_for
-from distrib.training.throughput import count_flops_per_sample, meter_for
+from distrib.training.throughput import flops_per_sample, meter_for, tokens_per_sample
 from distrib.training.trainer import Trainer, TrainState, new_state
 
 ModelArg = nn.Module | Callable[..., nn.Module] | None  # distrib.fit's model: a module, a function, or the config's
@@ -167,7 +167,8 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
     check_user_optimizer(config.train)
     notes += task_notes(config.train, loss, task, placed, total_steps)
     meter = meter_for(config, runtime)
-    meter.flops_per_sample = count_flops_per_sample(placed, dry.inputs, dry.targets, loss)
+    meter.flops_per_sample = flops_per_sample(placed, dry.inputs, dry.targets, loss)
+    meter.tokens_per_sample = tokens_per_sample(dry.inputs)
     # Only now, once the user's input passed: rank 0 locks run.dir and checkpoint.dir for the rest of the run (a
     # refused run wrote nothing, not even a lock file); the resume choice below is made under the lock.
     with own_folders(config, runtime):
