@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
 from distrib.errors import EXIT_PREEMPTED, UserError, say
-from distrib.launch.lifeline import read_statuses
 
 # Flags whose defaults we choose ourselves; None after parsing means neither the flag nor its PET_* form was given.
 _OUR_DEFAULTS = ("nnodes", "nproc_per_node", "rdzv_backend", "rdzv_endpoint", "rdzv_id")
@@ -127,6 +126,17 @@ def cpu_threads(environ: Mapping[str, str], num_workers: int, num_gpus: int) -> 
     if "OMP_NUM_THREADS" in environ or num_gpus:
         return None
     return str(max(1, len(os.sched_getaffinity(0)) // max(num_workers, 1)))
+
+
+def private_sockets(environ: Mapping[str, str], max_nodes: int) -> dict[str, str]:
+    """On one node, the workers' gloo and NCCL connections on the loopback interface, so that no process of the
+    run listens on an address another machine can reach (the stores: distrib.launch.rendezvous); a user's own
+    choice of interface stands."""
+    if max_nodes > 1:
+        return {}
+    from distrib.launch.rendezvous import loopback_interface
+
+    return {key: loopback_interface() for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if key not in environ}
 
 
 def failure_lines(error, worker_pids: Mapping[int, int] | None = None) -> list[str]:
@@ -247,12 +257,17 @@ def run_agent(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
 
+    # lifeline here, not at the top: `python -m distrib.launch.lifeline` imports this package (and so this module)
+    # first, and runpy warns on stderr when the module it runs was imported before.
+    from distrib.launch import rendezvous
+    from distrib.launch.lifeline import read_statuses
+
     def signal_exception(signum: int) -> SignalException:  # what torch's own handler raises
         return SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
 
-    with lifelines(args) as status, stop_handlers(signal_exception):
+    with lifelines(args) as status, stop_handlers(signal_exception), rendezvous.registered():
         try:
-            torchrun.run(args)
+            torchrun.run(rendezvous.private_args(args))
         except SignalException as e:
             # The agent has already passed the signal on to the workers and waited for them.
             codes = [worker.code for worker in read_statuses(status)]
@@ -278,6 +293,7 @@ def main(argv: Sequence[str]) -> int:
         if threads is not None:
             # Set here, in the one writer of the launch environment; torch's agent passes it on to every worker.
             os.environ["OMP_NUM_THREADS"] = threads
+        os.environ.update(private_sockets(os.environ, _max_nodes(args.nnodes)))
         return run_agent(args)
 
 
