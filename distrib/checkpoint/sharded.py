@@ -245,8 +245,8 @@ def committing(checkpointer) -> Iterator[None]:
 
 def make_checkpointer(config: CheckpointConfig, strategy: str, directory: Path, runtime: Runtime,
                       collect: Callable[[], dict]) -> Checkpointer | ShardedCheckpointer:
-    """One file by rank 0 under ddp (the whole state is on every rank); sharded directories under fsdp."""
-    if strategy == "fsdp":
+    """One file by rank 0 under ddp (the whole state is on every rank); sharded directories under fsdp and hsdp."""
+    if strategy in ("fsdp", "hsdp"):
         return ShardedCheckpointer(directory, config.every_steps, config.keep_last, runtime, collect,
                                    config.async_save)
     return Checkpointer(directory, config.every_steps, config.keep_last, runtime, collect, foreign=config.foreign)

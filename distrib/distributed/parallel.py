@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distrib.config import DistConfig, SpeedConfig
 from distrib.distributed import fsdp
+from distrib.distributed.mesh import build_mesh, mesh_shape
 from distrib.distributed.runtime import Runtime
 from distrib.errors import DeviceMismatchError, UserError
 
@@ -108,8 +109,10 @@ def parallelize(model: nn.Module, runtime: Runtime, speed: SpeedConfig, strategy
         model.register_forward_pre_hook(_inputs_channels_last)  # inputs follow, whoever feeds the model
     if speed.activation_checkpointing == "blocks":
         fsdp.checkpoint_activations(model, strategy.shard_modules)
-    if strategy.strategy == "fsdp":
-        wrapped = fsdp.shard(model, runtime, strategy, precision)
+    if strategy.sharded:
+        shape = mesh_shape(strategy, runtime.world_size, runtime.local_world_size)
+        # explicit device type: CPU runs on a GPU host too
+        wrapped = fsdp.shard(model, runtime, strategy, precision, build_mesh(shape, runtime.device.type))
     else:
         wrapped = wrap_ddp(model, runtime, gradient_as_bucket_view=speed.gradient_as_bucket_view,
                            static_graph=speed.static_graph, bucket_cap_mb=speed.bucket_cap_mb or None)
