@@ -15,9 +15,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from distrib.checkpoint.best import BestCheckpoints
-from distrib.checkpoint.format import Checkpointer, CheckpointError, check_compatible, save_atomic, set_rng_state
-from distrib.checkpoint.sharded import ShardedCheckpointer, committing, make_checkpointer
+from distrib.checkpoint import BestCheckpoints, Checkpointer, CheckpointError, committing, make_checkpointer
+from distrib.checkpoint.format import save_atomic, set_rng_state
 from distrib.config import Config, to_dict, write_resolved
 from distrib.data import Data, DataInfo, load_data, make_plan
 from distrib.distributed.agreement import RankAgreement
@@ -56,22 +55,24 @@ def _best(config: Config, runtime: Runtime) -> BestCheckpoints | None:
 
 
 def _checkpointer(config: Config, runtime: Runtime, state: TrainState, global_batch_size: int,
-                  info: DataInfo) -> Checkpointer | ShardedCheckpointer:
-    ckpt = config.checkpoint
-    return make_checkpointer(ckpt, config.dist.strategy, checkpoint_dir(config), runtime,
-                             lambda: {**state.state_dict(global_batch_size), "config": to_dict(config),
-                                      "world_size": runtime.world_size, "data_seed": config.train.seed,
-                                      "global_batch_size": global_batch_size, "data": info.to_dict()})
+                  info: DataInfo) -> Checkpointer:
+    def collect(named: bool = False) -> dict:  # named: the view a sharded checkpoint is loaded into
+        return {**state.state_dict(global_batch_size, named), "config": to_dict(config),
+                "world_size": runtime.world_size, "data_seed": config.train.seed,
+                "global_batch_size": global_batch_size, "data": info.to_dict()}
+
+    return make_checkpointer(config.checkpoint, config.dist.strategy, checkpoint_dir(config), runtime, collect,
+                             run_config=to_dict(config))
 
 
-def _resume(state: TrainState, config: Config, runtime: Runtime, checkpointer: Checkpointer | ShardedCheckpointer,
+def _resume(state: TrainState, config: Config, runtime: Runtime, checkpointer: Checkpointer,
             global_batch_size: int, notes: list[str]) -> int | None:
-    """Loads the checkpoint that rank 0 chose into the state; the resumed step, or None for a fresh start."""
+    """Loads the checkpoint that rank 0 chose (checked against this run's config) into the state; the resumed step,
+    or None for a fresh start."""
     loaded = checkpointer.load(config.checkpoint.resume, notes.append)
     if loaded is None:
         return None
     path = checkpointer.resumed_from
-    changed = check_compatible(str(path), loaded["config"], to_dict(config), config.checkpoint.allow_config_change)
     try:
         state.load_state_dict(loaded, global_batch_size)
     except (RuntimeError, KeyError, ValueError, TypeError) as e:  # another model's or optimizer's tensors
@@ -80,12 +81,11 @@ def _resume(state: TrainState, config: Config, runtime: Runtime, checkpointer: C
                               f"({type(e).__name__}: {reason[:300]}); resume it with the config it was taken with, "
                               "or start afresh with a new run.dir") from None
     if state.best and config.checkpoint.resume == "auto":
-        state.best.drop_abandoned(state.progress.step)
+        state.best.drop_abandoned(state.progress.step, checkpointer.run_id)
     if loaded["world_size"] == runtime.world_size:  # per-rank RNG streams only map onto the same ranks
         set_rng_state(loaded["rng"][runtime.rank], runtime)
     notes.append(f"resumed at step {state.progress.step} (epoch {state.progress.epoch}) from a checkpoint taken at "
-                 f"world size {loaded['world_size']}; restart count {runtime.restart_count}"
-                 + (f"; allowed changes: {'; '.join(changed)}" if changed else ""))
+                 f"world size {loaded['world_size']}; restart count {runtime.restart_count}")
     return state.progress.step
 
 
@@ -149,8 +149,9 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
                     committing(checkpointer):
                 agreement = RankAgreement(stop, runtime.device, runtime.world_size, synced_at=state.progress.step)
                 evaluator = _evaluator(config, runtime, data, loss)
-                trainer = Trainer(state, loss, config.train, runtime.device, plan, total_steps, evaluator, recorder,
-                                  meter, agreement, checkpointer, on_step_end)
+                trainer = Trainer(state=state, loss=loss, config=config.train, device=runtime.device, plan=plan,
+                                  total_steps=total_steps, evaluate=evaluator, recorder=recorder, meter=meter,
+                                  agreement=agreement, checkpointer=checkpointer, on_step_end=on_step_end)
                 metrics = trainer.train(data.train)
         except BaseException as e:  # flush metrics and trackers now: the CLI's os._exit skips finalisers
             recorder.close("preempted" if isinstance(e, Preempted) else "failed")
