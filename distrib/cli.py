@@ -6,6 +6,7 @@
     distrib plot RUN_DIR [--out FILE]
     distrib eval RUN_DIR|CHECKPOINT [--config FILE] [--set ...] [--nproc-per-node N] [--out FILE]
     distrib predict RUN_DIR|CHECKPOINT --input FOLDER|test|train --out FILE [--config FILE] [--set ...] [...]
+    distrib generate RUN_DIR --prompt TEXT --max-new-tokens N [--temperature T] [--top-k K] [--seed S]
 """
 
 from __future__ import annotations
@@ -116,6 +117,26 @@ def _use_worker(args: argparse.Namespace, trained) -> int:
     return 0
 
 
+def _generate(args: argparse.Namespace) -> int:
+    from distrib.training.generate import generate_text
+
+    text = generate_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
+    sys.stdout.write(text + "\n")
+    return 0
+
+
+def _generate_parser(commands) -> None:
+    generate = commands.add_parser("generate", help="continue a prompt with a text run's model (byte-level); the "
+                                                    "same text for the same --seed")
+    generate.add_argument("run_dir", metavar="RUN_DIR", help="the run.dir of a data.name = text run (model.pt)")
+    generate.add_argument("--prompt", required=True, help="the text to continue")
+    generate.add_argument("--max-new-tokens", type=int, required=True, help="bytes to generate")
+    generate.add_argument("--temperature", type=float, default=1.0, help="divides the logits; 0 = greedy")
+    generate.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest bytes; 0 = all")
+    generate.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
+    generate.set_defaults(func=_generate)
+
+
 def _use_parser(commands, name: str, help_text: str) -> argparse.ArgumentParser:
     use = commands.add_parser(name, help=help_text)
     use.add_argument("source", metavar="RUN_DIR|CHECKPOINT",
@@ -160,6 +181,7 @@ def _parser() -> argparse.ArgumentParser:
                          help="a folder of images (sorted by path; ./test for a folder named test), or a split of "
                               "the run's data (sources split:index)")
     predict.add_argument("--out", required=True, help="the JSON Lines file to write (rank 0 writes it)")
+    _generate_parser(commands)
     return parser
 
 

@@ -57,8 +57,8 @@ def _needs_ema(section: str, key: str, value: str, ema_decay: float) -> None:
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class DataConfig:
-    name: str = "fashion-mnist"  # fashion-mnist | mnist | cifar10 | imagefolder | synthetic
-    root: str = "data"  # the user's dataset folder: read; unpacked/downloaded files go under a subfolder of it
+    name: str = "fashion-mnist"  # fashion-mnist | mnist | cifar10 | imagefolder | synthetic | text | tokens
+    root: str = "data"  # the user's dataset folder (text: a file or folder of .txt): read; downloads go under it
     factory: str = ""  # package.module:function returning (train, test) datasets; overrides name
     kwargs: dict = field(default_factory=dict)  # keyword arguments of the factory
     loader: str = "auto"  # auto (device-resident when in memory and it fits) | device | dataloader
@@ -75,6 +75,9 @@ class DataConfig:
     eval_batch_size: int = 1000
     synthetic_train_size: int = 8192
     synthetic_test_size: int = 1000
+    seq_len: int = 256  # text | tokens: tokens per training window (the model's context)
+    test_fraction: float = 0.1  # text: the last share of the bytes, held out for evaluation
+    vocab_size: int = 0  # tokens: the vocabulary size (token ids < vocab_size); text is bytes: 256
 
     def __post_init__(self):
         if self.factory:
@@ -82,7 +85,8 @@ class DataConfig:
                 _fail("data", "factory", self.factory, "must look like package.module:function",
                       "e.g. --set data.factory=mypkg.data:build")
         else:
-            _choice("data", self, "name", ("fashion-mnist", "mnist", "cifar10", "imagefolder", "synthetic"))
+            _choice("data", self, "name", ("fashion-mnist", "mnist", "cifar10", "imagefolder", "synthetic", "text",
+                                           "tokens"))
         _choice("data", self, "loader", ("auto", "device", "dataloader"))
         _choice("data", self, "augment", ("none", "flip", "crop_flip"))
         if not self.root:
@@ -95,6 +99,19 @@ class DataConfig:
             _fail("data", "synthetic_shape", list(self.synthetic_shape), "must be [C, H, W] of positive sizes",
                   "e.g. --set data.synthetic_shape=[3,32,32]")
         self._check_normalize()
+        self._check_tokens()
+
+    def _check_tokens(self):
+        _at_least("data", self, "seq_len", 1)
+        if not (0.0 < self.test_fraction < 1.0):
+            _fail("data", "test_fraction", self.test_fraction, "must be in (0, 1)",
+                  "e.g. --set data.test_fraction=0.1")
+        if not (0 <= self.vocab_size <= 65536):
+            _fail("data", "vocab_size", self.vocab_size, "must be in [0, 65536] (token ids are uint16)",
+                  "e.g. --set data.vocab_size=50304")
+        if self.name == "tokens" and not self.factory and self.vocab_size < 1:
+            _fail("data", "vocab_size", self.vocab_size, "data.name = tokens needs the vocabulary size of its "
+                  "train.bin and val.bin", "e.g. --set data.vocab_size=50304 (GPT-2's, padded)")
 
     def _check_normalize(self):
         value = self.normalize
@@ -112,7 +129,7 @@ class DataConfig:
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class ModelConfig:
-    name: str = "network"  # network: the seed Fashion-MNIST CNN
+    name: str = "network"  # network: the seed Fashion-MNIST CNN | gpt: the built-in decoder-only transformer
     factory: str = ""  # package.module:function returning any nn.Module; overrides name
     kwargs: dict = field(default_factory=dict)  # keyword arguments of the factory (besides num_classes, ...)
 
@@ -122,7 +139,7 @@ class ModelConfig:
                 _fail("model", "factory", self.factory, "must look like package.module:function",
                       "e.g. --set model.factory=mypkg.models:build")
         else:
-            _choice("model", self, "name", ("network",))
+            _choice("model", self, "name", ("network", "gpt"))
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

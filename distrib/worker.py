@@ -30,7 +30,7 @@ from distrib.models.build import batchnorm_layers, build_model, data_kwargs
 from distrib.training.evaluation import evaluate
 from distrib.training.losses import Loss, LossFn, build_loss
 from distrib.training.preflight import dry_batch
-from distrib.training.throughput import count_flops_per_sample, meter_for
+from distrib.training.throughput import flops_per_sample, meter_for, tokens_per_sample
 from distrib.training.trainer import Trainer, TrainState, new_state
 
 ModelArg = nn.Module | Callable[..., nn.Module] | None  # distrib.fit's model: a module, a function, or the config's
@@ -122,7 +122,8 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
     placed = _model(config, runtime, data, model, notes)
     inputs, targets = dry_batch(placed, data.train, data.info, runtime.device)
     meter = meter_for(config, runtime)
-    meter.flops_per_sample = count_flops_per_sample(placed, inputs, targets)
+    meter.flops_per_sample = flops_per_sample(placed, inputs, targets)
+    meter.tokens_per_sample = tokens_per_sample(inputs)
     # Only now, once the user's input passed: rank 0 locks run.dir and checkpoint.dir for the rest of the run (a
     # refused run wrote nothing, not even a lock file); the resume choice below is made under the lock.
     with own_folders(config, runtime):

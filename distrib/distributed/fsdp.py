@@ -44,12 +44,18 @@ def _auto_blocks(module: nn.Module, threshold: int) -> list[nn.Module]:
     return found
 
 
+def _named_blocks(model: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:
+    return [m for m in reversed(list(model.modules())) if m is not model and type(m).__name__ in names]
+
+
 def find_blocks(model: nn.Module, spec: str | tuple[str, ...]) -> list[nn.Module]:
-    """The modules dist.shard_modules names, innermost first (fully_shard goes bottom-up); never the root."""
+    """The modules dist.shard_modules names, innermost first (fully_shard goes bottom-up); never the root. auto: the
+    classes a model lists in `_no_split_modules` (the Hugging Face convention; distrib's GPT lists its Block), else
+    the children holding a large share of the parameters."""
     if spec == "auto":
-        return _auto_blocks(model, max(1, int(_num_params(model) * AUTO_MIN_SHARE)))
-    names = (spec,) if isinstance(spec, str) else spec
-    found = [m for m in reversed(list(model.modules())) if m is not model and type(m).__name__ in names]
+        declared = tuple(getattr(model, "_no_split_modules", None) or ())
+        return _named_blocks(model, declared) or _auto_blocks(model, max(1, int(_num_params(model) * AUTO_MIN_SHARE)))
+    found = _named_blocks(model, (spec,) if isinstance(spec, str) else spec)
     if not found:
         classes = sorted({type(m).__name__ for m in model.modules() if m is not model})
         raise ConfigError(f"dist.shard_modules = {spec!r}: no module of the model has that class; "
