@@ -40,7 +40,9 @@ def _train(args: argparse.Namespace) -> int:
     # A stop request outside the training steps (importing torch, waiting for the other ranks, after the final
     # checkpoint) ends this worker with EXIT_PREEMPTED at once: nothing is lost. The training steps take the
     # signals over (checkpoint at the next step boundary, then EXIT_PREEMPTED).
-    with exit_on_signals(parse_signals(config.checkpoint.signals)):
+    # distrib launch says how its workers were stopped, and why: its workers stay quiet.
+    with exit_on_signals(parse_signals(config.checkpoint.signals),
+                         announce=lambda: not _reported_by_launcher(None, record=False)):
         from torch.distributed.elastic.multiprocessing.errors import record
 
         return record(_worker)(config)  # under a launcher, a failing rank's exception reaches its summary

@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from support import assert_ok, distrib, kill_tree, max_relative_diff, sets, torchrun_train
 
 from distrib.config import load_config
 from distrib.worker import run_training
+from tests.helpers.support import assert_ok, distrib, kill_tree, max_relative_diff, sets, torchrun_train
 
 # Debian's base-files package (Essential: on every Debian system) ships it; a fixed 35 kB of English prose.
 TEXT = Path("/usr/share/common-licenses/GPL-3")

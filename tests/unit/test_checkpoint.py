@@ -10,13 +10,13 @@ from distrib.checkpoint.format import (
     FORMAT,
     VERSION,
     CheckpointError,
-    _newest_good,
     checkpoint_path,
     digest,
     list_checkpoints,
     read_checkpoint,
     save_atomic,
 )
+from distrib.checkpoint.policy import _newest_good
 
 CPU = torch.device("cpu")
 

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from distrib.checkpoint.sharded import _choose
+from distrib.checkpoint.policy import choose
 from distrib.config import load_config
 from distrib.errors import ConfigError
 from tests.helpers.support import REPO
@@ -68,9 +68,9 @@ def test_fsdp_never_starts_over_silently_beside_ddp_checkpoints(tmp_path):
 
     (tmp_path / "step_00000010.pt").write_bytes(b"a ddp checkpoint")
     with pytest.raises(CheckpointError, match="holds one-file \\(ddp\\) checkpoints and no sharded ones"):
-        _choose("auto", tmp_path, torch.device("cpu"), print)
+        choose("auto", tmp_path, torch.device("cpu"), print)
     with pytest.raises(CheckpointError, match="a one-file \\(ddp\\) checkpoint, and dist.strategy = 'fsdp'"):
-        _choose(str(tmp_path / "step_00000010.pt"), tmp_path, torch.device("cpu"), print)
+        choose(str(tmp_path / "step_00000010.pt"), tmp_path, torch.device("cpu"), print)
     with pytest.raises(CheckpointError, match="no manifest.json, so it was never completed"):
         (tmp_path / "step_00000020").mkdir()
-        _choose(str(tmp_path / "step_00000020"), tmp_path, torch.device("cpu"), print)
+        choose(str(tmp_path / "step_00000020"), tmp_path, torch.device("cpu"), print)

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import assert_ok, load_weights, max_relative_diff, torchrun_train
 
 from distrib.checkpoint import CheckpointError, policy
 from distrib.checkpoint.folder import listing, read_stored, stored_run_id
@@ -17,6 +16,7 @@ from distrib.config import load_config
 from distrib.distributed.runtime import open_runtime
 from distrib.launch.rundir import LOCK_NAME
 from distrib.worker import run_training, train_on
+from tests.helpers.support import assert_ok, load_weights, max_relative_diff, torchrun_train
 
 BASE = ["data.name=synthetic", "data.synthetic_train_size=256", "data.synthetic_test_size=64", "run.progress=false",
         "train.global_batch_size=32", "train.schedule=constant", "train.warmup_steps=2", "train.log_every=2",

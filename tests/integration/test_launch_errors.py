@@ -5,42 +5,11 @@ failing fit() script's exception type and message end the log."""
 from __future__ import annotations
 
 import pytest
-from launch_support import CLUSTER_CONFIG, SMALL, distrib_cmd, run_one
-from support import REPO
 
-import distrib.launch.launcher as launcher
-from distrib.cli import main
+from tests.helpers.launch_support import CLUSTER_CONFIG, SMALL, distrib_cmd, run_one
+from tests.helpers.support import REPO
 
-FIT_FAILING = REPO / "tests" / "fit_failing.py"
-
-
-@pytest.fixture
-def no_workers(monkeypatch):
-    monkeypatch.setattr(launcher, "run_agent", lambda args: pytest.fail("a worker was started"))
-
-
-@pytest.mark.parametrize("argv, line", [
-    (["train", "--nproc-per-node", "2", "--set", "train.global_batch_size=63"],
-     "distrib: error: train.global_batch_size = 63: must divide into world_size (2) x train.grad_accum_steps (1) = 2 "
-     "equal micro-batches; use 62 or 64"),
-    (["train", "--nproc-per-node", "2", "--set", "train.global_batch_size=64", "--set", "train.grad_accum_steps=3"],
-     "distrib: error: train.global_batch_size = 64: must divide into world_size (2) x train.grad_accum_steps (3) = 6 "
-     "equal micro-batches; use 60 or 66"),
-    (["train", "--nproc-per-node", "2", "--set", "dist.device=cuda"],
-     "distrib: error: dist.device = 'cuda': CUDA is not available on this machine; use --set dist.device=cpu "
-     "(or auto)"),
-    (["launch", "--nproc-per-node", "2", "nope.py"],
-     "distrib: error: nope.py: no such script; give the path of a Python script, or -m MODULE (e.g. distrib launch "
-     "--nproc-per-node 2 -m distrib train)"),
-], ids=["global-batch", "grad-accum", "no-cuda", "no-script"])
-def test_the_launcher_checks_once_before_any_worker(argv, line, tmp_path, capfd, monkeypatch, no_workers):
-    import torch
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without CUDA, also on a GPU host
-    monkeypatch.chdir(tmp_path)
-    assert main([*argv, "--set", f"run.dir={tmp_path}/run"] if argv[0] == "train" else argv) == 2
-    assert capfd.readouterr().err.splitlines() == [line]
-    assert not (tmp_path / "run").exists()
+FIT_FAILING = REPO / "tests" / "helpers" / "fit_failing.py"
 
 
 @pytest.mark.timeout(150)

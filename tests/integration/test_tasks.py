@@ -11,11 +11,11 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
-from support import REPO, SMALL, assert_ok, distrib, load_weights, max_relative_diff, run, sets
-from task_package import write_task_package
 
 from distrib.config import load_config
 from distrib.worker import run_training
+from tests.helpers.support import REPO, SMALL, assert_ok, distrib, load_weights, max_relative_diff, run, sets
+from tests.helpers.task_package import write_task_package
 
 BASE = [*SMALL, "train.epochs=0", "train.warmup_steps=2", "train.log_every=4", "train.global_batch_size=16"]
 GPT = [*BASE, "data.factory=taskpkg.data:bytes_lm", "model.factory=taskpkg.models:gpt", "train.max_steps=12",
@@ -173,37 +173,6 @@ def test_dense_and_multi_label_targets_agree_at_world_sizes_1_and_2(task_root, t
         assert ("test_token_accuracy" in summary) == (task == "segmentation") and "test_accuracy" not in summary
     if task == "segmentation":
         assert one["test_token_count"] == two["test_token_count"] == (test_y != -100).sum().item()
-
-
-EARLIER = {"config.toml": b"[run]\ndir = 'earlier'\n", "model.pt": b"earlier weights"}
-
-
-@pytest.mark.parametrize("overrides, expected", [
-    (["data.factory=taskpkg.data:float_tokens", "model.factory=taskpkg.models:gpt", "model.kwargs={seq_len = 16}"],
-     ["embeds integer ids", "float32 [2, 16]", "int64"]),
-    (["data.factory=taskpkg.data:bytes_lm", "model.factory=taskpkg.models:ten_outputs"],
-     ["to [2, 10]", "targets are int64 [2, 16]", "[2, 16, C]"]),
-    (["data.factory=taskpkg.data:dict_lm_extra_key", "model.factory=taskpkg.models:dict_lm"],
-     ["'token_type_ids'", "DictLM.forward(input_ids, attention_mask, labels)"]),
-    (["data.factory=taskpkg.data:regression", "model.factory=taskpkg.models:tagger", "train.loss=mse"],
-     ["to [2, 5]", "targets are float32 [2]", "needs [2]"]),
-])
-def test_wrong_pairings_are_one_line_naming_both_shapes_and_write_nothing(task_root, tmp_path, capsys, overrides,
-                                                                          expected):
-    from distrib import cli
-
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    for name, content in EARLIER.items():
-        (run_dir / name).write_bytes(content)
-    code = cli.main(["train", *sets(*BASE, *overrides, f"run.dir={run_dir}")])
-    err = capsys.readouterr().err.strip()
-    assert code == 2, err
-    last = err.splitlines()[-1]
-    assert last.startswith("distrib: error: ") and err.count("distrib: error") == 1 and "Traceback" not in err, err
-    for text in expected:
-        assert text in last, last
-    assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == EARLIER
 
 
 RESUMED = {  # dict samples through the DataLoader path; masks with -100 on the device path, two micro-steps each

@@ -6,10 +6,10 @@ import json
 
 import pytest
 import torch
-from support import SMALL
 
 from distrib import fit
 from distrib.cli import main
+from tests.helpers.support import SMALL
 
 STEPS = {"train.max_steps": 4, "train.epochs": 0, "train.global_batch_size": 32, "train.warmup_steps": 2,
          "run.progress": False, "dist.device": "cpu", "checkpoint.every_steps": 0}
