@@ -16,10 +16,11 @@ import torch
 from support import REPO, assert_ok, free_port, kill_tree, load_weights, max_relative_diff, torchrun_train
 from test_resume import _wait_for, _worker_pid
 
-from distrib.checkpoint.sharded import _choose, list_sharded
+from distrib.checkpoint.policy import choose, decide
+from distrib.checkpoint.sharded import list_sharded
 from distrib.config import load_config
 from distrib.errors import ConfigError
-from distrib.worker import run
+from distrib.worker import run_training as run
 
 # 203 test samples in batches of 50: 5 evaluation batches, 2 and 3 per rank at world size 2, so fsdp pads one.
 BASE = ["data.name=synthetic", "data.synthetic_train_size=1536", "data.synthetic_test_size=203",
@@ -155,7 +156,7 @@ def test_a_kill_during_an_async_write_is_never_resumed_from(tmp_path):
     assert partial, "no write was in flight when the loop was killed"
     newest = list_sharded(directory)[0]
     assert newest.name < partial[0].name[1:]  # the partial one is the newer step, and is not listed
-    path, state = _choose("auto", directory, torch.device("cpu"), print)
+    path, state = choose("auto", directory, torch.device("cpu"), print)
     assert path == newest and f"step_{state['progress']['step']:08d}" == newest.name
     shards = {"model": {"weight": torch.zeros(2048, 2048), "bias": torch.zeros(2048)}}
     dcp.load(shards, checkpoint_id=path)
@@ -225,14 +226,15 @@ def test_device_mismatch_listing_works_under_fsdp(capsys, tmp_path, factory, exp
 def test_fsdp_never_starts_over_silently_beside_ddp_checkpoints(tmp_path):
     from distrib.checkpoint.format import CheckpointError
 
+    # A ddp checkpoint is one fsdp resumes now (distrib.checkpoint.policy); one it cannot read is another run's.
     (tmp_path / "step_00000010.pt").write_bytes(b"a ddp checkpoint")
-    with pytest.raises(CheckpointError, match="holds one-file \\(ddp\\) checkpoints and no sharded ones"):
-        _choose("auto", tmp_path, torch.device("cpu"), print)
-    with pytest.raises(CheckpointError, match="a one-file \\(ddp\\) checkpoint, and dist.strategy = 'fsdp'"):
-        _choose(str(tmp_path / "step_00000010.pt"), tmp_path, torch.device("cpu"), print)
+    with pytest.raises(CheckpointError, match="holds 1 checkpoint\\(s\\) of another run \\(newest step_00000010.pt"):
+        decide("auto", "refuse", tmp_path, torch.device("cpu"), print)
+    with pytest.raises(CheckpointError, match="step_00000010.pt: unreadable"):
+        choose(str(tmp_path / "step_00000010.pt"), tmp_path, torch.device("cpu"), print)
     with pytest.raises(CheckpointError, match="no manifest.json, so it was never completed"):
         (tmp_path / "step_00000020").mkdir()
-        _choose(str(tmp_path / "step_00000020"), tmp_path, torch.device("cpu"), print)
+        choose(str(tmp_path / "step_00000020"), tmp_path, torch.device("cpu"), print)
 
 
 @pytest.mark.timeout(120)

@@ -16,7 +16,7 @@ from support import assert_ok, kill_tree, max_relative_diff, torchrun_train
 from support import run as run_cmd
 
 from distrib.config import load_config
-from distrib.worker import run
+from distrib.worker import run_training as run
 
 BASE = ["data.name=synthetic", "data.synthetic_train_size=1536", "data.synthetic_test_size=200", "run.progress=false",
         "train.global_batch_size=32", "train.schedule=constant", "train.warmup_steps=5", "train.log_every=10",
