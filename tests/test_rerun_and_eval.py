@@ -68,3 +68,18 @@ def test_distrib_eval_refuses_a_fit_run_before_reading_any_data(tmp_path, capfd,
         assert err.startswith(f"distrib: error: {tmp_path}/run: trained through distrib.fit() on datasets given "
                               "in Python") and len(err.splitlines()) == 1, err
     assert not (tmp_path / "run" / "eval.json").exists() and not (tmp_path / "p.jsonl").exists()
+
+
+@pytest.mark.timeout(150)
+def test_a_finished_run_rerun_on_2_workers_exits_0_and_leaves_summary_json(tmp_path):
+    """The scheduler's rerun at another world size: every rank learns from rank 0 that the run is finished."""
+    from launch_support import distrib_cmd, run_one
+
+    items = [*SMALL, f"run.dir={tmp_path}/run"]
+    assert main(["train", *[arg for item in items for arg in ("--set", item)]]) == 0
+    summary = (tmp_path / "run" / "summary.json").read_bytes()
+    done = run_one(distrib_cmd("train", "--nproc-per-node", "2", *[arg for item in items for arg in ("--set", item)]),
+                   tmp_path, timeout=120)
+    assert done.returncode == 0, done.text()
+    assert (tmp_path / "run" / "summary.json").read_bytes() == summary
+    assert _the_line(done.stderr).startswith(f"distrib: {tmp_path}/run: the run is finished (2 of 2 steps done)")
