@@ -17,9 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from distrib.checkpoint.best import BestCheckpoints
-from distrib.checkpoint.format import Checkpointer, CheckpointError, check_compatible, save_atomic, set_rng_state
-from distrib.checkpoint.sharded import ShardedCheckpointer, committing, make_checkpointer
+from distrib.checkpoint import BestCheckpoints, Checkpointer, CheckpointError, committing, make_checkpointer
+from distrib.checkpoint.format import save_atomic, set_rng_state
 from distrib.config import Config, to_dict, write_resolved
 from distrib.data import Data, DataInfo, load_data, make_plan
 from distrib.distributed.agreement import RankAgreement
@@ -30,11 +29,14 @@ from distrib.factory import accepted, call_factory
 from distrib.launch.preempt import Preempted, parse_signals, stop_on_signals
 from distrib.launch.rundir import checkpoint_dir, environment_faults, own_folders
 from distrib.metrics import Recorder
+from distrib.metrics.recorder import headline
 from distrib.models.build import batchnorm_layers, build_model, data_kwargs
-from distrib.training.evaluation import evaluate
+from distrib.training.evaluation import MetricFn, Task, evaluate
 from distrib.training.losses import Loss, LossFn, build_loss
-from distrib.training.preflight import dry_batch
-from distrib.training.throughput import count_flops_per_sample, meter_for
+from distrib.training.notes import task_notes
+from distrib.training.optimizers import check_user_optimizer
+from distrib.training.preflight import dry_batch, task_for
+from distrib.training.throughput import flops_per_sample, meter_for, tokens_per_sample
 from distrib.training.trainer import Trainer, TrainState, new_state
 
 ModelArg = nn.Module | Callable[..., nn.Module] | None  # distrib.fit's model: a module, a function, or the config's
@@ -66,22 +68,24 @@ def _best(config: Config, runtime: Runtime) -> BestCheckpoints | None:
 
 
 def _checkpointer(config: Config, runtime: Runtime, state: TrainState, global_batch_size: int,
-                  info: DataInfo) -> Checkpointer | ShardedCheckpointer:
-    ckpt = config.checkpoint
-    return make_checkpointer(ckpt, config.dist.strategy, checkpoint_dir(config), runtime,
-                             lambda: {**state.state_dict(global_batch_size), "config": to_dict(config),
-                                      "world_size": runtime.world_size, "data_seed": config.train.seed,
-                                      "global_batch_size": global_batch_size, "data": info.to_dict()})
+                  info: DataInfo) -> Checkpointer:
+    def collect(named: bool = False) -> dict:  # named: the view a sharded checkpoint is loaded into
+        return {**state.state_dict(global_batch_size, named), "config": to_dict(config),
+                "world_size": runtime.world_size, "data_seed": config.train.seed,
+                "global_batch_size": global_batch_size, "data": info.to_dict()}
+
+    return make_checkpointer(config.checkpoint, config.dist.strategy, checkpoint_dir(config), runtime, collect,
+                             run_config=to_dict(config))
 
 
-def _resume(state: TrainState, config: Config, runtime: Runtime, checkpointer: Checkpointer | ShardedCheckpointer,
+def _resume(state: TrainState, config: Config, runtime: Runtime, checkpointer: Checkpointer,
             global_batch_size: int, notes: list[str]) -> int | None:
-    """Loads the checkpoint that rank 0 chose into the state; the resumed step, or None for a fresh start."""
+    """Loads the checkpoint that rank 0 chose (checked against this run's config) into the state; the resumed step,
+    or None for a fresh start."""
     loaded = checkpointer.load(config.checkpoint.resume, notes.append)
     if loaded is None:
         return None
     path = checkpointer.resumed_from
-    changed = check_compatible(str(path), loaded["config"], to_dict(config), config.checkpoint.allow_config_change)
     try:
         state.load_state_dict(loaded, global_batch_size)
     except (RuntimeError, KeyError, ValueError, TypeError) as e:  # another model's or optimizer's tensors
@@ -90,12 +94,11 @@ def _resume(state: TrainState, config: Config, runtime: Runtime, checkpointer: C
                               f"({type(e).__name__}: {reason[:300]}); resume it with the config it was taken with, "
                               "or start afresh with a new run.dir") from None
     if state.best and config.checkpoint.resume == "auto":
-        state.best.drop_abandoned(state.progress.step)
+        state.best.drop_abandoned(state.progress.step, checkpointer.run_id)
     if loaded["world_size"] == runtime.world_size:  # per-rank RNG streams only map onto the same ranks
         set_rng_state(loaded["rng"][runtime.rank], runtime)
     notes.append(f"resumed at step {state.progress.step} (epoch {state.progress.epoch}) from a checkpoint taken at "
-                 f"world size {loaded['world_size']}; restart count {runtime.restart_count}"
-                 + (f"; allowed changes: {'; '.join(changed)}" if changed else ""))
+                 f"world size {loaded['world_size']}; restart count {runtime.restart_count}")
     return state.progress.step
 
 
@@ -147,7 +150,8 @@ def _model(config: Config, runtime: Runtime, data: Data, model: ModelArg, notes:
 
 
 def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None] | None = None, *,
-             data: Data | None = None, model: ModelArg = None, loss_fn: LossFn | None = None) -> dict:
+             data: Data | None = None, model: ModelArg = None, loss_fn: LossFn | None = None,
+             metrics: tuple[MetricFn, ...] = ()) -> dict:
     """Trains inside an open process group; returns the run's summary. Everything that can fail on the user's input
     (data, model, the dry batch, the checkpoint to resume) runs before anything is written to run.dir, so a run that
     fails leaves an earlier run's files there as they were. on_step_end(step) runs after each step's bookkeeping."""
@@ -155,17 +159,22 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
     data = data or load_data(config.data, runtime, config.train.seed)
     plan = make_plan(data.train.num_samples, config.train, runtime)
     total_steps = _total_steps(config, plan.steps_per_epoch)
-    loss = build_loss(config.train, loss_fn)
     placed = _model(config, runtime, data, model, notes)
-    inputs, targets = dry_batch(placed, data.train, data.info, runtime.device)
+    dry = dry_batch(placed, data.train, data.info, runtime.device, build_loss(config.train, loss_fn))
+    loss, task = dry.loss, task_for(dry, config.metrics.eval, metrics)
+    task.check_watched("train.early_stop_metric", config.train.early_stop_metric)
+    task.check_watched("checkpoint.best_metric", config.checkpoint.best_metric if config.checkpoint.keep_best else "")
+    check_user_optimizer(config.train)
+    notes += task_notes(config.train, loss, task, placed, total_steps)
     meter = meter_for(config, runtime)
-    meter.flops_per_sample = count_flops_per_sample(placed, inputs, targets)
+    meter.flops_per_sample = flops_per_sample(placed, dry.inputs, dry.targets, loss)
+    meter.tokens_per_sample = tokens_per_sample(dry.inputs)
     # Only now, once the user's input passed: rank 0 locks run.dir and checkpoint.dir for the rest of the run (a
     # refused run wrote nothing, not even a lock file); the resume choice below is made under the lock.
     with own_folders(config, runtime):
         # Placed before sharding (in _model), so the device-mismatch listing sees the whole model.
         state = new_state(parallelize(placed, runtime, config.speed, config.dist, config.train.precision), config.train,
-                          total_steps, runtime.device, best=_best(config, runtime))
+                          total_steps, runtime.device, best=_best(config, runtime), log=notes.append)
         checkpointer = _checkpointer(config, runtime, state, plan.global_batch_size, data.info)
         resumed_from = _resume(state, config, runtime, checkpointer, plan.global_batch_size, notes)
         finished = _finished_summary(config, runtime, state, total_steps) if resumed_from is not None else None
@@ -188,9 +197,11 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
                                         runtime.peers), \
                     committing(checkpointer):
                 agreement = RankAgreement(stop, runtime.device, runtime.world_size, synced_at=state.progress.step)
-                evaluator = _evaluator(config, runtime, data, loss)
-                trainer = Trainer(state, loss, config.train, runtime.device, plan, total_steps, evaluator, recorder,
-                                  meter, agreement, checkpointer, _after_step(runtime, on_step_end))
+                evaluator = _evaluator(config, runtime, data, loss, task)
+                trainer = Trainer(state=state, loss=loss, config=config.train, device=runtime.device, plan=plan,
+                                  total_steps=total_steps, evaluate=evaluator, recorder=recorder, meter=meter,
+                                  agreement=agreement, checkpointer=checkpointer,
+                                  on_step_end=_after_step(runtime, on_step_end))
                 metrics = trainer.train(data.train)
         except BaseException as e:  # flush metrics and trackers now: the CLI's os._exit skips finalisers
             recorder.close("preempted" if isinstance(e, Preempted) else "failed")
@@ -214,10 +225,10 @@ def _after_step(runtime: Runtime, on_step_end: Callable[[int], None] | None) -> 
     return after_step
 
 
-def _evaluator(config: Config, runtime: Runtime, data: Data, loss: Loss) -> Callable[[nn.Module], dict]:
+def _evaluator(config: Config, runtime: Runtime, data: Data, loss: Loss, task: Task) -> Callable[[nn.Module], dict]:
     def evaluate_model(model: nn.Module) -> dict:
         return evaluate(model, data.test, data.info.num_classes, config.data.eval_batch_size, runtime, loss,
-                        config.train.precision, data.info.class_names)
+                        config.train.precision, data.info.class_names, task)
 
     return evaluate_model
 
@@ -254,7 +265,6 @@ def _finish(config: Config, runtime: Runtime, data: Data, state: TrainState, met
                **({"best_checkpoints": state.best.describe()} if state.best else {}),
                **meter.summary(), **memory, "elapsed_seconds": elapsed, "data": data.info.to_dict()}
     recorder.write_summary(summary)
-    recorder.info(f"done in {elapsed:.1f}s: test accuracy {100 * metrics['test_accuracy']:.2f}%, "
-                  f"summary in {run_dir / 'summary.json'}")
+    recorder.info(f"done in {elapsed:.1f}s: {headline(metrics)}, summary in {run_dir / 'summary.json'}")
     recorder.close()
     return summary

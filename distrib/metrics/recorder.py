@@ -103,16 +103,19 @@ class Recorder:
         """One log line; throughput holds distrib.throughput's window figures (samples/s, step times, MFU)."""
         self.last_loss = loss
         self.write({"step": step, "epoch": epoch, "loss": loss, "lr": lr, **throughput})
-        speed = throughput.get("samples_per_second")
+        speed, tokens = throughput.get("samples_per_second"), throughput.get("tokens_per_second")
         mfu = throughput.get("mfu")
         self.info(f"step {step} epoch {epoch} loss {loss:.4f} lr {lr:.3g}"
-                  + (f" {speed:,.0f} samples/s" if speed else "") + (f" MFU {100 * mfu:.2f}%" if mfu else ""))
+                  + (f" {speed:,.0f} samples/s" if speed else "") + (f" {tokens:,.0f} tokens/s" if tokens else "")
+                  + (f" MFU {100 * mfu:.2f}%" if mfu else ""))
 
     def log_eval(self, step: int, epoch: int, metrics: dict) -> None:
         self.write({"step": step, "epoch": epoch, **metrics})
         ema = metrics.get("test_accuracy_ema")
         self.info(f"eval at step {step}: test loss {metrics['test_loss']:.4f} "
-                  f"accuracy {100 * metrics['test_accuracy']:.2f}% over {metrics['test_count']} samples"
+                  + (f"accuracy {100 * metrics['test_accuracy']:.2f}% " if "test_accuracy" in metrics else "")
+                  + (f"perplexity {metrics['test_perplexity']:.4g} " if "test_perplexity" in metrics else "")
+                  + f"over {metrics['test_count']} samples"
                   + (f" (EMA weights: {100 * ema:.2f}%)" if ema is not None else ""))
 
     def write_summary(self, summary: dict) -> None:
@@ -125,6 +128,14 @@ class Recorder:
         self._jsonl.close()
         self._each_tracker(lambda logger: logger.close(status), "closing")
         self._trackers = []
+
+
+def headline(metrics: dict) -> str:
+    """The result in a few words: the accuracy of a classifier, else the test loss (and perplexity)."""
+    if "test_accuracy" in metrics:
+        return f"test accuracy {100 * metrics['test_accuracy']:.2f}%"
+    return f"test loss {metrics['test_loss']:.4f}" + (
+        f", perplexity {metrics['test_perplexity']:.4g}" if "test_perplexity" in metrics else "")
 
 
 def logger_names(metrics, tensorboard: bool = False) -> list[str]:

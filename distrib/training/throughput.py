@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from distrib.config import Config
 from distrib.distributed.runtime import Runtime
+from distrib.training.losses import forward
 
 # Dense peak FLOP/s of one device (no sparsity), from the vendors' data sheets, by a substring of its name; the first
 # match wins (so "H100 PCIe" before "H100"; "GH200" is an H200). "fp32" is the plain (non-tensor-core) rate: with
@@ -43,7 +44,25 @@ def peak_flops(device_type: str, device_name: str, precision: str, override: flo
     return None
 
 
-def count_flops_per_sample(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
+def tokens_per_sample(inputs) -> int | None:
+    """T for integer sequence inputs [B, T] (token ids), else None: what tokens_per_second counts."""
+    if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 and not inputs.is_floating_point() \
+            and inputs.dtype != torch.bool:
+        return inputs.shape[1]
+    return None
+
+
+def flops_per_sample(model: nn.Module, inputs, targets, loss=None) -> float | None:
+    """A model that counts its own FLOPs per token (the built-in GPT: the decoder-transformer count torchtitan and
+    PaLM use), times the tokens of a sample; the FLOP counter's measurement for any other model."""
+    per_token = getattr(model, "flops_per_token", None)
+    tokens = tokens_per_sample(inputs)
+    if callable(per_token) and tokens:
+        return float(per_token(tokens)) * tokens
+    return count_flops_per_sample(model, inputs, targets, loss)
+
+
+def count_flops_per_sample(model: nn.Module, inputs, targets, loss=None) -> float | None:
     """Forward and backward FLOPs of one training sample, counted once on a real micro-batch of the plain module.
     Side-effect free: eval mode (no dropout draws, no batch-norm statistics), torch.autograd.grad (no .grad writes,
     no DDP hooks); None when the counter cannot run this model."""
@@ -54,15 +73,16 @@ def count_flops_per_sample(model: nn.Module, inputs: torch.Tensor, targets: torc
     model.eval()
     try:
         with FlopCounterMode(display=False) as counter:
-            loss = F.cross_entropy(model(inputs).float(), targets)
-            if params and loss.requires_grad:
-                torch.autograd.grad(loss, params, allow_unused=True)
+            outputs = forward(model, inputs)
+            value = loss(outputs, targets) if loss is not None else F.cross_entropy(outputs.float(), targets)
+            if params and value.requires_grad:
+                torch.autograd.grad(value, params, allow_unused=True)
         total = counter.get_total_flops()
     except (RuntimeError, NotImplementedError, TypeError):  # an op the counter cannot dispatch: no MFU, still train
         return None
     finally:
         model.train(was_training)
-    return total / len(inputs) if total else None
+    return total / len(targets if targets is not None else next(iter(inputs.values()))) if total else None
 
 
 def _quantile(sorted_values, q: float) -> float:
@@ -79,6 +99,7 @@ class Throughput:
         self.world_size = world_size
         self.skip_steps = skip_steps  # compile, allocator and DDP bucket warm-up stay out of the figures
         self.flops_per_sample: float | None = None
+        self.tokens_per_sample: int | None = None  # token-sequence inputs: tokens/s = samples/s x this
         self.peak_flops_per_device: float | None = None
         self.step_seconds = array("d")
         self.wait_seconds = array("d")
@@ -106,16 +127,21 @@ class Throughput:
         total = sum(steps)
         if not steps or total <= 0:
             return dict.fromkeys(("samples_per_second", "samples_per_second_per_device", "step_time_p50_s",
-                                  "step_time_p95_s", "data_wait_share", "mfu"))
+                                  "step_time_p95_s", "data_wait_share", "mfu", *self._token_keys()))
         ordered = sorted(steps)
         per_second = len(steps) * self.global_batch_size / total
         per_device = per_second / self.world_size
         mfu = None
         if self.flops_per_sample and self.peak_flops_per_device:
             mfu = self.flops_per_sample * per_device / self.peak_flops_per_device
-        return {"samples_per_second": per_second, "samples_per_second_per_device": per_device,
+        tokens = dict(zip(self._token_keys(), (per_second * (self.tokens_per_sample or 0),
+                                                per_device * (self.tokens_per_sample or 0))))
+        return {"samples_per_second": per_second, "samples_per_second_per_device": per_device, **tokens,
                 "step_time_p50_s": _quantile(ordered, 0.50), "step_time_p95_s": _quantile(ordered, 0.95),
                 "data_wait_share": sum(waits) / total, "mfu": mfu}
+
+    def _token_keys(self) -> tuple[str, ...]:
+        return ("tokens_per_second", "tokens_per_second_per_device") if self.tokens_per_sample else ()
 
     def window(self) -> dict:
         """Figures of the steps since the previous window(): what a log line shows."""
