@@ -24,6 +24,12 @@ def _model(in_channels: int, num_classes: int, image_size: int) -> torch.nn.Modu
     return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(in_channels * image_size ** 2, num_classes))
 
 
+def _files(run_dir) -> dict[str, bytes]:
+    """The run's files but the lock (which records the pid and start of the run holding it)."""
+    return {path.name: path.read_bytes() for path in run_dir.iterdir()
+            if path.is_file() and path.name != ".distrib.lock"}
+
+
 def _the_line(text: str) -> str:
     [line] = [line for line in text.splitlines() if "nothing to train" in line]
     return line
@@ -32,13 +38,13 @@ def _the_line(text: str) -> str:
 def test_fit_again_on_a_finished_run_returns_its_summary_and_writes_nothing(tmp_path, capfd):
     overrides = {**STEPS, "run.dir": str(tmp_path / "run")}
     first = fit(_model, _tensors(128), _tensors(32), overrides=overrides)
-    files = {path.name: path.read_bytes() for path in (tmp_path / "run").iterdir() if path.is_file()}
+    files = _files(tmp_path / "run")
     capfd.readouterr()
     again = fit(_model, _tensors(128), _tensors(32), overrides=overrides)
     line = _the_line(capfd.readouterr().err)
     assert again == json.loads(files["summary.json"]) and again["steps"] == first["steps"] == 4
     assert again["train_loss"] == first["train_loss"] == again["train_loss"]  # a number, not NaN
-    assert {path.name: path.read_bytes() for path in (tmp_path / "run").iterdir() if path.is_file()} == files
+    assert _files(tmp_path / "run") == files
     assert "4 of 4 steps done" in line and "checkpoint.resume=never" in line and "train.max_steps" in line, line
 
 
