@@ -45,7 +45,7 @@ def test_fit_again_on_a_finished_run_returns_its_summary_and_writes_nothing(tmp_
     assert again == json.loads(files["summary.json"]) and again["steps"] == first["steps"] == 4
     assert again["train_loss"] == first["train_loss"] == again["train_loss"]  # a number, not NaN
     assert _files(tmp_path / "run") == files
-    assert "4 of 4 steps done" in line and "checkpoint.resume=never" in line and "train.max_steps" in line, line
+    assert "4 of 4 steps done" in line and "give a new --set run.dir" in line and "train.max_steps" in line, line
 
 
 def test_distrib_train_again_on_a_finished_run_exits_0_and_leaves_summary_json(tmp_path, capfd):
