@@ -2,10 +2,12 @@
 
     distrib train [--config FILE] [--set section.key=value ...] [--nproc-per-node N]
     distrib launch [torchrun options] SCRIPT|-m MODULE [args ...]
+    distrib plan [--config FILE] [--set ...] (--nnodes N --nproc-per-node N | --world-size N) [--json] [...]
     distrib doctor
     distrib plot RUN_DIR [--out FILE]
     distrib eval RUN_DIR|CHECKPOINT [--config FILE] [--set ...] [--nproc-per-node N] [--out FILE]
     distrib predict RUN_DIR|CHECKPOINT --input FOLDER|test|train --out FILE [--config FILE] [--set ...] [...]
+    distrib generate RUN_DIR --prompt TEXT --max-new-tokens N [--temperature T] [--top-k K] [--seed S]
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.nproc_per_node is not None:
         from distrib.launch.launcher import launch_trainer
 
-        return launch_trainer(args.nproc_per_node, args.argv)
+        return launch_trainer(args.nproc_per_node, args.argv, _before_workers(config, args.nproc_per_node))
     from distrib.launch.preempt import StoppedEarly, exit_on_signals, parse_signals
 
     try:
@@ -44,8 +46,22 @@ def _train(args: argparse.Namespace) -> int:
 
             return record(_worker)(config)  # under a launcher, a failing rank's exception reaches its summary
     except StoppedEarly as e:
-        say(f"distrib: {e}; exit code {EXIT_PREEMPTED}: requeue the job and it starts (or resumes) there")
+        if not _reported_by_launcher(e, record=False):  # distrib launch says how its workers were stopped, and why
+            say(f"distrib: {e}; exit code {EXIT_PREEMPTED}: requeue the job and it starts (or resumes) there")
         return EXIT_PREEMPTED
+
+
+def _before_workers(config, nproc_per_node: int):
+    """What the launcher checks once, before any worker starts: the device each worker would get (CUDA present,
+    enough GPUs) and the global batch's split over the world size."""
+    def check(world_size: int | None) -> None:
+        from distrib.config import check_world_size
+        from distrib.distributed.runtime import select_device
+
+        select_device(config.dist.device, nproc_per_node - 1)  # the last local rank's device: all of them exist
+        if world_size is not None:
+            check_world_size(config.train.global_batch_size, config.train.grad_accum_steps, world_size)
+    return check
 
 
 def _check_nproc(nproc_per_node: int | None) -> None:
@@ -66,6 +82,26 @@ def _worker(config) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from distrib.config import load_config
+    from distrib.plan import GB, GIB, Machine, main
+
+    config = load_config(args.config, args.set)
+    nproc = args.nproc_per_node or (args.world_size if args.world_size and not args.nnodes else 8)
+    nnodes = args.nnodes or (args.world_size // nproc if args.world_size else 1)
+    if args.world_size and nnodes * nproc != args.world_size:
+        raise UserError(f"--world-size {args.world_size}: is not --nnodes {nnodes} x --nproc-per-node {nproc}; "
+                        "give --world-size alone (one node), or --nnodes and --nproc-per-node")
+    for name, value in (("--nnodes", nnodes), ("--nproc-per-node", nproc), ("--device-memory", args.device_memory),
+                        ("--intra-node-bandwidth", args.intra_node_bandwidth),
+                        ("--inter-node-bandwidth", args.inter_node_bandwidth)):
+        if not value > 0:
+            raise UserError(f"{name} {value}: must be > 0")
+    machine = Machine(nnodes, nproc, args.device_memory * GIB, args.intra_node_bandwidth * GB,
+                      args.inter_node_bandwidth * GB)
+    return main(config, machine, args.json)
+
+
 def _doctor(args: argparse.Namespace) -> int:
     from distrib.launch.doctor import main as doctor
 
@@ -82,11 +118,12 @@ def _plot(args: argparse.Namespace) -> int:
 
 def _use(args: argparse.Namespace) -> int:
     """distrib eval and distrib predict: checked here, then run in this process or in N launched workers."""
-    from distrib.training.inference import check_input, load_trained
+    from distrib.training.inference import check_input, check_rebuildable, load_trained
 
     trained = load_trained(args.source, args.config, args.set)  # a bad run dir or checkpoint fails before any worker
     if args.command == "predict":
         check_input(args.input)
+    check_rebuildable(trained, args.input if args.command == "predict" else None)  # before any data is read
     if args.nproc_per_node is not None:
         from distrib.launch.launcher import main as launch
 
@@ -117,6 +154,26 @@ def _use_worker(args: argparse.Namespace, trained) -> int:
     return 0
 
 
+def _generate(args: argparse.Namespace) -> int:
+    from distrib.training.generate import generate_text
+
+    text = generate_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
+    sys.stdout.write(text + "\n")
+    return 0
+
+
+def _generate_parser(commands) -> None:
+    generate = commands.add_parser("generate", help="continue a prompt with a text run's model (byte-level); the "
+                                                    "same text for the same --seed")
+    generate.add_argument("run_dir", metavar="RUN_DIR", help="the run.dir of a data.name = text run (model.pt)")
+    generate.add_argument("--prompt", required=True, help="the text to continue")
+    generate.add_argument("--max-new-tokens", type=int, required=True, help="bytes to generate")
+    generate.add_argument("--temperature", type=float, default=1.0, help="divides the logits; 0 = greedy")
+    generate.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest bytes; 0 = all")
+    generate.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
+    generate.set_defaults(func=_generate)
+
+
 def _use_parser(commands, name: str, help_text: str) -> argparse.ArgumentParser:
     use = commands.add_parser(name, help=help_text)
     use.add_argument("source", metavar="RUN_DIR|CHECKPOINT",
@@ -140,6 +197,21 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--nproc-per-node", type=int, default=None,
                        help="launch this many workers on this node (a shorthand for distrib launch)")
     train.set_defaults(func=_train)
+    plan = commands.add_parser("plan", help="per-rank memory, batch layout and communication of a run at any world "
+                                            "size, from the real sharding plan on a fake process group; no training")
+    plan.add_argument("--config", help="the TOML file distrib train would take")
+    plan.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                      help="override one config value, as for distrib train; repeatable")
+    plan.add_argument("--nnodes", type=int, default=None, help="nodes of the planned run (default 1)")
+    plan.add_argument("--nproc-per-node", type=int, default=None, help="ranks per node (default 8, or --world-size)")
+    plan.add_argument("--world-size", type=int, default=None, help="all ranks: one node of them unless --nnodes")
+    plan.add_argument("--device-memory", type=float, default=80.0, help="GiB per device (H100: 80, H200: 141)")
+    plan.add_argument("--intra-node-bandwidth", type=float, default=450.0,
+                      help="GB/s per rank and direction within a node (NVLink 4: 450)")
+    plan.add_argument("--inter-node-bandwidth", type=float, default=50.0,
+                      help="GB/s per rank and direction between nodes (one 400 Gb/s NIC per GPU: 50)")
+    plan.add_argument("--json", action="store_true", help="print the figures as JSON, under summary.json's names")
+    plan.set_defaults(func=_plan)
     # Listed for --help only: main() hands `launch` to torchrun's own parser before this one sees it.
     commands.add_parser("launch", help="torchrun-compatible launcher: distrib launch [torchrun options] "
                                        "SCRIPT|-m MODULE [args]; see distrib launch --help")
@@ -161,6 +233,7 @@ def _parser() -> argparse.ArgumentParser:
                          help="a folder of images (sorted by path; ./test for a folder named test), or a split of "
                               "the run's data (sources split:index)")
     predict.add_argument("--out", required=True, help="the JSON Lines file to write (rank 0 writes it)")
+    _generate_parser(commands)
     return parser
 
 
@@ -188,8 +261,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.argv = _launch_trainer_argv(argv[1:])  # what follows `train`
         return args.func(args)
     except UserError as e:
-        say(f"distrib: error: {e}")
+        if not _reported_by_launcher(e):
+            say(f"distrib: error: {e}")
         return getattr(e, "exit_code", EXIT_USER_ERROR)  # 2; EnvironmentFault: EXIT_ENVIRONMENT (74)
+
+
+def _reported_by_launcher(error: BaseException, record: bool = True) -> bool:
+    """A worker of distrib launch on its last attempt writes its error to torch's error file instead of stderr: the
+    launcher's last line names it, once for all the ranks that share it. Elsewhere (one process, torchrun, a restart
+    still to come) the worker prints it."""
+    from distrib.launch.reporting import launched_by_distrib
+
+    if not launched_by_distrib():
+        return False
+    from distrib.distributed.runtime import read_launch_env
+
+    try:
+        reported = read_launch_env().errors_reported
+    except UserError:
+        return False
+    if reported and record:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(error)  # as @record does; also for errors raised outside its wrapper
+    return reported
 
 
 def hard_exit(code: int) -> NoReturn:

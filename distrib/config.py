@@ -60,8 +60,8 @@ def _needs_ema(section: str, key: str, value: str, ema_decay: float) -> None:
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class DataConfig:
-    name: str = "fashion-mnist"  # fashion-mnist | mnist | cifar10 | imagefolder | synthetic
-    root: str = "data"  # the user's dataset folder: read; unpacked/downloaded files go under a subfolder of it
+    name: str = "fashion-mnist"  # fashion-mnist | mnist | cifar10 | imagefolder | synthetic | text | tokens
+    root: str = "data"  # the user's dataset folder (text: a file or folder of .txt): read; downloads go under it
     factory: str = ""  # package.module:function returning (train, test) datasets; overrides name
     kwargs: dict = field(default_factory=dict)  # keyword arguments of the factory
     loader: str = "auto"  # auto (device-resident when in memory and it fits) | device | dataloader
@@ -78,6 +78,9 @@ class DataConfig:
     eval_batch_size: int = 1000
     synthetic_train_size: int = 8192
     synthetic_test_size: int = 1000
+    seq_len: int = 256  # text | tokens: tokens per training window (the model's context)
+    test_fraction: float = 0.1  # text: the last share of the bytes, held out for evaluation
+    vocab_size: int = 0  # tokens: the vocabulary size (token ids < vocab_size); text is bytes: 256
 
     def __post_init__(self):
         if self.factory:
@@ -85,7 +88,8 @@ class DataConfig:
                 _fail("data", "factory", self.factory, "must look like package.module:function",
                       "e.g. --set data.factory=mypkg.data:build")
         else:
-            _choice("data", self, "name", ("fashion-mnist", "mnist", "cifar10", "imagefolder", "synthetic"))
+            _choice("data", self, "name", ("fashion-mnist", "mnist", "cifar10", "imagefolder", "synthetic", "text",
+                                           "tokens"))
         _choice("data", self, "loader", ("auto", "device", "dataloader"))
         _choice("data", self, "augment", ("none", "flip", "crop_flip"))
         if not self.root:
@@ -98,6 +102,19 @@ class DataConfig:
             _fail("data", "synthetic_shape", list(self.synthetic_shape), "must be [C, H, W] of positive sizes",
                   "e.g. --set data.synthetic_shape=[3,32,32]")
         self._check_normalize()
+        self._check_tokens()
+
+    def _check_tokens(self):
+        _at_least("data", self, "seq_len", 1)
+        if not (0.0 < self.test_fraction < 1.0):
+            _fail("data", "test_fraction", self.test_fraction, "must be in (0, 1)",
+                  "e.g. --set data.test_fraction=0.1")
+        if not (0 <= self.vocab_size <= 65536):
+            _fail("data", "vocab_size", self.vocab_size, "must be in [0, 65536] (token ids are uint16)",
+                  "e.g. --set data.vocab_size=50304")
+        if self.name == "tokens" and not self.factory and self.vocab_size < 1:
+            _fail("data", "vocab_size", self.vocab_size, "data.name = tokens needs the vocabulary size of its "
+                  "train.bin and val.bin", "e.g. --set data.vocab_size=50304 (GPT-2's, padded)")
 
     def _check_normalize(self):
         value = self.normalize
@@ -115,7 +132,7 @@ class DataConfig:
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class ModelConfig:
-    name: str = "network"  # network: the seed Fashion-MNIST CNN
+    name: str = "network"  # network: the seed Fashion-MNIST CNN | gpt: the built-in decoder-only transformer
     factory: str = ""  # package.module:function returning any nn.Module; overrides name
     kwargs: dict = field(default_factory=dict)  # keyword arguments of the factory (besides num_classes, ...)
 
@@ -125,7 +142,7 @@ class ModelConfig:
                 _fail("model", "factory", self.factory, "must look like package.module:function",
                       "e.g. --set model.factory=mypkg.models:build")
         else:
-            _choice("model", self, "name", ("network",))
+            _choice("model", self, "name", ("network", "gpt"))
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -215,22 +232,38 @@ class DistConfig:
     device: str = "auto"  # auto (cuda when available, else cpu) | cpu | cuda
     timeout_s: float = 60.0  # a collective that waits longer fails, naming the ranks it waited for, instead of hanging
     strategy: str = "ddp"  # ddp (a whole replica per rank) | fsdp (FSDP2: parameters, gradients, optimizer sharded)
+    # | hsdp (FSDP2 on a 2-D mesh: sharded within groups of dist.shard_size ranks, replicated across them)
+    shard_size: int = 0  # hsdp: ranks per shard group; 0 = one node's (LOCAL_WORLD_SIZE / dist.tensor_parallel)
+    tensor_parallel: int = 1  # ranks that split each layer of the built-in GPT (innermost mesh dim); fsdp/hsdp outside
     shard_modules: str | tuple[str, ...] = "auto"  # fsdp units (and checkpointed blocks): class names, or auto
     reshard_after_forward: bool = True  # fsdp: free gathered parameters after forward (less memory, one more gather)
     cpu_offload: bool = False  # fsdp: keep parameter, gradient and optimizer shards in host memory
     sync_batchnorm: bool = False  # BatchNorm statistics over the global batch (torch's SyncBatchNorm; GPUs only)
 
+    @property
+    def sharded(self) -> bool:
+        """Parameters, gradients and optimizer state split over ranks (FSDP2 DTensors): fsdp and hsdp."""
+        return self.strategy in ("fsdp", "hsdp")
+
     def __post_init__(self):
         _choice("dist", self, "device", ("auto", "cpu", "cuda"))
         _positive("dist", self, "timeout_s", 60)
-        _choice("dist", self, "strategy", ("ddp", "fsdp"))
+        _choice("dist", self, "strategy", ("ddp", "fsdp", "hsdp"))
         names = (self.shard_modules,) if isinstance(self.shard_modules, str) else self.shard_modules
         if not names or not all(isinstance(n, str) and n.isidentifier() for n in names):
             _fail("dist", "shard_modules", self.shard_modules, "must be auto or a list of module class names",
                   "e.g. --set 'dist.shard_modules=[\"TransformerBlock\"]'")
-        if self.cpu_offload and self.strategy != "fsdp":
+        if self.cpu_offload and not self.sharded:
             _fail("dist", "cpu_offload", self.cpu_offload, "offloads FSDP shards, and dist.strategy is ddp",
                   "set --set dist.strategy=fsdp or --set dist.cpu_offload=false")
+        _at_least("dist", self, "shard_size", 0)
+        if self.shard_size and self.strategy != "hsdp":
+            _fail("dist", "shard_size", self.shard_size, f"sizes hsdp's shard groups, and dist.strategy is "
+                  f"{self.strategy}", "set --set dist.strategy=hsdp or --set dist.shard_size=0")
+        _at_least("dist", self, "tensor_parallel", 1)
+        if self.tensor_parallel > 1 and not self.sharded:
+            _fail("dist", "tensor_parallel", self.tensor_parallel, "composes with fsdp or hsdp on the data-parallel "
+                  "ranks, and dist.strategy is ddp", "set --set dist.strategy=fsdp (or hsdp)")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -256,8 +289,8 @@ class CheckpointConfig:
             if name.removeprefix("SIG") in ("KILL", "STOP"):
                 _fail("checkpoint", "signals", self.signals, f"{name} cannot be caught, so no checkpoint can follow it",
                       "e.g. --set checkpoint.signals=SIGTERM,SIGUSR1")
-        if self.keep_last < 2:
-            _fail("checkpoint", "keep_last", self.keep_last, "must be >= 2 so a good checkpoint always survives",
+        if self.keep_last < 1:  # 1 is safe: a new checkpoint is in place before the previous one is pruned
+            _fail("checkpoint", "keep_last", self.keep_last, "must be >= 1 (the newest checkpoint is always kept)",
                   "e.g. --set checkpoint.keep_last=2")
         _choice("checkpoint", self, "foreign", ("refuse", "keep"))
         if not self.resume:
@@ -334,17 +367,26 @@ class Config:
             raise ConfigError(f"speed.static_graph = true: does not work with train.grad_accum_steps = "
                               f"{self.train.grad_accum_steps} (DDP's static graph has no no_sync); "
                               "set --set speed.static_graph=false or --set train.grad_accum_steps=1")
-        if self.dist.strategy == "fsdp" and self.train.precision == "fp16":  # GradScaler would skip per shard
-            raise ConfigError("train.precision = 'fp16': not supported with dist.strategy = 'fsdp' (a GradScaler's "
-                              "skip decision would differ between shards); use --set train.precision=bf16")
-        if self.checkpoint.async_save and self.dist.strategy != "fsdp":
+        if self.dist.sharded and self.train.precision == "fp16":  # GradScaler would skip per shard
+            raise ConfigError(f"train.precision = 'fp16': not supported with dist.strategy = '{self.dist.strategy}' "
+                              "(a GradScaler's skip decision would differ between shards); use --set "
+                              "train.precision=bf16")
+        if self.checkpoint.async_save and not self.dist.sharded:
             raise ConfigError("checkpoint.async_save = true: asynchronous saves write sharded (fsdp) checkpoints; "
                               "set --set dist.strategy=fsdp or --set checkpoint.async_save=false")
-        if self.checkpoint.keep_best and self.dist.strategy == "fsdp":  # best_*.pt are single-file checkpoints
-            raise ConfigError(f"checkpoint.keep_best = {self.checkpoint.keep_best}: not yet with dist.strategy = "
-                              "'fsdp' (sharded checkpoints keep only the last ones); set --set checkpoint.keep_best=0")
         _needs_ema("checkpoint", "best_metric", self.checkpoint.best_metric if self.checkpoint.keep_best else "",
                    self.train.ema_decay)
+
+
+def check_world_size(global_batch_size: int, grad_accum_steps: int, world_size: int) -> None:
+    """train.global_batch_size splits into world_size x train.grad_accum_steps equal micro-batches: checked by each
+    worker's batch plan, and by the launcher before any worker starts."""
+    parts = world_size * grad_accum_steps
+    if global_batch_size % parts:
+        low = global_batch_size // parts * parts or parts
+        raise ConfigError(f"train.global_batch_size = {global_batch_size}: must divide into world_size "
+                          f"({world_size}) x train.grad_accum_steps ({grad_accum_steps}) = {parts} equal "
+                          f"micro-batches; use {low} or {low + parts}")
 
 
 def _sections() -> dict[str, type]:

@@ -1,11 +1,13 @@
 """distrib's trainer against a hand-written DDP loop, on identical work, at world size 1 and 2 on the CPU (gloo).
 
     python scripts/bench.py [--steps 200] [--repeats 7] [--world-sizes 1,2] [--json bench.json]
-Each variant trains the seed Network for --steps optimizer steps of --batch samples (the first --skip steps, warm-up
-and compilation, are left out of the clock); variants are interleaved, in alternating order, and the table shows
-medians. "lockstep" runs the trainer and the hand loop a step each in turn within one run, which cancels most of a
-shared machine's noise. Ratios: trainer / hand loop (separate runs, and lockstep), device-resident / DataLoader data
-path, and each speed option / trainer."""
+    python scripts/bench.py --model gpt [--world-sizes 1] [--repeats 5]     (tokens/s of a byte-level GPT)
+Each variant trains the seed Network (or, --model gpt, the built-in GPT on a text file: scripts/bench_gpt.py) for
+--steps optimizer steps of --batch samples (the first --skip steps, warm-up and compilation, are left out of the
+clock); variants are interleaved, in alternating order, and the table shows medians. "lockstep" runs the trainer and
+the hand loop a step each in turn within one run, which cancels most of a shared machine's noise. Ratios: trainer /
+hand loop (separate runs, and lockstep), device-resident / DataLoader data path, and each speed option (and fsdp) /
+trainer (ddp)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # measure this checkout, whichever one is installed
+from bench_gpt import GptHandLoop, byte_stream, gpt_overrides  # noqa: E402 - scripts/ is on the path as __file__'s
 
 # Variants: the hand loop, or the trainer with these --set overrides on top of the common ones.
 VARIANTS = {
@@ -38,10 +41,13 @@ VARIANTS = {
     "bucket_view": ["speed.gradient_as_bucket_view=true"],
     "static_graph": ["speed.static_graph=true"],
     "bucket_32kb": ["speed.bucket_cap_mb=0.03125"],  # splits the 130 kB of gradients into several buckets
+    "fsdp": ["dist.strategy=fsdp"],  # FSDP2 against the trainer's DDP
 }
+GPT_VARIANTS = ("hand", "trainer", "lockstep", "fsdp")  # --model gpt: text data has no DataLoader path
 RATIOS = {"trainer / hand": ("trainer", "hand"), "trainer / hand (lockstep)": ("trainer (lockstep)", "hand (lockstep)"),
           "device / dataloader": ("trainer", "dataloader")}
 TARGET = 0.97  # trainer / hand loop and device / DataLoader must reach this
+GPT_TARGET = 0.95  # --model gpt: trainer / nanoGPT-style loop
 # Judged on lockstep for trainer / hand: between separate runs, seconds apart, this shared machine's speed moves by
 # +-10%, more than the few per cent being judged; separate runs are still shown, as a user would time them.
 TARGETS = ("trainer / hand (lockstep)", "device / dataloader")
@@ -92,8 +98,13 @@ class HandLoop:
         return final.item() / world_size
 
 
-def hand_loop(args, runtime, images, labels) -> dict:
-    hand = HandLoop(args, runtime, images, labels)
+def make_hand(args, runtime, data):
+    """The hand loop of --model: the seed Network's on (images, labels), or the GPT's on the byte stream."""
+    return GptHandLoop(args, runtime, data) if args.model == "gpt" else HandLoop(args, runtime, *data)
+
+
+def hand_loop(args, runtime, data) -> dict:
+    hand = make_hand(args, runtime, data)
     ends, cpu_ends = [time.perf_counter()], [time.thread_time()]
     for step in range(args.steps):
         hand.step(step)
@@ -112,21 +123,24 @@ def _clocks(args, ends: list[float], cpu_ends: list[float]) -> dict:
 
 
 def _rate(args, steps: list[float]) -> float:
-    """batch / the median step, the first --skip steps left out."""
-    return args.batch / statistics.median(steps[args.skip:])
+    """batch / the median step, the first --skip steps left out (in tokens for --model gpt)."""
+    return args.batch * args.unit / statistics.median(steps[args.skip:])
 
 
 def _step_clocks(args, steps: list[float], cpu: list[float]) -> dict:
     """samples/s on the three clocks from per-step wall and CPU times, the first --skip steps left out."""
     timed = steps[args.skip:]  # end to end: each step's data fetch is in it
-    return {"wall": len(timed) * args.batch / sum(timed), "p50": _rate(args, steps), "cpu": _rate(args, cpu)}
+    return {"wall": len(timed) * args.batch * args.unit / sum(timed), "p50": _rate(args, steps),
+            "cpu": _rate(args, cpu)}
 
 
 def common_overrides(args, run_dir: Path) -> list[str]:
-    data = [f"data.name={args.data}", f"data.synthetic_train_size={args.train_size}", "data.synthetic_test_size=1000"]
+    data = [f"data.name={args.data}", f"data.synthetic_train_size={args.train_size}", "data.synthetic_test_size=1000",
+            f"data.root={args.data_root}", "data.loader=device"]
     same_as_hand = ["train.optimizer=sgd", "train.lr=0.05", "train.momentum=0.9", "train.schedule=constant",
                     "train.warmup_steps=0", "train.seed=0", "train.precision=fp32"]
-    return [*data, *same_as_hand, f"data.root={args.data_root}", "data.loader=device",
+    gpt = gpt_overrides(args) if args.model == "gpt" else []  # later items win: text data, the GPT, AdamW
+    return [*data, *same_as_hand, *gpt,
             f"train.global_batch_size={args.batch}", "train.epochs=0", f"train.max_steps={args.steps}",
             "train.eval_every_epochs=0",
             f"train.log_every={args.steps}", f"metrics.timing_skip_steps={args.skip}", "run.progress=false",
@@ -153,18 +167,19 @@ def trainer_run(args, runtime, overrides: list[str], run_dir: Path) -> dict:
     """The trainer alone; its own figures, plus a reading of this thread's CPU clock at each end-of-step mark."""
     cpu_ends = []
     summary = _train(args, runtime, overrides, run_dir, lambda: cpu_ends.append(time.thread_time()))
-    return {"wall": summary["samples_per_second"], "p50": args.batch / summary["step_time_p50_s"],
+    return {"wall": summary["samples_per_second"] * args.unit,
+            "p50": args.batch * args.unit / summary["step_time_p50_s"],
             "cpu": _rate(args, _diffs(cpu_ends)), "final_loss": summary["train_loss"]}
 
 
-def lockstep_run(args, runtime, images, labels, run_dir: Path) -> dict[str, dict]:
+def lockstep_run(args, runtime, data, run_dir: Path) -> dict[str, dict]:
     """The trainer and the hand loop one step each in turn, in the same processes: the trainer's fit() runs a hand
     step from its end-of-step mark. Both then meet the same moments of a shared machine's load, which separate runs,
     seconds apart, do not; that noise (+-10% between runs here) is larger than the difference being measured.
     The trainer's step is timed from the end of the previous hand step to its own mark (its data fetch, bookkeeping
     and sync steps included); the hand step from there to its own end. Its steps also enter the trainer's own step
     times, so the trainer's summary figures are not used here."""
-    hand = HandLoop(args, runtime, images, labels)
+    hand = make_hand(args, runtime, data)
     marks = [(time.perf_counter(), time.thread_time())]  # after each trainer step, then after each hand step
 
     def after_step():
@@ -190,19 +205,21 @@ def measure_all(args, runtime, out_dir: Path) -> dict[str, list[dict]]:
     from distrib.config import load_config
     from distrib.data import load_data
 
-    config = load_config(None, common_overrides(args, out_dir))
-    train = load_data(config.data, runtime, seed=0, log=lambda _: None).train
-    # the hand loop's data: the whole set, normalised once, in memory
-    images, labels = next(train.batches([torch.arange(train.num_samples)]))
+    if args.model == "gpt":
+        data = byte_stream(args, runtime)  # the hand loop's data: the training bytes, in memory
+    else:
+        config = load_config(None, common_overrides(args, out_dir))
+        train = load_data(config.data, runtime, seed=0, log=lambda _: None).train
+        data = next(train.batches([torch.arange(train.num_samples)]))  # the whole set, normalised once, in memory
     names = args.variants
     results: dict[str, list[dict]] = {}
     for repeat in range(-args.warmup_runs, args.repeats):
         for name in (names if repeat % 2 == 0 else names[::-1]):
             torch.distributed.barrier()  # every rank starts each measurement together
             if name == "hand":
-                values = {name: hand_loop(args, runtime, images, labels)}
+                values = {name: hand_loop(args, runtime, data)}
             elif name == "lockstep":
-                values = lockstep_run(args, runtime, images, labels, out_dir / f"{name}-{repeat}")
+                values = lockstep_run(args, runtime, data, out_dir / f"{name}-{repeat}")
             else:
                 values = {name: trainer_run(args, runtime, VARIANTS[name], out_dir / f"{name}-{repeat}")}
             if repeat >= 0:  # negative repeats only warm the process (allocator, thread pool, compile caches)
@@ -285,17 +302,18 @@ def summarise(args, runs: dict[int, dict[str, list[dict]]]) -> dict:
         pairs = {**RATIOS, **{f"{name} / trainer": (name, "trainer") for name in med if VARIANTS.get(name)}}
         ratios[ws] = {label: _ratios(runs[ws], med, a, b)
                       for label, (a, b) in pairs.items() if a in med and b in med and a != b}
-        targets[ws] = {label: {c: ratios[ws][label][f"paired_{c}"] >= TARGET for c in CLOCKS}
+        targets[ws] = {label: {c: ratios[ws][label][f"paired_{c}"] >= args.target for c in CLOCKS}
                        for label in TARGETS if label in ratios[ws]}
     machine = {"cpu": cpu_name(), "cores": len(os.sched_getaffinity(0)), "python": platform.python_version(),
                "torch": torch.__version__}
     settings = {k: v for k, v in vars(args).items() if k not in ("json", "worker")}
     return {"machine": machine, "settings": settings, "clocks": CLOCKS, "runs": runs, "median": medians,
-            "ratios": ratios, "target": TARGET, "targets_met": targets}
+            "ratios": ratios, "target": args.target, "targets_met": targets}
 
 
 def table(result: dict) -> str:
-    lines = [f"{'world size':>10}  {'variant':<19} {'samples/s: wall':>15} {'p50':>7} {'cpu':>7} {'final loss':>10}  "
+    unit = "tokens/s" if result["settings"]["model"] == "gpt" else "samples/s"
+    lines = [f"{'world size':>10}  {'variant':<19} {unit + ': wall':>15} {'p50':>7} {'cpu':>7} {'final loss':>10}  "
              "runs (wall)"]
     for ws, by in result["runs"].items():
         for name, values in by.items():
@@ -320,13 +338,20 @@ def table(result: dict) -> str:
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200, help="optimizer steps per measurement")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per measurement (default 200; "
+                        "--model gpt: 100)")
     parser.add_argument("--skip", type=int, default=20, help="first steps left out of the clock (warm-up, compile)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--warmup-runs", type=int, default=1, help="untimed rounds before the repeats")
-    parser.add_argument("--batch", type=int, default=128, help="global batch size")
+    parser.add_argument("--model", default="network", choices=("network", "gpt"),
+                        help="the seed Network on images, or the built-in GPT on --text (tokens/s)")
+    parser.add_argument("--text", default=str(Path(__file__).resolve().parents[1] / "README.md"),
+                        help="--model gpt: the UTF-8 file it trains on")
+    parser.add_argument("--seq-len", type=int, default=64, help="--model gpt: tokens per sample")
+    parser.add_argument("--batch", type=int, default=None, help="global batch size (default 128; --model gpt: 16)")
     parser.add_argument("--world-sizes", default="1,2")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {','.join(VARIANTS)}")
+    parser.add_argument("--variants", default=None,
+                        help=f"subset of {','.join(VARIANTS)} (default: all; --model gpt: {','.join(GPT_VARIANTS)})")
     parser.add_argument("--data", default="synthetic", choices=("synthetic", "fashion-mnist"))
     parser.add_argument("--data-root", default="data")
     parser.add_argument("--train-size", type=int, default=16384, help="synthetic training set size (each trainer "
@@ -338,7 +363,11 @@ def parse_args(argv):
     parser.add_argument("--json", default="bench.json", help="where the result is written")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    gpt = args.model == "gpt"
+    args.batch, args.steps = args.batch or (16 if gpt else 128), args.steps or (100 if gpt else 200)
+    args.unit, args.target = (args.seq_len, GPT_TARGET) if gpt else (1, TARGET)  # a sample is seq_len tokens
+    args.variants = [v.strip() for v in (args.variants or ",".join(GPT_VARIANTS if gpt else VARIANTS)).split(",")
+                     if v.strip()]
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
         parser.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")

@@ -1,6 +1,7 @@
 """The GPU check behind scripts/gpu_check.sh: DDP equivalence at world size 1 against a plain model (NCCL on a GPU),
-FSDP2 against DDP, the device-mismatch listing, and the seed Network's throughput at several global batches (DDP,
-and FSDP2 with the bf16 mixed-precision policy); prints one table.
+FSDP2 against DDP, the device-mismatch listing, the seed Network's throughput at several global batches (DDP, and
+FSDP2 with the bf16 mixed-precision policy), and a byte-level GPT in bf16 (tokens/s, MFU, peak memory); prints one
+table.
 
     python scripts/gpu_check.py --device cuda [--json gpu_check.json]      (what gpu_check.sh runs)
     python scripts/gpu_check.py --device cpu --quick                        (a smoke test of the same code on gloo)
@@ -173,6 +174,32 @@ def measure(runtime, batch: int, mode: str, args, run_dir: Path) -> dict:
     return {"batch": batch, "mode": mode, **{k: summary[k] for k in keys}}
 
 
+GPT_MODES = {"gpt bf16": ["train.precision=bf16"], "gpt fsdp bf16": ["train.precision=bf16", "dist.strategy=fsdp"]}
+GPT_SIZE = {"n_layers": 6, "n_heads": 6, "dim": 384}  # nanoGPT's Shakespeare-char model, context 256
+GPT_QUICK = {"n_layers": 2, "n_heads": 2, "dim": 32}
+
+
+def measure_gpt(runtime, mode: str, args, run_dir: Path) -> dict:
+    """The built-in GPT on the README's bytes through worker.train_on: tokens/s, MFU (6 x parameters + attention per
+    token), and the peak device memory."""
+    from distrib.config import load_config
+    from distrib.worker import train_on
+
+    size = GPT_QUICK if args.quick else GPT_SIZE
+    kwargs = ", ".join(f"{key} = {value}" for key, value in size.items())
+    overrides = ["data.name=text", f"data.root={Path(__file__).resolve().parents[1] / 'README.md'}",
+                 f"data.seq_len={args.gpt_seq_len}", "model.name=gpt", f"model.kwargs={{{kwargs}}}",
+                 "train.optimizer=adamw", "train.lr=1e-3", f"train.global_batch_size={args.gpt_batch}",
+                 "train.epochs=0", f"train.max_steps={args.steps}", "train.eval_every_epochs=0",
+                 f"train.log_every={args.steps}", f"metrics.timing_skip_steps={args.skip}", "run.progress=false",
+                 f"run.dir={run_dir}", "checkpoint.every_steps=0", "checkpoint.resume=never",
+                 f"dist.device={args.device}", *GPT_MODES[mode]]
+    with contextlib.redirect_stderr(io.StringIO()):
+        summary = train_on(load_config(None, overrides), runtime)
+    keys = ("tokens_per_second", "step_time_p50_s", "mfu", "peak_memory_bytes", "test_loss")
+    return {"mode": mode, "batch": args.gpt_batch, "seq_len": args.gpt_seq_len, **{k: summary.get(k) for k in keys}}
+
+
 def run_all(args) -> tuple[list[dict], list[dict]]:
     from distrib.config import DistConfig
     from distrib.distributed.runtime import open_runtime
@@ -184,6 +211,11 @@ def run_all(args) -> tuple[list[dict], list[dict]]:
         checks += [check_equivalence(runtime, args.equivalence_steps), *check_mismatch(runtime),
                    check_fsdp(runtime, args.equivalence_steps, Path(tmp) / "fsdp_check")]
         args.device_name = runtime.device_name()
+        for mode in GPT_MODES:  # first: the figures no GPU has given yet
+            if time.monotonic() > deadline:
+                args.gpt_rows.append({"mode": mode, "skipped": "time budget"})
+                continue
+            args.gpt_rows.append(measure_gpt(runtime, mode, args, Path(tmp) / mode.replace(" ", "_")))
         for mode in args.modes:
             for batch in args.batches:
                 if time.monotonic() > deadline:  # stay inside the time the job was given; say what was left out
@@ -208,7 +240,21 @@ def table(args, checks: list[dict], rows: list[dict]) -> str:
         mfu = f"{100 * r['mfu']:.2f}%" if r["mfu"] is not None else "n/a"
         lines.append(f"{r['batch']:>12}  {r['mode']:<16} {r['samples_per_second']:>12,.0f} "
                      f"{1e3 * r['step_time_p50_s']:>11.2f} {100 * r['data_wait_share']:>8.1f}% {mfu:>7}")
-    return "\n".join(lines)
+    return "\n".join(lines + _gpt_table(args.gpt_rows))
+
+
+def _gpt_table(rows: list[dict]) -> list[str]:
+    lines = ["", f"{'GPT':<16} {'batch x seq':>11} {'tokens/s':>12} {'p50 step ms':>11} {'MFU':>7} {'peak MiB':>9} "
+                 f"{'test loss':>9}"]
+    for r in rows:
+        if "skipped" in r:
+            lines.append(f"{r['mode']:<16} skipped ({r['skipped']})")
+            continue
+        mfu = f"{100 * r['mfu']:.2f}%" if r["mfu"] is not None else "n/a"
+        peak = f"{r['peak_memory_bytes'] / 2**20:,.0f}" if r["peak_memory_bytes"] else "n/a"
+        lines.append(f"{r['mode']:<16} {r['batch']:>5} x {r['seq_len']:<4} {r['tokens_per_second']:>12,.0f} "
+                     f"{1e3 * r['step_time_p50_s']:>11.2f} {mfu:>7} {peak:>9} {r['test_loss']:>9.4f}")
+    return lines
 
 
 def parse_args(argv):
@@ -222,9 +268,11 @@ def parse_args(argv):
     parser.add_argument("--json", default=None, help="also write the checks and rows here")
     args = parser.parse_args(argv)
     args.batches, args.modes = (512, 1024, 4096), list(MODES)
+    args.gpt_batch, args.gpt_seq_len, args.gpt_rows = 64, 256, []
     if args.quick:
         args.batches, args.modes = (64, 128), ["fp32", "bf16", "bf16 dataloader", "fsdp bf16"]
         args.steps, args.skip, args.equivalence_steps = 8, 2, 3
+        args.gpt_batch, args.gpt_seq_len = 8, 32
     return args
 
 
@@ -236,7 +284,7 @@ def main(argv=None) -> None:
         checks, rows = run_all(args)
         print(table(args, checks, rows))
         if args.json:
-            result = {"device": args.device_name, "checks": checks, "rows": rows}
+            result = {"device": args.device_name, "checks": checks, "rows": rows, "gpt": args.gpt_rows}
             Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
         code = 0 if all(c["ok"] for c in checks) else 1
     except Exception as e:  # noqa: BLE001 - one line, then the hard exit

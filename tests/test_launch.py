@@ -3,11 +3,13 @@ count, CPU threads, SLURM), failures that end the run fast and name the rank, an
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from launch_support import (
     Launches,
     clean_env,
     distrib_cmd,
+    listening_addresses,
     run_one,
     runs_relative_diff,
     train_reference,
@@ -25,12 +28,12 @@ from launch_support import (
 from support import free_port
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from distrib import launcher
 from distrib.distributed.runtime import collective_timeouts
 from distrib.errors import EXIT_HUNG, EXIT_PREEMPTED, CollectiveTimeoutError, PeerLostError, UserError
+from distrib.launch import launcher
 
 SAME_IN_BOTH = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "TORCHELASTIC_RESTART_COUNT",
+                "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT",
                 "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE")
 PER_RUN = ("MASTER_PORT", "TORCHELASTIC_RUN_ID")  # the same on every rank of a run, different between runs
 
@@ -132,6 +135,19 @@ def test_cpu_workers_share_the_cores_unless_the_user_chose():
     assert launcher.cpu_threads({}, 2, num_gpus=2) is None  # GPU workers: torchrun's default
 
 
+def test_a_failure_every_rank_shares_is_one_line(tmp_path):
+    error_file = tmp_path / "error.json"
+    error_file.write_text(json.dumps({"message": {"message": "ConfigError: train.global_batch_size = 63: ...",
+                                                  "extraInfo": {"py_callstack": "Traceback ...", "timestamp": "5"}}}))
+    failures = {rank: ProcessFailure(rank, 100 + rank, 2, str(error_file)) for rank in range(3)}
+    failures[3] = ProcessFailure(3, 103, EXIT_PREEMPTED, "/nonexistent")  # stopped by the agent while starting
+    lines = launcher.failure_lines(ChildFailedError("train", failures))
+    assert lines == ["distrib launch: rank 3 (local rank 3, pid 103) was stopped by the launcher when the first "
+                     "failure ended the run",
+                     "distrib launch: ranks 0, 1, 2 (pids 100, 101, 102) exited with code 2: ConfigError: "
+                     "train.global_batch_size = 63: ... [first failure]"]
+
+
 def test_failure_summary_is_one_line_per_rank_first_failure_last(tmp_path):
     error_file = tmp_path / "error.json"
     error_file.write_text(json.dumps({"message": {"message": "ValueError: bad batch\nmore",
@@ -142,7 +158,8 @@ def test_failure_summary_is_one_line_per_rank_first_failure_last(tmp_path):
     lines = launcher.failure_lines(error, {101: 201})  # lifeline pid 101 ran worker pid 201
     assert lines[1] == "distrib launch: rank 3 (local rank 1, pid 201) exited with code 3: ValueError: bad batch " \
                        "[first failure]"
-    assert lines[0] == "distrib launch: rank 0 (local rank 0, pid 100) was killed by signal 15 (SIGTERM)"
+    assert lines[0] == "distrib launch: rank 0 (local rank 0, pid 100) was stopped by the launcher when the first " \
+                       "failure ended the run"  # SIGTERMed by the agent: no failure of its own
     assert launcher.exit_code(error) == 3
     assert launcher.exit_code(ChildFailedError("train", {0: failures[0]})) == 128 + signal.SIGTERM  # no checkpoint
     assert launcher.signal_exit_code(signal.SIGTERM) == EXIT_PREEMPTED
@@ -191,6 +208,7 @@ def test_workers_see_the_same_variables_as_under_torchrun(tmp_path):
     for records in (theirs, ours):
         assert len({tuple(r[k] for k in PER_RUN) for r in records}) == 1  # one run, one port, one run id
     assert ours[0]["OMP_NUM_THREADS"] == str(max(1, len(os.sched_getaffinity(0)) // 2))
+    assert ours[0]["MASTER_ADDR"] == "127.0.0.1"  # the one store, on loopback (torchrun names this host)
 
 
 @pytest.mark.timeout(150)
@@ -220,17 +238,6 @@ def test_a_dead_worker_ends_the_whole_run_and_is_named(tmp_path, how, code, endi
     assert "Traceback" not in done.stderr.split("distrib launch: rank")[-1]  # no traceback from the launcher
 
 
-@pytest.mark.timeout(150)
-def test_a_worker_exception_reaches_the_launcher_summary(tmp_path):
-    """@record on the trainer: the launcher's line names the rank and its exception (here one every rank raises)."""
-    done = run_one(distrib_cmd("train", "--nproc-per-node", "2", "--config", CLUSTER_CONFIG, *SMALL,
-                               "--set", "train.global_batch_size=63", "--set", f"run.dir={tmp_path}/run"),
-                   tmp_path, timeout=90)
-    assert done.returncode == 2, done.text()
-    assert "[first failure]" in done.stderr
-    assert "exited with code 2: ConfigError: train.global_batch_size = 63" in done.stderr, done.text()
-
-
 # ---------------------------------------------------------------- training: the weights of one process
 
 
@@ -254,6 +261,25 @@ def test_two_nodes_over_loopback_train_like_one_process(tmp_path, reference):
         assert done.returncode == 0, done.text()
     assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 4
     assert runs_relative_diff(run_dir, reference) < 1e-5
+
+
+@pytest.mark.timeout(200)
+def test_a_single_node_run_listens_on_loopback_only(tmp_path):
+    """c10d stores have no authentication: during a 2-worker run no process of it (launcher, lifelines, workers)
+    listens on an address another machine could reach; the store and each worker's gloo listen on loopback."""
+    log = tmp_path / "proc0.err"
+    with Launches(tmp_path) as launches:
+        launches.start(distrib_cmd("train", "--nproc-per-node", "2", "--config", CLUSTER_CONFIG,
+                                   "--set", "train.max_steps=100000", "--set", "train.log_every=5",
+                                   "--set", f"run.dir={tmp_path}/run"))
+        deadline = time.monotonic() + 150
+        while "[distrib] step 5 " not in (log.read_text() if log.exists() else ""):
+            assert time.monotonic() < deadline and launches.procs[0][0].poll() is None, log.read_text()
+            time.sleep(0.1)
+        listening = listening_addresses(launches.procs[0][0].pid)
+    addresses = [address for pairs in listening.values() for address, _ in pairs]
+    assert len(listening) >= 3, listening  # the launcher's store and both workers' gloo
+    assert all(ipaddress.ip_address(address).is_loopback for address in addresses), listening
 
 
 @pytest.mark.timeout(200)

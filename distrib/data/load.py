@@ -14,6 +14,7 @@ from distrib.data import idx, named
 from distrib.data.assemble import Data, Loaded, build, distributed, materialize, on_rank0
 from distrib.data.factory import as_split_or_dataset, call_data_factory
 from distrib.data.tensors import FASHION_MNIST_STATS, Split
+from distrib.data.text import token_data
 from distrib.distributed.runtime import Runtime
 from distrib.errors import UserError
 
@@ -25,6 +26,8 @@ def load_data(config: DataConfig, runtime: Runtime, seed: int, log: Callable[[st
     """Named sets and data.factory. Rank 0 alone unpacks or downloads while the others wait in a collective; then
     every rank reads the files. Nothing is written to run.dir here."""
     log = log or _main_log(runtime)
+    if config.name in ("text", "tokens") and not config.factory:
+        return _token_data(config, runtime, seed, log)
     on_rank0(runtime, lambda: _prepare(config, log))
     loaded = _on_every_rank(runtime, lambda: _read(config))
     return build(loaded, config, runtime, seed, log)
@@ -37,6 +40,15 @@ def data_from_datasets(train, test, config: DataConfig, runtime: Runtime, seed: 
     loaded = _on_every_rank(runtime, lambda: Loaded("custom", as_split_or_dataset(train, "train data"),
                                                      as_split_or_dataset(test, "test data")))
     return build(loaded, config, runtime, seed, log)
+
+
+def _token_data(config: DataConfig, runtime: Runtime, seed: int, log) -> Data:
+    """Language-model data (distrib.data.text): every rank opens the files; windows are read as batches need them."""
+    info, train, test = _on_every_rank(runtime, lambda: token_data(config, runtime, seed))
+    log(f"data {info.name}: {train.num_tokens} train / {test.num_tokens} test tokens, vocabulary {info.num_classes}, "
+        f"{train.num_samples} windows of {config.seq_len} per epoch, {test.num_samples} test windows"
+        + (" (memory-mapped)" if config.name == "tokens" else " (device-resident)"))
+    return Data(info, train, test)
 
 
 def _main_log(runtime: Runtime) -> Callable[[str], None]:

@@ -103,10 +103,11 @@ class Recorder:
         """One log line; throughput holds distrib.throughput's window figures (samples/s, step times, MFU)."""
         self.last_loss = loss
         self.write({"step": step, "epoch": epoch, "loss": loss, "lr": lr, **throughput})
-        speed = throughput.get("samples_per_second")
+        speed, tokens = throughput.get("samples_per_second"), throughput.get("tokens_per_second")
         mfu = throughput.get("mfu")
         self.info(f"step {step} epoch {epoch} loss {loss:.4f} lr {lr:.3g}"
-                  + (f" {speed:,.0f} samples/s" if speed else "") + (f" MFU {100 * mfu:.2f}%" if mfu else ""))
+                  + (f" {speed:,.0f} samples/s" if speed else "") + (f" {tokens:,.0f} tokens/s" if tokens else "")
+                  + (f" MFU {100 * mfu:.2f}%" if mfu else ""))
 
     def log_eval(self, step: int, epoch: int, metrics: dict) -> None:
         self.write({"step": step, "epoch": epoch, **metrics})

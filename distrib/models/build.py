@@ -13,7 +13,7 @@ from distrib.errors import UserError
 from distrib.factory import accepted, call_factory, import_object
 from distrib.models.network import NETWORK_INPUT
 
-_BUILTIN = {"network": "distrib.models.network:Network"}
+_BUILTIN = {"network": "distrib.models.network:Network", "gpt": "distrib.models.gpt:GPT"}
 
 
 def _shape(shape) -> str:
@@ -22,14 +22,18 @@ def _shape(shape) -> str:
 
 def data_kwargs(info: DataInfo) -> dict:
     """What the data tells a factory that asks: num_classes; in_channels and image_size (an int for square images)
-    for images; in_features for vectors of features; seq_len for sequences of integer ids."""
+    for images; in_features for vectors of features; seq_len and vocab_size (= num_classes) for sequences of integer
+    ids."""
     offered = {"num_classes": info.num_classes}
     if len(info.input_shape) == 3:
         channels, *size = info.input_shape
         offered.update(in_channels=channels, image_size=size[0] if size[0] == size[1] else tuple(size))
     elif len(info.input_shape) == 1:
         integer = info.inputs.startswith(("int", "uint"))
-        offered["seq_len" if integer and not info.inputs.startswith("uint8") else "in_features"] = info.input_shape[0]
+        if integer and not info.inputs.startswith("uint8"):
+            offered.update(seq_len=info.input_shape[0], vocab_size=info.num_classes)
+        else:
+            offered["in_features"] = info.input_shape[0]
     return offered
 
 
@@ -37,10 +41,14 @@ def factory_call(config: ModelConfig, info: DataInfo) -> tuple[str, dict]:
     """The factory as 'package.module:function' (built-ins too) and the exact keyword arguments it is called with:
     the data's num_classes / in_channels / image_size where it declares them, then model.kwargs (which win)."""
     key, spec = ("model.factory", config.factory) if config.factory else ("model.name", _BUILTIN[config.name])
-    if not config.factory and tuple(info.input_shape) != NETWORK_INPUT:
+    if config.name == "network" and not config.factory and tuple(info.input_shape) != NETWORK_INPUT:
         raise UserError(f"model.name = {config.name!r}: the seed Network takes {_shape(NETWORK_INPUT)} inputs, but "
                         f"the data's are {_shape(info.input_shape)}; set model.factory to a model for "
                         f"{_shape(info.input_shape)} inputs (e.g. --set model.factory=mypkg.models:resnet18)")
+    if config.name == "gpt" and not config.factory and len(info.input_shape) != 1:
+        raise UserError(f"model.name = 'gpt': takes token ids [seq_len], but the data's inputs are "
+                        f"{_shape(info.input_shape)}; train it on --set data.name=text or tokens (or a data.factory "
+                        "of int64 [N, T] pairs)")
     offered = accepted(import_object(key, spec), data_kwargs(info))
     return spec, {**offered, **config.kwargs}
 

@@ -44,6 +44,24 @@ def peak_flops(device_type: str, device_name: str, precision: str, override: flo
     return None
 
 
+def tokens_per_sample(inputs) -> int | None:
+    """T for integer sequence inputs [B, T] (token ids), else None: what tokens_per_second counts."""
+    if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 and not inputs.is_floating_point() \
+            and inputs.dtype != torch.bool:
+        return inputs.shape[1]
+    return None
+
+
+def flops_per_sample(model: nn.Module, inputs, targets, loss=None) -> float | None:
+    """A model that counts its own FLOPs per token (the built-in GPT: the decoder-transformer count torchtitan and
+    PaLM use), times the tokens of a sample; the FLOP counter's measurement for any other model."""
+    per_token = getattr(model, "flops_per_token", None)
+    tokens = tokens_per_sample(inputs)
+    if callable(per_token) and tokens:
+        return float(per_token(tokens)) * tokens
+    return count_flops_per_sample(model, inputs, targets, loss)
+
+
 def count_flops_per_sample(model: nn.Module, inputs, targets, loss=None) -> float | None:
     """Forward and backward FLOPs of one training sample, counted once on a real micro-batch of the plain module.
     Side-effect free: eval mode (no dropout draws, no batch-norm statistics), torch.autograd.grad (no .grad writes,
@@ -81,6 +99,7 @@ class Throughput:
         self.world_size = world_size
         self.skip_steps = skip_steps  # compile, allocator and DDP bucket warm-up stay out of the figures
         self.flops_per_sample: float | None = None
+        self.tokens_per_sample: int | None = None  # token-sequence inputs: tokens/s = samples/s x this
         self.peak_flops_per_device: float | None = None
         self.step_seconds = array("d")
         self.wait_seconds = array("d")
@@ -108,16 +127,21 @@ class Throughput:
         total = sum(steps)
         if not steps or total <= 0:
             return dict.fromkeys(("samples_per_second", "samples_per_second_per_device", "step_time_p50_s",
-                                  "step_time_p95_s", "data_wait_share", "mfu"))
+                                  "step_time_p95_s", "data_wait_share", "mfu", *self._token_keys()))
         ordered = sorted(steps)
         per_second = len(steps) * self.global_batch_size / total
         per_device = per_second / self.world_size
         mfu = None
         if self.flops_per_sample and self.peak_flops_per_device:
             mfu = self.flops_per_sample * per_device / self.peak_flops_per_device
-        return {"samples_per_second": per_second, "samples_per_second_per_device": per_device,
+        tokens = dict(zip(self._token_keys(), (per_second * (self.tokens_per_sample or 0),
+                                                per_device * (self.tokens_per_sample or 0))))
+        return {"samples_per_second": per_second, "samples_per_second_per_device": per_device, **tokens,
                 "step_time_p50_s": _quantile(ordered, 0.50), "step_time_p95_s": _quantile(ordered, 0.95),
                 "data_wait_share": sum(waits) / total, "mfu": mfu}
+
+    def _token_keys(self) -> tuple[str, ...]:
+        return ("tokens_per_second", "tokens_per_second_per_device") if self.tokens_per_sample else ()
 
     def window(self) -> dict:
         """Figures of the steps since the previous window(): what a log line shows."""

@@ -1,0 +1,144 @@
+"""The built-in GPT: a decoder-only transformer in the modern form (pre-norm RMSNorm, rotary positions, causal
+scaled_dot_product_attention, SwiGLU MLP, optional weight tying), and its FLOPs per token for MFU.
+
+Names follow torchtitan's Llama (tok_embeddings, layers.N.attention.wq/wk/wv/wo, feed_forward.w1/w2/w3, norm, output)
+so that a tensor-parallel plan can name the projections; each Block is one FSDP unit and one checkpointed block."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def rotary_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [seq_len, head_dim] of the rotary angles pos / base^(2i / head_dim), each angle twice (the two
+    halves of a head rotate together)."""
+    inverse = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inverse)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates each (x_i, x_{i + head_dim / 2}) pair of x [B, H, T, head_dim] by its position's angle."""
+    first, second = x.chunk(2, dim=-1)
+    rotated = torch.cat([-second, first], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention with rotary positions on q and k."""
+
+    def __init__(self, dim: int, n_heads: int):
+        super().__init__()
+        self.n_heads, self.head_dim = n_heads, dim // n_heads
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wk = nn.Linear(dim, dim, bias=False)
+        self.wv = nn.Linear(dim, dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, length, dim = x.shape
+        q, k, v = (w(x).view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
+                   for w in (self.wq, self.wk, self.wv))
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, length, dim))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """One pre-norm transformer layer: x + attention(norm(x)), then x + feed_forward(norm(x))."""
+
+    def __init__(self, dim: int, n_heads: int, hidden_dim: int, norm_eps: float):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(dim, eps=norm_eps)
+        self.attention = Attention(dim, n_heads)
+        self.ffn_norm = nn.RMSNorm(dim, eps=norm_eps)
+        self.feed_forward = FeedForward(dim, hidden_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+def swiglu_hidden(dim: int, multiple_of: int = 64) -> int:
+    """8/3 x dim (the SwiGLU width with the parameters of a 4 x dim GELU MLP), rounded up to multiple_of."""
+    return multiple_of * math.ceil(8 * dim / 3 / multiple_of)
+
+
+class GPT(nn.Module):
+    """Token ids [B, T] (T <= seq_len) -> next-token logits [B, T, vocab_size].
+
+    vocab_size and seq_len come from the data; n_layers, n_heads, dim, hidden_dim (0 = swiglu_hidden(dim)),
+    tie_weights (output projection = token embedding), rope_base and norm_eps from model.kwargs."""
+
+    # The Hugging Face convention that dist.shard_modules = auto reads: these classes are the FSDP units (and the
+    # blocks that speed.activation_checkpointing = blocks recomputes); the embedding and output stay in the root,
+    # which keeps tied weights in one unit.
+    _no_split_modules = ("Block",)
+
+    def __init__(self, vocab_size: int = 256, seq_len: int = 256, n_layers: int = 4, n_heads: int = 4, dim: int = 128,
+                 hidden_dim: int = 0, tie_weights: bool = True, rope_base: float = 10000.0, norm_eps: float = 1e-5):
+        super().__init__()
+        if dim % n_heads or (dim // n_heads) % 2:
+            raise ValueError(f"model.kwargs dim = {dim} must be n_heads ({n_heads}) x an even head size; "
+                             f"e.g. dim = {n_heads * 2 * max(1, dim // n_heads // 2)}")
+        self.vocab_size, self.seq_len, self.dim = vocab_size, seq_len, dim
+        self.n_layers, self.n_heads = n_layers, n_heads
+        self.tok_embeddings = nn.Embedding(vocab_size, dim)
+        self.layers = nn.ModuleList(Block(dim, n_heads, hidden_dim or swiglu_hidden(dim), norm_eps)
+                                    for _ in range(n_layers))
+        self.norm = nn.RMSNorm(dim, eps=norm_eps)
+        self.output = nn.Linear(dim, vocab_size, bias=False)
+        self.tie_weights = tie_weights
+        cos, sin = rotary_tables(seq_len, dim // n_heads, rope_base)
+        self.register_buffer("rope_cos", cos, persistent=False)  # recomputed on build: not in model.pt
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2's initialisation: normal(0, 0.02), the residual projections scaled by 1 / sqrt(2 x n_layers)."""
+        for name, param in self.named_parameters():
+            if param.dim() == 1:
+                nn.init.ones_(param)  # the RMSNorm gains
+            else:
+                residual = name.endswith(("attention.wo.weight", "feed_forward.w2.weight"))
+                nn.init.normal_(param, std=0.02 / math.sqrt(2 * self.n_layers) if residual else 0.02)
+        if self.tie_weights:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        length = tokens.shape[1]
+        if length > self.seq_len:
+            raise ValueError(f"a sequence of {length} tokens is longer than the model's seq_len {self.seq_len}")
+        cos, sin = self.rope_cos[:length], self.rope_sin[:length]
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.output(self.norm(x))
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token as torchtitan and PaLM count them: 6 x the parameters of the matrix products
+        (the embedding lookup is none, unless tied, when its table is the output projection's) plus the attention
+        scores and their weighted sum, 12 x layers x heads x head_dim x seq_len."""
+        params = sum(p.numel() for p in self.parameters())  # a tied table is counted once, as the output
+        if not self.tie_weights:
+            params -= self.tok_embeddings.weight.numel()
+        head_dim = self.dim // self.n_heads
+        return 6 * params + 12 * self.n_layers * self.n_heads * head_dim * (seq_len or self.seq_len)

@@ -1,0 +1,75 @@
+"""The GPT in scripts/bench.py (--model gpt): the trainer's config for a byte-level GPT on a text file, and the
+nanoGPT-style loop written by hand that it is timed against, doing the same arithmetic.
+
+The hand loop is what nanoGPT's train.py does per step: gather windows of the byte stream into (x, y) by slicing,
+model(x), cross-entropy over every position, backward, AdamW. Its windows are the trainer's own (the batch plan's
+sample order, then each sample's hashed start), so both take the same steps from the same weights."""
+
+from __future__ import annotations
+
+GPT_KWARGS = {"n_layers": 2, "n_heads": 4, "dim": 128}  # ~60 ms a step of 16 x 64 tokens on one CPU thread
+LR = 1e-3
+
+
+def gpt_overrides(args) -> list[str]:
+    """The data and model keys of the GPT runs (the common keys come from bench.common_overrides)."""
+    kwargs = ", ".join(f"{key} = {value}" for key, value in GPT_KWARGS.items())
+    return ["data.name=text", f"data.root={args.text}", f"data.seq_len={args.seq_len}", "model.name=gpt",
+            f"model.kwargs={{{kwargs}}}", "train.optimizer=adamw", f"train.lr={LR}", "train.weight_decay=0.0"]
+
+
+def byte_stream(args, runtime):
+    """The training bytes, as the trainer's text source holds them."""
+    from distrib.config import load_config
+    from distrib.data.text import text_streams
+
+    return text_streams(load_config(None, gpt_overrides(args)).data)[0]
+
+
+class GptHandLoop:
+    """nanoGPT's loop on distrib's GPT: plain DDP, windows sliced from the byte tensor, AdamW."""
+
+    def __init__(self, args, runtime, stream):
+        import torch
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        from distrib.data import BatchPlan
+        from distrib.models.gpt import GPT
+
+        torch.manual_seed(0)  # as the worker seeds before building the model: the same initial weights
+        self.model = DDP(GPT(vocab_size=256, seq_len=args.seq_len, **GPT_KWARGS))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR, weight_decay=0.0)
+        self.stream, self.seq_len = stream, args.seq_len
+        self.plan = BatchPlan((len(stream) - 1) // args.seq_len, args.batch, 1, runtime.rank, runtime.world_size, 0)
+        self.order, self.loss = None, None
+
+    def batch(self, step: int):
+        import torch
+
+        from distrib.data.text import window_starts
+
+        epoch, step_in_epoch = divmod(step, self.plan.steps_per_epoch)
+        if step_in_epoch == 0:
+            self.order = self.plan.order(epoch)
+        indices = self.plan.micro_batches(self.order, step_in_epoch)[0]
+        starts = window_starts(0, epoch, indices.numpy(), len(self.stream) - self.seq_len).tolist()
+        x = torch.stack([self.stream[s:s + self.seq_len] for s in starts]).long()
+        y = torch.stack([self.stream[s + 1:s + 1 + self.seq_len] for s in starts]).long()
+        return x, y
+
+    def step(self, step: int) -> None:
+        import torch.nn.functional as F
+
+        x, y = self.batch(step)
+        logits = self.model(x)
+        self.loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+        self.optimizer.zero_grad(set_to_none=True)
+        self.loss.backward()
+        self.optimizer.step()
+
+    def final_loss(self, world_size: int) -> float:
+        import torch
+
+        final = self.loss.detach()
+        torch.distributed.all_reduce(final)
+        return final.item() / world_size

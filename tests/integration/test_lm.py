@@ -1,0 +1,125 @@
+"""Language models end to end: the built-in GPT on `data.name = text` learns a real text (it beats the text's unigram
+model by a clear margin) and `distrib generate` repeats itself for one seed; a `tokens` dataset trains at world size
+2 under fsdp as at world size 1, and a worker killed mid-run is restarted and ends bitwise where the uninterrupted
+run ends."""
+
+import collections
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from support import assert_ok, distrib, kill_tree, max_relative_diff, sets, torchrun_train
+
+from distrib.config import load_config
+from distrib.worker import run_training
+
+# Debian's base-files package (Essential: on every Debian system) ships it; a fixed 35 kB of English prose.
+TEXT = Path("/usr/share/common-licenses/GPL-3")
+TINY_GPT = "model.kwargs={n_layers = 2, n_heads = 2, dim = 64}"
+COMMON = ["model.name=gpt", "train.optimizer=adamw", "run.progress=false", "dist.device=cpu", "train.epochs=0",
+          "train.eval_every_epochs=0", "checkpoint.every_steps=0"]
+
+
+def unigram_loss(train: bytes, test: bytes) -> float:
+    """Cross-entropy (nats per byte) of the held-out bytes under the training bytes' frequencies, add-one smoothed
+    over the 256 byte values: the best a model that ignores context can do."""
+    counts = collections.Counter(train)
+    total = len(train) + 256
+    return -sum(math.log((counts[b] + 1) / total) for b in test) / len(test)
+
+
+@pytest.mark.timeout(240)
+def test_gpt_on_text_beats_the_unigram_model_and_generate_repeats_for_a_seed(tmp_path):
+    config = load_config(None, [*COMMON, "data.name=text", f"data.root={TEXT}", "data.seq_len=64", TINY_GPT,
+                                "train.lr=3e-3", "train.warmup_steps=20", "train.max_steps=300",
+                                "train.global_batch_size=32", "train.log_every=100", f"run.dir={tmp_path}"])
+    summary = run_training(config)
+    raw = TEXT.read_bytes()
+    split = len(raw) - round(len(raw) * 0.1)
+    baseline = unigram_loss(raw[:split], raw[split:])
+    assert summary["test_loss"] < baseline - 0.5, (summary["test_loss"], baseline)  # 3.51 vs 2.60 nats here
+    assert summary["test_perplexity"] == pytest.approx(math.exp(summary["test_loss"]))
+    assert summary["tokens_per_second"] == pytest.approx(summary["samples_per_second"] * 64)
+    assert summary["mfu"] > 0 and summary["flops_per_sample"] > 0
+
+    prompt = ["generate", str(tmp_path), "--prompt", "This License ", "--max-new-tokens", "60", "--temperature",
+              "0.8", "--top-k", "20"]
+    first, second, other = (distrib(*prompt, "--seed", seed, timeout=120) for seed in ("7", "7", "8"))
+    for result in (first, second, other):
+        assert_ok(result)
+    assert first.stdout == second.stdout and first.stdout != other.stdout
+    assert len(first.stdout.rstrip("\n").encode("utf-8", errors="replace")) >= 50  # 60 bytes (U+FFFD takes 3)
+
+
+TOKENS = ["data.name=tokens", "data.vocab_size=64", "data.seq_len=16", "model.kwargs={n_layers = 1, n_heads = 2, "
+          "dim = 16}", "train.lr=3e-3", "train.warmup_steps=5", "train.global_batch_size=8", "train.log_every=20"]
+
+
+def _write_tokens(root: Path) -> None:
+    """A learnable uint16 stream (a noisy counter modulo 64) as nanoGPT's train.bin and val.bin."""
+    rng = np.random.default_rng(0)
+    stream = (np.arange(12_000) + rng.integers(0, 3, 12_000)) % 64
+    root.mkdir(parents=True)
+    stream[:10_000].astype(np.uint16).tofile(root / "train.bin")
+    stream[10_000:].astype(np.uint16).tofile(root / "val.bin")
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _worker_pid(marker: str, local_rank: int) -> int | None:
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes().decode()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if marker in cmdline and f"LOCAL_RANK={local_rank}".encode() in environ:
+            return int(entry.name)
+    return None
+
+
+@pytest.mark.timeout(600)
+def test_tokens_under_fsdp_agree_with_one_process_and_resume_bitwise_after_a_kill(tmp_path):
+    data = tmp_path / "data"
+    _write_tokens(data)
+    run = [*COMMON, *TOKENS, f"data.root={data}", "train.max_steps=160", "dist.strategy=fsdp",
+           "checkpoint.every_steps=20"]
+    assert_ok(torchrun_train(2, *sets(*run, f"run.dir={tmp_path}/whole"), timeout=300))
+    whole = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)
+
+    # World size 1 (ddp) takes the same global batches: the first 12 steps agree with the 2-rank fsdp run's.
+    short = [*COMMON, *TOKENS, f"data.root={data}", "train.max_steps=12", "train.schedule=constant"]
+    one = run_training(load_config(None, [*short, f"run.dir={tmp_path}/one"]))
+    assert_ok(torchrun_train(2, *sets(*short, "dist.strategy=fsdp", f"run.dir={tmp_path}/two"), timeout=300))
+    two = torch.load(tmp_path / "two" / "model.pt", weights_only=True)
+    assert max_relative_diff(torch.load(tmp_path / "one" / "model.pt", weights_only=True), two) < 1e-5
+    assert one["test_perplexity"] == pytest.approx(math.exp(one["test_loss"]))
+
+    marker = f"run.dir={tmp_path}/killed"
+    cmd = [sys.executable, "-m", "distrib", "launch", "--nproc-per-node=2", "--max-restarts=1", "-m", "distrib",
+           "train", *sets(*run, marker)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        _wait_for((tmp_path / "killed" / "checkpoints" / "step_00000040").exists, 240, "a checkpoint")
+        os.kill(_wait_for(lambda: _worker_pid(marker, 1), 30, "worker 1"), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        kill_tree(proc)
+    assert proc.returncode == 0, out[-4000:]
+    killed = torch.load(tmp_path / "killed" / "model.pt", weights_only=True)
+    assert killed.keys() == whole.keys() and all(torch.equal(killed[k], whole[k]) for k in whole)
