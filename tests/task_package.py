@@ -178,6 +178,15 @@ def tagger(in_features, labels=5):
     return nn.Sequential(nn.Linear(in_features, 16), nn.ReLU(), nn.Linear(16, labels))
 
 
+def gpt2(vocab_size=256, seq_len=16):
+    """A Hugging Face GPT-2 from a tiny config: nothing downloaded, no dropout (world sizes must agree)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=vocab_size, n_positions=seq_len, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config)
+
+
 def ten_outputs(seq_len):
     """[B, 10] for [B, T] targets: one logit vector per sequence, not per position."""
     return nn.Sequential(nn.Embedding(256, 8), nn.Flatten(), nn.Linear(8 * seq_len, 10))
