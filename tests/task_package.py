@@ -60,6 +60,16 @@ class Unexpected(TokenDicts):
         return {**super().__getitem__(index), "token_type_ids": torch.zeros_like(self.ids[index])}
 
 
+class Unlabelled(TokenDicts):
+    def __getitem__(self, index):
+        return {"input_ids": self.ids[index]}
+
+
+def dict_lm_no_labels():
+    train, test = dict_lm()
+    return Unlabelled(train.ids), Unlabelled(test.ids)
+
+
 def dict_lm_extra_key():
     train, test = dict_lm()
     return Unexpected(train.ids), Unexpected(test.ids)

@@ -147,6 +147,11 @@ def test_regression_with_mse_and_a_user_metric_at_world_sizes_1_and_2(task_root,
         assert summary["test_loss"] == pytest.approx(F.mse_loss(outputs, test_y.double()).item(), rel=1e-5)
         assert summary["test_mae"] == pytest.approx((outputs - test_y).abs().mean().item(), rel=1e-5)
         assert not [key for key in summary if "accuracy" in key or "perplexity" in key]
+    from distrib import cli
+
+    assert cli.main(["eval", str(tmp_path / "one")]) == 0  # the trained model's task and metric, as in training
+    evaluated = json.loads((tmp_path / "one" / "eval.json").read_text())
+    assert (evaluated["test_loss"], evaluated["test_mae"]) == (one["test_loss"], one["test_mae"])
 
 
 @pytest.mark.timeout(400)
@@ -185,6 +190,8 @@ EARLIER = {"config.toml": b"[run]\ndir = 'earlier'\n", "model.pt": b"earlier wei
      ["to [2, 10]", "targets are int64 [2, 16]", "[2, 16, C]"]),
     (["data.factory=taskpkg.data:dict_lm_extra_key", "model.factory=taskpkg.models:dict_lm"],
      ["'token_type_ids'", "DictLM.forward(input_ids, attention_mask, labels)"]),
+    (["data.factory=taskpkg.data:dict_lm_no_labels", "model.factory=taskpkg.models:dict_lm"],
+     ["{input_ids: int64 [16]} have no targets", "returned no loss"]),
     (["data.factory=taskpkg.data:regression", "model.factory=taskpkg.models:tagger", "train.loss=mse"],
      ["to [2, 5]", "targets are float32 [2]", "needs [2]"]),
 ])
