@@ -11,11 +11,11 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
-from support import REPO, SMALL, assert_ok, distrib, load_weights, max_relative_diff, run, sets
-from task_package import write_task_package
 
 from distrib.config import load_config
 from distrib.worker import run_training
+from tests.helpers.support import REPO, SMALL, assert_ok, distrib, load_weights, max_relative_diff, run, sets
+from tests.helpers.task_package import write_task_package
 
 BASE = [*SMALL, "train.epochs=0", "train.warmup_steps=2", "train.log_every=4", "train.global_batch_size=16"]
 GPT = [*BASE, "data.factory=taskpkg.data:bytes_lm", "model.factory=taskpkg.models:gpt", "train.max_steps=12",
