@@ -30,6 +30,8 @@ EARLIER = {"config.toml": b"[run]\ndir = 'earlier'\n", "model.pt": b"earlier wei
      ["to [2, 10]", "targets are int64 [2, 16]", "[2, 16, C]"]),
     (["data.factory=taskpkg.data:dict_lm_extra_key", "model.factory=taskpkg.models:dict_lm"],
      ["'token_type_ids'", "DictLM.forward(input_ids, attention_mask, labels)"]),
+    (["data.factory=taskpkg.data:dict_lm_no_labels", "model.factory=taskpkg.models:dict_lm"],
+     ["{input_ids: int64 [16]} have no targets", "returned no loss"]),
     (["data.factory=taskpkg.data:regression", "model.factory=taskpkg.models:tagger", "train.loss=mse"],
      ["to [2, 5]", "targets are float32 [2]", "needs [2]"]),
 ])
