@@ -9,7 +9,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch.nn as nn
 
 from distrib.config import Config, load_config
-from distrib.errors import ConfigError
+from distrib.errors import ConfigError, UserError
 
 
 def _toml_text(value: Any) -> str:
@@ -66,9 +66,24 @@ def fit(model: nn.Module | Callable[..., nn.Module], train_data, test_data,
     from distrib.data import data_from_datasets
     from distrib.distributed.runtime import open_runtime
     from distrib.launch.rundir import environment_faults
-    from distrib.worker import train_on
+    from distrib.worker import peers_lost, train_on
 
-    resolved = resolve_config(config, overrides)
-    with environment_faults(), open_runtime(resolved.dist) as runtime:  # train_on locks the run's folders
-        data = data_from_datasets(train_data, test_data, resolved.data, runtime, resolved.train.seed)
-        return train_on(resolved, runtime, data=data, model=model, loss_fn=loss_fn, metrics=tuple(metrics))
+    try:
+        resolved = resolve_config(config, overrides)
+        with environment_faults(), open_runtime(resolved.dist) as runtime, peers_lost(resolved, runtime):
+            data = data_from_datasets(train_data, test_data, resolved.data, runtime, resolved.train.seed)
+            return train_on(resolved, runtime, data=data, model=model, loss_fn=loss_fn,
+                                metrics=tuple(metrics))  # it locks run.dir
+    except Exception as e:
+        _record(e)
+        if isinstance(e, UserError):  # its one line says it all: not the chain of exceptions that led to it
+            raise e.with_traceback(None) from None
+        raise
+
+
+def _record(error: Exception) -> None:
+    """Under torchrun or distrib launch (TORCHELASTIC_ERROR_FILE set), the exception's type and message go to torch's
+    error file, as @record on an entry point does: the launcher's last line then names them, not just an exit code."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    ErrorHandler().record_exception(error)

@@ -273,8 +273,8 @@ class CheckpointConfig:
             if name.removeprefix("SIG") in ("KILL", "STOP"):
                 _fail("checkpoint", "signals", self.signals, f"{name} cannot be caught, so no checkpoint can follow it",
                       "e.g. --set checkpoint.signals=SIGTERM,SIGUSR1")
-        if self.keep_last < 2:
-            _fail("checkpoint", "keep_last", self.keep_last, "must be >= 2 so a good checkpoint always survives",
+        if self.keep_last < 1:  # 1 is safe: a new checkpoint is in place before the previous one is pruned
+            _fail("checkpoint", "keep_last", self.keep_last, "must be >= 1 (the newest checkpoint is always kept)",
                   "e.g. --set checkpoint.keep_last=2")
         _choice("checkpoint", self, "foreign", ("refuse", "keep"))
         if not self.resume:
@@ -357,11 +357,19 @@ class Config:
         if self.checkpoint.async_save and self.dist.strategy != "fsdp":
             raise ConfigError("checkpoint.async_save = true: asynchronous saves write sharded (fsdp) checkpoints; "
                               "set --set dist.strategy=fsdp or --set checkpoint.async_save=false")
-        if self.checkpoint.keep_best and self.dist.strategy == "fsdp":  # best_*.pt are single-file checkpoints
-            raise ConfigError(f"checkpoint.keep_best = {self.checkpoint.keep_best}: not yet with dist.strategy = "
-                              "'fsdp' (sharded checkpoints keep only the last ones); set --set checkpoint.keep_best=0")
         _needs_ema("checkpoint", "best_metric", self.checkpoint.best_metric if self.checkpoint.keep_best else "",
                    self.train.ema_decay)
+
+
+def check_world_size(global_batch_size: int, grad_accum_steps: int, world_size: int) -> None:
+    """train.global_batch_size splits into world_size x train.grad_accum_steps equal micro-batches: checked by each
+    worker's batch plan, and by the launcher before any worker starts."""
+    parts = world_size * grad_accum_steps
+    if global_batch_size % parts:
+        low = global_batch_size // parts * parts or parts
+        raise ConfigError(f"train.global_batch_size = {global_batch_size}: must divide into world_size "
+                          f"({world_size}) x train.grad_accum_steps ({grad_accum_steps}) = {parts} equal "
+                          f"micro-batches; use {low} or {low + parts}")
 
 
 def _sections() -> dict[str, type]:

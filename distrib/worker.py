@@ -8,21 +8,23 @@ A SLURM cluster:             sbatch --nodes 2 scripts/slurm/train.sbatch configs
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-from distrib.checkpoint.best import BestCheckpoints
-from distrib.checkpoint.format import Checkpointer, CheckpointError, check_compatible, save_atomic, set_rng_state
-from distrib.checkpoint.sharded import ShardedCheckpointer, committing, make_checkpointer
+from distrib.checkpoint import BestCheckpoints, Checkpointer, CheckpointError, committing, make_checkpointer
+from distrib.checkpoint.format import save_atomic, set_rng_state
 from distrib.config import Config, to_dict, write_resolved
 from distrib.data import Data, DataInfo, load_data, make_plan
 from distrib.distributed.agreement import RankAgreement
 from distrib.distributed.parallel import full_model_state, memory_report, parallelize, place_model, sync_batchnorm
 from distrib.distributed.runtime import LaunchEnv, Runtime, collective_timeouts, open_runtime
+from distrib.errors import say
 from distrib.factory import accepted, call_factory
 from distrib.launch.preempt import Preempted, parse_signals, stop_on_signals
 from distrib.launch.rundir import checkpoint_dir, environment_faults, own_folders
@@ -42,8 +44,15 @@ ModelArg = nn.Module | Callable[..., nn.Module] | None  # distrib.fit's model: a
 
 def run_training(config: Config, env: LaunchEnv | None = None) -> dict:
     """Trains on this worker's device inside an open process group; returns the run's summary."""
-    with environment_faults(), open_runtime(config.dist, env) as runtime:
+    with environment_faults(), open_runtime(config.dist, env) as runtime, peers_lost(config, runtime):
         return train_on(config, runtime)  # which locks run.dir and checkpoint.dir once the input is checked
+
+
+def peers_lost(config: Config, runtime: Runtime):
+    """Before (and after) the training steps too, a peer that died or hangs is one line naming it (PeerLostError,
+    CollectiveTimeoutError), not gloo's traceback: e.g. rank 0 waiting in the run.dir lock's broadcast while rank 1
+    failed on its input."""
+    return collective_timeouts(config.dist.timeout_s, lambda: "before training", runtime.peers)
 
 
 def _total_steps(config: Config, steps_per_epoch: int) -> int:
@@ -59,22 +68,24 @@ def _best(config: Config, runtime: Runtime) -> BestCheckpoints | None:
 
 
 def _checkpointer(config: Config, runtime: Runtime, state: TrainState, global_batch_size: int,
-                  info: DataInfo) -> Checkpointer | ShardedCheckpointer:
-    ckpt = config.checkpoint
-    return make_checkpointer(ckpt, config.dist.strategy, checkpoint_dir(config), runtime,
-                             lambda: {**state.state_dict(global_batch_size), "config": to_dict(config),
-                                      "world_size": runtime.world_size, "data_seed": config.train.seed,
-                                      "global_batch_size": global_batch_size, "data": info.to_dict()})
+                  info: DataInfo) -> Checkpointer:
+    def collect(named: bool = False) -> dict:  # named: the view a sharded checkpoint is loaded into
+        return {**state.state_dict(global_batch_size, named), "config": to_dict(config),
+                "world_size": runtime.world_size, "data_seed": config.train.seed,
+                "global_batch_size": global_batch_size, "data": info.to_dict()}
+
+    return make_checkpointer(config.checkpoint, config.dist.strategy, checkpoint_dir(config), runtime, collect,
+                             run_config=to_dict(config))
 
 
-def _resume(state: TrainState, config: Config, runtime: Runtime, checkpointer: Checkpointer | ShardedCheckpointer,
+def _resume(state: TrainState, config: Config, runtime: Runtime, checkpointer: Checkpointer,
             global_batch_size: int, notes: list[str]) -> int | None:
-    """Loads the checkpoint that rank 0 chose into the state; the resumed step, or None for a fresh start."""
+    """Loads the checkpoint that rank 0 chose (checked against this run's config) into the state; the resumed step,
+    or None for a fresh start."""
     loaded = checkpointer.load(config.checkpoint.resume, notes.append)
     if loaded is None:
         return None
     path = checkpointer.resumed_from
-    changed = check_compatible(str(path), loaded["config"], to_dict(config), config.checkpoint.allow_config_change)
     try:
         state.load_state_dict(loaded, global_batch_size)
     except (RuntimeError, KeyError, ValueError, TypeError) as e:  # another model's or optimizer's tensors
@@ -83,13 +94,39 @@ def _resume(state: TrainState, config: Config, runtime: Runtime, checkpointer: C
                               f"({type(e).__name__}: {reason[:300]}); resume it with the config it was taken with, "
                               "or start afresh with a new run.dir") from None
     if state.best and config.checkpoint.resume == "auto":
-        state.best.drop_abandoned(state.progress.step)
+        state.best.drop_abandoned(state.progress.step, checkpointer.run_id)
     if loaded["world_size"] == runtime.world_size:  # per-rank RNG streams only map onto the same ranks
         set_rng_state(loaded["rng"][runtime.rank], runtime)
     notes.append(f"resumed at step {state.progress.step} (epoch {state.progress.epoch}) from a checkpoint taken at "
-                 f"world size {loaded['world_size']}; restart count {runtime.restart_count}"
-                 + (f"; allowed changes: {'; '.join(changed)}" if changed else ""))
+                 f"world size {loaded['world_size']}; restart count {runtime.restart_count}")
     return state.progress.step
+
+
+def _finished_summary(config: Config, runtime: Runtime, state: TrainState, total_steps: int) -> dict | None:
+    """The summary of a resumed run that has nothing left to train (its steps done, or stopped early), after one line
+    that says so and how to retrain or extend; None when steps are left, or when run.dir holds no summary of that
+    step (the run ended before writing it: then it ends the usual way, evaluation and summary included)."""
+    step, early_stop = state.progress.step, state.early_stop
+    stopped_early = early_stop is not None and early_stop.stopped
+    if step < total_steps and not stopped_early:
+        return None
+    found = [_read_summary(Path(config.run.dir) / "summary.json", step) if runtime.is_main else None]
+    dist.broadcast_object_list(found, src=0)  # every rank returns, or every rank trains on: the same collectives
+    summary = found[0]
+    if summary is not None and runtime.is_main:
+        done = early_stop.reason() if stopped_early else f"{step} of {total_steps} steps done"
+        extend = "" if stopped_early else "; to extend it, raise train.max_steps or train.epochs"
+        say(f"distrib: {config.run.dir}: the run is finished ({done}), nothing to train; its summary.json is left as "
+            f"it was. To retrain, give a new run.dir or --set checkpoint.resume=never{extend}")
+    return summary
+
+
+def _read_summary(path: Path, step: int) -> dict | None:
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):  # none, or unreadable: the run ends the usual way and writes it anew
+        return None
+    return summary if isinstance(summary, dict) and summary.get("steps") == step else None
 
 
 def _model(config: Config, runtime: Runtime, data: Data, model: ModelArg, notes: list[str]) -> nn.Module:
@@ -138,6 +175,9 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
                           total_steps, runtime.device, best=_best(config, runtime), log=notes.append)
         checkpointer = _checkpointer(config, runtime, state, plan.global_batch_size, data.info)
         resumed_from = _resume(state, config, runtime, checkpointer, plan.global_batch_size, notes)
+        finished = _finished_summary(config, runtime, state, total_steps) if resumed_from is not None else None
+        if finished is not None:
+            return finished  # nothing written: summary.json, config.toml and metrics.jsonl stay as they were
         recorder = Recorder(Path(config.run.dir), runtime.is_main, config.run.progress, metrics=config.metrics,
                             run_ids=state.tracker_ids)
         if runtime.is_main:  # only now: a run that failed above left the earlier run's config.toml as it was
@@ -156,14 +196,31 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
                     committing(checkpointer):
                 agreement = RankAgreement(stop, runtime.device, runtime.world_size, synced_at=state.progress.step)
                 evaluator = _evaluator(config, runtime, data, loss, task)
-                trainer = Trainer(state, loss, config.train, runtime.device, plan, total_steps, evaluator, recorder,
-                                  meter, agreement, checkpointer, on_step_end)
+                trainer = Trainer(state=state, loss=loss, config=config.train, device=runtime.device, plan=plan,
+                                  total_steps=total_steps, evaluate=evaluator, recorder=recorder, meter=meter,
+                                  agreement=agreement, checkpointer=checkpointer,
+                                  on_step_end=_after_step(runtime, on_step_end))
                 metrics = trainer.train(data.train)
         except BaseException as e:  # flush metrics and trackers now: the CLI's os._exit skips finalisers
             recorder.close("preempted" if isinstance(e, Preempted) else "failed")
             raise
         return _finish(config, runtime, data, state, metrics, meter, recorder, resumed_from, start,
                        model is None)
+
+
+def _after_step(runtime: Runtime, on_step_end: Callable[[int], None] | None) -> Callable[[int], None] | None:
+    """A heartbeat that names the step just finished (a stopped rank is then named at its true step), then the
+    caller's on_step_end."""
+    peers = runtime.peers
+    if peers is None:
+        return on_step_end
+
+    def after_step(step: int) -> None:
+        peers.step_done()
+        if on_step_end:
+            on_step_end(step)
+
+    return after_step
 
 
 def _evaluator(config: Config, runtime: Runtime, data: Data, loss: Loss, task: Task) -> Callable[[nn.Module], dict]:

@@ -131,8 +131,9 @@ SMALL = ["data.name=synthetic", "data.synthetic_train_size=256", "data.synthetic
 @pytest.mark.timeout(120)
 def test_checkpoint_time_is_not_step_time(tmp_path, monkeypatch):
     """A virtual clock: each reading moves it 1 ms, and every save 100 s. Steps stay milliseconds long."""
-    from distrib import checkpoint, throughput
+    from distrib.checkpoint import format as checkpoint
     from distrib.config import load_config
+    from distrib.training import throughput
     from distrib.worker import run_training
 
     clock = [0.0]

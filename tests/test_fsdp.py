@@ -19,7 +19,7 @@ from test_resume import _wait_for, _worker_pid
 from distrib.checkpoint.sharded import _choose, list_sharded
 from distrib.config import load_config
 from distrib.errors import ConfigError
-from distrib.worker import run
+from distrib.worker import run_training
 
 # 203 test samples in batches of 50: 5 evaluation batches, 2 and 3 per rank at world size 2, so fsdp pads one.
 BASE = ["data.name=synthetic", "data.synthetic_train_size=1536", "data.synthetic_test_size=203",
@@ -70,7 +70,7 @@ def fsdp_whole(tmp_path_factory) -> Path:
 
 @pytest.mark.timeout(300)
 def test_fsdp_and_ddp_at_world_size_2_equal_one_process(tmp_path, fsdp_whole):
-    one = run(load_config(None, [*BASE, f"run.dir={tmp_path}/one"]))
+    one = run_training(load_config(None, [*BASE, f"run.dir={tmp_path}/one"]))
     # ddp with activation checkpointing on named blocks: recomputing changes memory, not the result
     assert_ok(torchrun_train(2, *_sets(tmp_path / "ddp", "speed.activation_checkpointing=blocks",
                                        'dist.shard_modules=["Linear", "Conv2d"]')))
@@ -104,7 +104,8 @@ def test_sharded_checkpoint_resumes_at_world_sizes_1_and_3(tmp_path, fsdp_whole,
     shutil.copytree(source / "step_00000020", broken)
     (broken / "__1_0.distcp").unlink()
 
-    one = run(load_config(None, [*BASE, f"run.dir={tmp_path}/one", *FSDP, "speed.activation_checkpointing=blocks"]))
+    one = run_training(load_config(None, [*BASE, f"run.dir={tmp_path}/one", *FSDP,
+                                          "speed.activation_checkpointing=blocks"]))
     assert one["world_size"] == 1 and one["resumed_from_step"] == 10
     assert "step_00000020: __1_0.distcp is missing" in capsys.readouterr().err
     assert max_relative_diff(load_weights(tmp_path / "one"), load_weights(fsdp_whole)) < 1e-5
@@ -207,7 +208,7 @@ def test_named_blocks_that_the_model_lacks_are_refused():
 
 
 def test_only_the_runtime_names_the_accelerator():
-    for name in ("fsdp.py", "checkpoint_sharded.py", "parallel.py"):
+    for name in ("distributed/fsdp.py", "checkpoint/sharded.py", "distributed/parallel.py"):
         assert not re.search(r"cuda|nccl|gloo", (REPO / "distrib" / name).read_text().lower()), name
 
 
@@ -242,9 +243,9 @@ def test_ema_shards_are_checkpointed_and_resume_bitwise(tmp_path):
     from support import small_config
 
     common = ("dist.strategy=fsdp", "train.ema_decay=0.9", "train.schedule_steps=12", "checkpoint.every_steps=6")
-    run(small_config(tmp_path / "whole", *common, "train.max_steps=12"))
-    run(small_config(tmp_path / "resumed", *common, "train.max_steps=6"))
-    summary = run(small_config(tmp_path / "resumed", *common, "train.max_steps=12"))
+    run_training(small_config(tmp_path / "whole", *common, "train.max_steps=12"))
+    run_training(small_config(tmp_path / "resumed", *common, "train.max_steps=6"))
+    summary = run_training(small_config(tmp_path / "resumed", *common, "train.max_steps=12"))
     assert summary["resumed_from_step"] == 6
     for name in ("model.pt", "model_ema.pt"):
         whole, resumed = (torch.load(tmp_path / run_dir / name, weights_only=True) for run_dir in ("whole", "resumed"))

@@ -9,7 +9,8 @@ import pytest
 import torch
 from test_rundir import snapshot
 
-from distrib import checkpoint, cli
+from distrib import cli
+from distrib.checkpoint import format as checkpoint
 from distrib.config import load_config
 from distrib.errors import EXIT_ENVIRONMENT, UserError
 from distrib.worker import run_training

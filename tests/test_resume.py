@@ -16,7 +16,7 @@ from support import assert_ok, kill_tree, max_relative_diff, torchrun_train
 from support import run as run_cmd
 
 from distrib.config import load_config
-from distrib.worker import run
+from distrib.worker import run_training
 
 BASE = ["data.name=synthetic", "data.synthetic_train_size=1536", "data.synthetic_test_size=200", "run.progress=false",
         "train.global_batch_size=32", "train.schedule=constant", "train.warmup_steps=5", "train.log_every=10",
@@ -60,9 +60,9 @@ def _flatten(tree, prefix=""):
 @pytest.mark.timeout(180)
 def test_stop_and_resume_is_bitwise_at_world_size_1(tmp_path):
     # 25 is mid-epoch (48 steps per epoch) and the rest crosses an epoch boundary.
-    run(load_config(None, [*BASE, f"run.dir={tmp_path}/whole", "train.max_steps=60"]))
-    run(load_config(None, [*BASE, f"run.dir={tmp_path}/parts", "train.max_steps=25"]))
-    resumed = run(load_config(None, [*BASE, f"run.dir={tmp_path}/parts", "train.max_steps=60"]))
+    run_training(load_config(None, [*BASE, f"run.dir={tmp_path}/whole", "train.max_steps=60"]))
+    run_training(load_config(None, [*BASE, f"run.dir={tmp_path}/parts", "train.max_steps=25"]))
+    resumed = run_training(load_config(None, [*BASE, f"run.dir={tmp_path}/parts", "train.max_steps=60"]))
     assert resumed["resumed_from_step"] == 25 and resumed["steps"] == 60
     _assert_bitwise(_final(tmp_path / "parts"), _final(tmp_path / "whole"))
     assert _final(tmp_path / "whole")["progress"]["step"] == 60
@@ -78,7 +78,7 @@ def test_stop_and_resume_at_world_size_2_and_move_the_checkpoint_to_world_size_1
     assert _summary(tmp_path / "parts")["resumed_from_step"] == 25
     _assert_bitwise(_final(tmp_path / "parts"), _final(tmp_path / "whole"))
 
-    moved = run(load_config(None, [*BASE, f"run.dir={tmp_path}/moved", "train.max_steps=60"]))
+    moved = run_training(load_config(None, [*BASE, f"run.dir={tmp_path}/moved", "train.max_steps=60"]))
     assert moved["world_size"] == 1 and moved["resumed_from_step"] == 25
     assert max_relative_diff(_final(tmp_path / "moved")["model"], _final(tmp_path / "whole")["model"]) < 1e-5
 
@@ -87,11 +87,12 @@ def test_stop_and_resume_at_world_size_2_and_move_the_checkpoint_to_world_size_1
 def test_a_changed_global_batch_is_refused_unless_allowed(tmp_path):
     from distrib.checkpoint.format import CheckpointError
 
-    run(load_config(None, [*BASE, f"run.dir={tmp_path}", "train.max_steps=12"]))
+    run_training(load_config(None, [*BASE, f"run.dir={tmp_path}", "train.max_steps=12"]))
     with pytest.raises(CheckpointError, match=r"train.global_batch_size: 32 -> 64.*allow_config_change=true"):
-        run(load_config(None, [*BASE, f"run.dir={tmp_path}", "train.max_steps=20", "train.global_batch_size=64"]))
-    allowed = run(load_config(None, [*BASE, f"run.dir={tmp_path}", "train.max_steps=20", "train.global_batch_size=64",
-                                     "checkpoint.allow_config_change=true"]))
+        run_training(load_config(None, [*BASE, f"run.dir={tmp_path}", "train.max_steps=20",
+                                        "train.global_batch_size=64"]))
+    allowed = run_training(load_config(None, [*BASE, f"run.dir={tmp_path}", "train.max_steps=20",
+                                              "train.global_batch_size=64", "checkpoint.allow_config_change=true"]))
     assert allowed["resumed_from_step"] == 12 and allowed["steps"] == 20
     # 12 steps x 32 samples = 384 samples into epoch 0 = step 6 of 64 samples: the same data position.
     assert _final(tmp_path)["progress"] == {"step": 20, "epoch": 0, "step_in_epoch": 14, "samples_in_epoch": 896}
@@ -184,12 +185,12 @@ def test_sigterm_to_the_launcher_checkpoints_exits_75_and_the_next_run_resumes(t
 @pytest.mark.timeout(300)
 def test_sigterm_to_one_process_checkpoints_exits_75_and_the_next_run_resumes(tmp_path):
     steps = ["train.max_steps=300", "train.schedule=cosine", "checkpoint.every_steps=20"]
-    run(load_config(None, [*BASE, f"run.dir={tmp_path}/whole", *steps]))
+    run_training(load_config(None, [*BASE, f"run.dir={tmp_path}/whole", *steps]))
     cmd = [sys.executable, "-m", "distrib", "train", *_sets(tmp_path / "stopped", *steps)]
     _stop_with_sigterm(cmd, tmp_path / "stopped" / "checkpoints" / "step_00000020.pt")
     stopped_at = _final(tmp_path / "stopped")["progress"]["step"]
     assert 20 <= stopped_at < 300
-    resumed = run(load_config(None, [*BASE, f"run.dir={tmp_path}/stopped", *steps]))
+    resumed = run_training(load_config(None, [*BASE, f"run.dir={tmp_path}/stopped", *steps]))
     assert resumed["resumed_from_step"] == stopped_at
     _assert_bitwise(_final(tmp_path / "stopped"), _final(tmp_path / "whole"))
 
@@ -204,10 +205,11 @@ def test_extending_a_run_keeps_its_schedule_only_with_schedule_steps(tmp_path):
     """train.schedule_steps fixes the cosine's length: stopping at 12 and extending to 24 is bitwise the 24-step run.
     Without it, the extension recomputes the schedule: the learning rate jumps from 0 back up."""
     cosine = ["train.schedule=cosine", "train.warmup_steps=2", "train.log_every=1", "train.lr=0.05"]
-    run(load_config(None, [*BASE, *cosine, f"run.dir={tmp_path}/whole", "train.max_steps=24"]))
+    run_training(load_config(None, [*BASE, *cosine, f"run.dir={tmp_path}/whole", "train.max_steps=24"]))
     for name, fixed in (("fixed", ["train.schedule_steps=24"]), ("recomputed", [])):
         for steps in (12, 24):
-            run(load_config(None, [*BASE, *cosine, *fixed, f"run.dir={tmp_path}/{name}", f"train.max_steps={steps}"]))
+            run_training(load_config(None, [*BASE, *cosine, *fixed, f"run.dir={tmp_path}/{name}",
+                                            f"train.max_steps={steps}"]))
     _assert_bitwise(_final(tmp_path / "fixed"), _final(tmp_path / "whole"))
     assert _lrs(tmp_path / "fixed") == _lrs(tmp_path / "whole")
     recomputed = _lrs(tmp_path / "recomputed")

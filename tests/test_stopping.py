@@ -17,7 +17,7 @@ from distrib.metrics import Recorder
 from distrib.metrics.plot import make_figure, read_records
 from distrib.training.inference import load_trained
 from distrib.training.trainer import Trainer
-from distrib.worker import run
+from distrib.worker import run_training
 
 BASE = ["data.name=synthetic", "data.synthetic_train_size=128", "data.synthetic_test_size=50", "dist.device=cpu",
         "train.global_batch_size=32", "train.log_every=2", "train.schedule=constant", "train.warmup_steps=2"]
@@ -133,7 +133,7 @@ def test_ema_weights_match_a_reference_from_every_steps_weights(tmp_path, monkey
 
     monkeypatch.setattr(Trainer, "step", step_and_keep)
     decay = 0.8
-    run(load_config(None, [*BASE, f"run.dir={tmp_path}", "train.max_steps=6", f"train.ema_decay={decay}",
+    run_training(load_config(None, [*BASE, f"run.dir={tmp_path}", "train.max_steps=6", f"train.ema_decay={decay}",
                            "run.progress=false"]))
     assert len(weights) == 7
     reference = weights[0]

@@ -10,11 +10,12 @@ import torch
 import torch.nn as nn
 from support import SMALL, assert_ok, sets, torchrun_train
 
-from distrib import cli, throughput
+from distrib import cli
 from distrib.config import load_config
 from distrib.errors import ConfigError, UserError
 from distrib.metrics import Recorder
 from distrib.models.network import Network
+from distrib.training import throughput
 from distrib.training.throughput import Throughput, count_flops_per_sample, peak_flops
 from distrib.training.trainer import Trainer
 from distrib.worker import run_training

@@ -1,8 +1,12 @@
 """Checkpoints: the complete training state, written atomically and verified, as one file (ddp) or as DCP shards
-(fsdp) that reshard on load; which checkpoint a run resumes, who owns a folder, pruning, and the best k."""
+(fsdp, any DTensor layout) that reshard on load; and, written once above both formats, which checkpoint a run
+resumes, who owns a folder, pruning, the best k, and the temporary files of dead writers."""
 
 from distrib.checkpoint.best import BestCheckpoints
-from distrib.checkpoint.format import Checkpointer, CheckpointError
-from distrib.checkpoint.sharded import ShardedCheckpointer, make_checkpointer
+from distrib.checkpoint.contract import Checkpointer, Storage
+from distrib.checkpoint.format import CheckpointError, FileStorage
+from distrib.checkpoint.policy import Checkpoints, committing, make_checkpointer
+from distrib.checkpoint.sharded import ShardedStorage
 
-__all__ = ["BestCheckpoints", "CheckpointError", "Checkpointer", "ShardedCheckpointer", "make_checkpointer"]
+__all__ = ["BestCheckpoints", "CheckpointError", "Checkpointer", "Checkpoints", "FileStorage", "ShardedStorage",
+           "Storage", "committing", "make_checkpointer"]

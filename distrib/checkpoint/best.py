@@ -1,20 +1,19 @@
 """Best-k checkpoints (checkpoint.keep_best): after each evaluation, a checkpoint of the k best evaluations by
-checkpoint.best_metric is kept as checkpoint_dir/best_STEP.pt, in the verified format of step_*.pt, so
-`checkpoint.resume=PATH` can name one; keep_last never prunes them.
+checkpoint.best_metric is kept as best_STEP (best_STEP.pt under ddp, a best_STEP/ directory under fsdp), in the
+verified format of the periodic ones, so `checkpoint.resume=PATH` can name one; keep_last never prunes them.
 
 The set travels in every checkpoint, so a restart keeps it; the metrics are identical on every rank, so every rank
 decides alike whether to save (a collective) without asking the others."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
-_NAME = re.compile(r"^best_(\d{8})\.pt$")
+from distrib.checkpoint.folder import find, listing, remove, step_of, stored_run_id
 
 
-def best_path(directory: Path, step: int) -> Path:
-    return Path(directory) / f"best_{step:08d}.pt"
+def best_name(step: int) -> str:
+    return f"best_{step:08d}"
 
 
 class BestCheckpoints:
@@ -29,7 +28,7 @@ class BestCheckpoints:
         return sign * entry["value"], entry["step"]
 
     def consider(self, step: int, metrics: dict, checkpointer) -> Path | None:
-        """Saves a best_STEP.pt with `checkpointer` (every rank calls it) if this evaluation is among the k best, and
+        """Saves a best_STEP with `checkpointer` (every rank calls it) if this evaluation is among the k best, and
         deletes the one it pushes out."""
         value = metrics[self.metric]
         if any(entry["step"] == step for entry in self.entries):
@@ -38,10 +37,12 @@ class BestCheckpoints:
         if {"step": step, "value": value} not in entries[:self.keep]:
             return None
         self.entries, dropped = entries[:self.keep], entries[self.keep:]
-        path = checkpointer.save(step, best_path(self.directory, step))
+        path = checkpointer.save(step, best=True)
         if self.is_main:  # only after the new one is safely in place
             for entry in dropped:
-                best_path(self.directory, entry["step"]).unlink(missing_ok=True)
+                old = find(self.directory, best_name(entry["step"]))
+                if old is not None:
+                    remove(old)
         return path
 
     def state_dict(self) -> dict:
@@ -52,19 +53,19 @@ class BestCheckpoints:
         if state.get("metric") == self.metric:
             self.entries = sorted(state["entries"], key=self._rank)[:self.keep]
 
-    def drop_abandoned(self, resumed_step: int) -> None:
-        """After an automatic resume: a best_*.pt past the resumed step that the set does not hold came from the
-        abandoned attempt's future, so rank 0 deletes it (if it is among the best again, the run rewrites it)."""
+    def drop_abandoned(self, resumed_step: int, run_id: str) -> None:
+        """After an automatic resume: a best_* of this run past the resumed step that the set does not hold came
+        from the abandoned attempt's future, so rank 0 deletes it (if it is among the best again, the run rewrites
+        it). Another run's (checkpoint.foreign=keep) stays."""
         if not self.is_main:
             return
         kept = {entry["step"] for entry in self.entries}
-        for path in self.directory.glob("best_*.pt"):
-            match = _NAME.match(path.name)
-            if match and int(match.group(1)) > resumed_step and int(match.group(1)) not in kept:
-                path.unlink(missing_ok=True)
-        for stale in self.directory.glob(".best_*.tmp"):
-            stale.unlink(missing_ok=True)
+        for path in listing(self.directory, "best"):
+            step = step_of(path)
+            if step > resumed_step and step not in kept and stored_run_id(path) in (run_id, None):
+                remove(path)
 
     def describe(self) -> list[dict]:
-        return [{**entry, "path": str(best_path(self.directory, entry["step"]))}
+        return [{**entry, "path": str(find(self.directory, best_name(entry["step"]))
+                                      or self.directory / f"{best_name(entry['step'])}.pt")}
                 for entry in self.entries]

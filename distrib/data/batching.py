@@ -9,7 +9,7 @@ from typing import Iterator, Protocol
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from distrib.config import DataConfig, TrainConfig
+from distrib.config import DataConfig, TrainConfig, check_world_size
 from distrib.data import samples
 from distrib.data.augment import Augment
 from distrib.data.samples import Tree
@@ -48,14 +48,7 @@ class BatchPlan:
     seed: int
 
     def __post_init__(self):
-        parts = self.world_size * self.grad_accum_steps
-        if self.global_batch_size % parts:
-            low = self.global_batch_size // parts * parts or parts
-            raise ConfigError(
-                f"train.global_batch_size = {self.global_batch_size}: must divide into world_size "
-                f"({self.world_size}) x train.grad_accum_steps ({self.grad_accum_steps}) = {parts} equal "
-                f"micro-batches; "
-                f"use {low} or {low + parts}")
+        check_world_size(self.global_batch_size, self.grad_accum_steps, self.world_size)
         if self.steps_per_epoch == 0:
             raise ConfigError(f"train.global_batch_size = {self.global_batch_size}: larger than the training set "
                               f"({self.num_samples} samples); use at most {self.num_samples}")

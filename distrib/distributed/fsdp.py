@@ -78,15 +78,25 @@ def checkpoint_activations(model: nn.Module, spec: str | tuple[str, ...]) -> int
 
 def shard(model: nn.Module, runtime: Runtime, config: DistConfig, precision: str) -> FSDPModule:
     """fully_shard on each block, then on the root (which takes the rest). Every rank holds the same initial weights
-    (the worker seeds before building) and keeps its own 1/world_size slice of each: no broadcast is needed."""
+    (the worker seeds before building) and keeps its own 1/world_size slice of each: no broadcast is needed.
+
+    Under bf16, each BatchNorm is a unit of its own that computes in fp32 (its parameters and inputs; autocast casts
+    its output back for the next layer): its running statistics are fp32 buffers, which FSDP does not cast, and
+    batch_norm refuses bf16 weights beside them ("expected scalar type BFloat16 but found Float")."""
     mesh = init_device_mesh(runtime.device.type, (runtime.world_size,))  # explicit: CPU runs on a GPU host too
     mixed = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16"
              else MixedPrecisionPolicy())
     offload = CPUOffloadPolicy(pin_memory=runtime.pin_memory) if config.cpu_offload else OffloadPolicy()
     options = dict(mesh=mesh, reshard_after_forward=config.reshard_after_forward, mp_policy=mixed,
                    offload_policy=offload)
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m is not model] \
+        if precision == "bf16" else []
+    for norm in norms:
+        fully_shard(norm, **{**options, "mp_policy": MixedPrecisionPolicy(param_dtype=torch.float32,
+                                                                          reduce_dtype=torch.float32)})
     for block in find_blocks(model, config.shard_modules):
-        fully_shard(block, **options)
+        if not any(block is norm for norm in norms):  # a norm large enough to be a block is sharded already
+            fully_shard(block, **options)
     return fully_shard(model, **options)
 
 
@@ -95,14 +105,35 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Model and optimizer state as DTensors holding this rank's shards, keyed by parameter names (no prefixes):
-    what torch.distributed.checkpoint saves, and reshards on load to any world size."""
+    """Model and optimizer state keyed by parameter names (no prefixes), as DTensors holding this rank's shards of a
+    sharded model, or plain tensors of a plain one: what torch.distributed.checkpoint saves and reshards on load."""
     model_state, optimizer_state = get_state_dict(model, optimizer)
     return {"model": model_state, "optimizer": optimizer_state}
 
 
 def load_sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def by_name(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict) -> dict:
+    """An optimizer state_dict keyed by integer ids (torch's own, what a one-file checkpoint holds) keyed by
+    parameter names instead, as set_state_dict takes it: the ids count the parameters group by group, in order."""
+    names = {id(param): name for name, param in model.named_parameters()}
+    ordered = [names[id(param)] for group in optimizer.param_groups for param in group["params"]]
+    ids = [index for group in saved["param_groups"] for index in group["params"]]
+    if len(ids) != len(ordered):
+        raise ValueError(f"the checkpoint's optimizer has {len(ids)} parameters, this model {len(ordered)}")
+    name_of = dict(zip(ids, ordered))
+    return {"state": {name_of[index]: value for index, value in saved["state"].items()},
+            "param_groups": [{**group, "params": [name_of[index] for index in group["params"]]}
+                             for group in saved["param_groups"]]}
+
+
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Whole tensors on every rank (a one-file checkpoint) into a sharded model: each rank keeps its own slices."""
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=by_name(model, optimizer, state["optimizer"]),
+                   options=StateDictOptions(full_state_dict=True))
 
 
 def full_model_state(model: nn.Module) -> dict:

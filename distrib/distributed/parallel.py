@@ -157,16 +157,26 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """{"model", "optimizer"}: whole plain state dicts under DDP (no module. prefix); DTensor shards under FSDP."""
-    if fsdp.is_sharded(model):
+def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, named: bool = False) -> dict:
+    """{"model", "optimizer"}: whole plain state dicts under DDP (no module. prefix); DTensor shards under FSDP.
+    named: the optimizer keyed by parameter names under DDP too (the view a sharded checkpoint is loaded into)."""
+    if named or fsdp.is_sharded(model):
         return fsdp.sharded_state(unwrap(model), optimizer)
     return {"model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict()}
 
 
+def _keyed_by_name(optimizer_state: dict) -> bool:
+    return any(isinstance(key, str) for group in optimizer_state["param_groups"] for key in group["params"])
+
+
 def load_training_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-    if fsdp.is_sharded(model):
+    """Either strategy's state into either strategy's model: both hold the full state (one file: whole tensors on
+    every rank; DCP shards: gathered or resharded by DCP to whatever this model holds)."""
+    named = _keyed_by_name(state["optimizer"])
+    if named:  # a sharded checkpoint, loaded by DCP into this model's own view (shards, or whole tensors)
         fsdp.load_sharded_state(unwrap(model), optimizer, state)
+    elif fsdp.is_sharded(model):  # a one-file checkpoint under fsdp: each rank keeps its slices of the whole
+        fsdp.load_full_state(unwrap(model), optimizer, state)
     else:
         unwrap(model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])

@@ -19,6 +19,16 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
+def _like(saved: torch.Tensor, shadow: torch.Tensor) -> torch.Tensor:
+    """A whole saved tensor (a one-file checkpoint) as this rank's shard where the average is sharded (FSDP)."""
+    if hasattr(shadow, "device_mesh") and not hasattr(saved, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        # src_data_rank=None: every rank holds the whole tensor and keeps its own slice, no communication.
+        return distribute_tensor(saved.to(shadow.device), shadow.device_mesh, shadow.placements, src_data_rank=None)
+    return saved
+
+
 class EMA:
     """ema = decay * ema + (1 - decay) * weights after each step, starting from the initial weights. Floating
     parameters and buffers are averaged; integer buffers (BatchNorm's num_batches_tracked) are copied."""
@@ -61,7 +71,7 @@ class EMA:
             raise UserError(f"the checkpoint's EMA weights do not fit the model (they differ in "
                             f"{sorted(set(state) ^ set(self.names))[:3]}); resume the model they were taken from")
         for name in self.names:
-            _local(self.shadow[name]).copy_(_local(state[name]))
+            _local(self.shadow[name]).copy_(_local(_like(state[name], self.shadow[name])))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Whole tensors on the CPU, for model_ema.pt. Sharded (DTensor) entries are gathered: a collective, so

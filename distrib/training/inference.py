@@ -146,14 +146,22 @@ def placed_model(trained: Trained, info: DataInfo, runtime: Runtime) -> nn.Modul
     return parallelize(place_model(model, runtime.device), runtime, trained.config.speed)
 
 
+def check_rebuildable(trained: Trained, input_arg: str | None = None) -> None:
+    """Refuses, before any data is read, a run whose data its config cannot load: one trained through distrib.fit()
+    on datasets given in Python. input_arg: distrib predict's --input (a folder needs no training data)."""
+    if input_arg is not None and input_arg not in SPLITS:
+        return
+    if trained.data is not None and trained.data.get("name") == "custom":
+        raise UserError(f"{trained.source}: trained through distrib.fit() on datasets given in Python, which "
+                        "distrib eval and predict cannot load; use distrib.training.evaluation.evaluate in Python, "
+                        "or distrib predict --input a folder of images")
+
+
 def _load_data(trained: Trained, runtime: Runtime):
     """The run's data, as its config loads it, refused when it is not the data the model was trained on."""
+    check_rebuildable(trained)  # distrib eval and predict check it before any worker; a caller in Python may not
     data = load_data(trained.config.data, runtime, trained.config.train.seed)
     if trained.data is not None and trained.data != data.info.to_dict():
-        if trained.data.get("name") == "custom":
-            raise UserError(f"{trained.source}: trained through distrib.fit() on datasets given in Python, which "
-                            "distrib eval/predict cannot load; use distrib.evaluation.evaluate in Python, or predict "
-                            "a folder of images")
         changed = [f"{key} {trained.data.get(key)!r} -> {value!r}" for key, value in data.info.to_dict().items()
                    if trained.data.get(key) != value]
         raise UserError(f"{trained.source}: the config loads other data than the model was trained on "

@@ -14,9 +14,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from distrib.checkpoint.best import BestCheckpoints
-from distrib.checkpoint.format import Checkpointer
-from distrib.checkpoint.sharded import ShardedCheckpointer
+from distrib.checkpoint import BestCheckpoints, Checkpointer
 from distrib.config import TrainConfig
 from distrib.data import BatchPlan, epoch_steps
 from distrib.data.samples import named
@@ -102,10 +100,11 @@ class TrainState:
     best: BestCheckpoints | None = None  # checkpoint.keep_best > 0 (distrib.best)
     tracker_ids: dict = field(default_factory=dict)  # logger name -> its run id (the Recorder fills it)
 
-    def state_dict(self, global_batch_size: int) -> dict:
-        """Everything but the RNGs (gathered from every rank by the Checkpointer); no module. prefixes."""
+    def state_dict(self, global_batch_size: int, named: bool = False) -> dict:
+        """Everything but the RNGs (gathered from every rank by the Checkpointer); no module. prefixes. named: the
+        optimizer keyed by parameter names under ddp too (what a sharded checkpoint is read into)."""
         p = self.progress
-        return {**training_state(self.model, self.optimizer),  # under FSDP: this rank's shards (DTensors)
+        return {**training_state(self.model, self.optimizer, named),  # under FSDP: this rank's shards (DTensors)
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "progress": {"step": p.step, "epoch": p.epoch, "step_in_epoch": p.step_in_epoch,
                              "samples_in_epoch": p.step_in_epoch * global_batch_size},
@@ -143,32 +142,35 @@ def new_state(model: nn.Module, config: TrainConfig, total_steps: int, device: t
                       early_stop=early_stop, best=best)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Trainer:
-    """Runs the state forward to total_steps. Collaborators: the loss, the plan, the evaluation, the recorder, the
-    throughput meter, the checkpointer; the rank agreement holds what the ranks must decide together."""
+    """Runs the state forward to total_steps. Collaborators, all named: what it trains (state, loss, config, plan,
+    total_steps), where (device), how it reports (evaluate, recorder, meter), what the ranks decide together
+    (agreement), and what it saves (checkpointer, the same contract under every strategy)."""
 
     state: TrainState
     loss: Loss
     config: TrainConfig
-    device: torch.device  # this worker's
     plan: BatchPlan
     total_steps: int
+    device: torch.device  # this worker's
     evaluate: Callable[[nn.Module], dict]  # exact test metrics of the model (every rank calls it)
     recorder: Recorder
     meter: Throughput
     agreement: RankAgreement
-    checkpointer: Checkpointer | ShardedCheckpointer | None  # None: no checkpoints
+    checkpointer: Checkpointer | None  # None: no checkpoints
     on_step_end: Callable[[int], None] | None = None  # called with the step after each step's bookkeeping
-    last_eval: tuple[int, dict] | None = None  # (step, metrics) of the latest evaluation
+    last_eval: tuple[int, dict] | None = field(default=None, init=False)  # (step, metrics) of the latest evaluation
 
     def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """One optimizer step; returns the loss averaged over the global batch (the same on every rank) on sync steps
-        (log steps among them), and this rank's share of it on the others."""
+        """One optimizer step, top to bottom: forward and backward per micro-batch (gradients synced in the last),
+        the finite check, the rank agreement on sync steps, the update. Returns the loss averaged over the global
+        batch (the same on every rank) on sync steps (log steps among them), and this rank's share on the others."""
         step, num_micro_steps = self.state.progress.step + 1, len(micro_batches)
         # Dense class targets may count different numbers of positions per micro-batch: divide by the global count.
         scale = global_count_scale(self.loss, [targets for _, targets in micro_batches], self.agreement.world_size)
-        losses = [self._micro_step(inputs, targets, micro_step == num_micro_steps - 1, num_micro_steps, scale)
+        losses = [self._micro_step(inputs, targets, sync=micro_step == num_micro_steps - 1,
+                                   num_micro_steps=num_micro_steps, scale=scale)
                   for micro_step, (inputs, targets) in enumerate(micro_batches)]
         local = torch.stack(losses).sum()
         self._check_finite(step)

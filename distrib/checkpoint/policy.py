@@ -1,0 +1,239 @@
+"""Which checkpoint, written once for every format: the newest good one of the run that owns checkpoint.dir (either
+format: a ddp checkpoint resumes under fsdp and back), the run id, the refusal of another run's folder
+(checkpoint.foreign), pruning only this run's checkpoints (keep_last), the best k (keep_best), the compatibility
+check, and the temporary files of dead writers. Rank 0 decides; every rank hears the same decision."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from distrib.checkpoint.contract import Storage
+from distrib.checkpoint.folder import (
+    find,
+    listing,
+    read_owner,
+    read_stored,
+    remove,
+    remove_dead_temps,
+    stored_run_id,
+    write_owner,
+)
+from distrib.checkpoint.format import FORMAT, VERSION, CheckpointError, FileStorage, read_checkpoint, rng_state
+from distrib.checkpoint.sharded import TRAINER, ShardedStorage, load_shards
+from distrib.config import CheckpointConfig
+from distrib.distributed.runtime import Runtime
+from distrib.errors import EnvironmentFault, UserError
+from distrib.launch.preempt import Preempted
+
+# Keys whose change makes a resumed run a different optimisation (another model, data stream or batch).
+RESUME_KEYS = ("model.name", "model.factory", "data.name", "train.global_batch_size", "train.seed", "train.optimizer")
+
+
+def check_compatible(path: str, saved: dict, current: dict, allow_change: bool) -> list[str]:
+    """The RESUME_KEYS that differ, as 'key: old -> new'; an error unless the user allowed the change."""
+    changed = [f"{key}: {_get(saved, key)!r} -> {_get(current, key)!r}" for key in RESUME_KEYS
+               if _get(saved, key) != _get(current, key)]
+    if changed and not allow_change:
+        raise CheckpointError(f"checkpoint {path}: this run changes {'; '.join(changed)}, which breaks an exact "
+                              "resume; restore the old values, use a new checkpoint.dir, or "
+                              "--set checkpoint.allow_config_change=true")
+    return changed
+
+
+def _get(tree: dict, dotted: str):
+    section, key = dotted.split(".")
+    return tree.get(section, {}).get(key)
+
+
+def _newest_good(directory: Path, device: torch.device, say: Callable[[str], None],
+                 owner: str | None = None) -> tuple[Path | None, dict | None]:
+    for path in listing(directory):
+        if owner is not None and stored_run_id(path) != owner:
+            continue  # another run's checkpoint, kept beside this one (checkpoint.foreign=keep): never continued
+        try:
+            return path, read_stored(path, device)
+        except CheckpointError as e:
+            say(f"{e}; falling back to the previous checkpoint")
+    return None, None
+
+
+def choose(resume: str, directory: Path, device: torch.device, say) -> tuple[Path | None, dict | None]:
+    """Rank 0: the checkpoint checkpoint.resume names, of either format, and its verified state."""
+    if resume == "never":
+        return None, None
+    if resume == "auto":
+        return _newest_good(directory, device, say, read_owner(directory))
+    return Path(resume), read_stored(Path(resume), device)
+
+
+def _refuse_others(resume: str, directory: Path, others: list[Path]) -> None:
+    """A new run in a folder that holds checkpoints it did not write: the user says which run the folder is for."""
+    why = "resume=never" if resume == "never" else "none of them could be resumed"
+    raise CheckpointError(
+        f"checkpoint.dir = '{directory}': holds {len(others)} checkpoint(s) of another run (newest "
+        f"{others[0].name}) and this run starts afresh ({why}); continue that run with --set checkpoint.resume=auto "
+        "(or a path), move them away, give this run a new --set run.dir, or train beside them (never deleted) with "
+        "--set checkpoint.foreign=keep")
+
+
+def decide(resume: str, foreign: str, directory: Path, device: torch.device,
+           say) -> tuple[Path | None, dict | None, str, list[Path]]:
+    """Rank 0: the checkpoint to resume (if any), the run id this run writes, and its checkpoints in the folder,
+    oldest first (the only ones it will ever prune)."""
+    path, state = choose(resume, directory, device, say)
+    if state is not None and state.get("run_id"):
+        run_id = state["run_id"]
+        return path, state, run_id, [p for p in reversed(listing(directory)) if stored_run_id(p) == run_id]
+    others = listing(directory)
+    if state is None and others and foreign == "refuse":
+        _refuse_others(resume, directory, others)
+    return path, state, uuid.uuid4().hex[:12], []
+
+
+class Checkpoints:
+    """The Checkpointer of every strategy: the policy above, over a storage format. Saves the state `collect`
+    returns, plus every rank's RNG states and the run id, every `every_steps` steps; keeps this run's last
+    `keep_last` (a save is in place before anything is pruned, so 1 is safe) and never touches another run's."""
+
+    def __init__(self, storage: Storage, directory: Path, runtime: Runtime, collect: Callable[..., dict], *,
+                 every_steps: int, keep_last: int, foreign: str = "refuse", config: dict | None = None,
+                 allow_config_change: bool = False):
+        self.storage, self.directory, self.runtime, self.collect = storage, Path(directory), runtime, collect
+        self.every_steps, self.keep_last, self.foreign = every_steps, keep_last, foreign
+        self.config, self.allow_config_change = config, allow_config_change  # config: checked against a resume's
+        self.run_id, self.resumed_from = "", None
+        self.owned: list[Path] = []  # rank 0: this run's periodic checkpoints in `directory`, oldest first
+
+    def due(self, step: int) -> bool:
+        return bool(self.every_steps) and step % self.every_steps == 0
+
+    def load(self, resume: str, say: Callable[[str], None]) -> dict | None:
+        """Rank 0 picks the checkpoint and the run id and broadcasts them; each rank loads the checkpoint; all check
+        they hold the same bytes (one checksum: a checkpoint.dir that is not shared shows here)."""
+        path, state, error = None, None, None
+        if self.runtime.is_main:
+            try:
+                path, state, self.run_id, self.owned = decide(resume, self.foreign, self.directory,
+                                                              self.runtime.device, say)
+                for name in remove_dead_temps(self.directory):  # only once the folder is known to be this run's
+                    say(f"checkpoint.dir: removed {name}, left by a writer that died")
+            except CheckpointError as e:
+                error = str(e)
+        choice = [str(path) if path else None, self.run_id, error]
+        dist.broadcast_object_list(choice, src=0)  # every rank takes part: this is also where the others wait
+        if choice[2]:
+            raise CheckpointError(choice[2])
+        self.run_id, self.resumed_from = choice[1], (Path(choice[0]) if choice[0] else None)
+        if self.resumed_from and state is None:
+            try:
+                state = read_checkpoint(self.resumed_from / TRAINER if self.resumed_from.is_dir()
+                                        else self.resumed_from, self.runtime.device)
+            except CheckpointError as e:
+                error = str(e)  # said after the gather, on every rank, so that no rank waits for this one
+        self._agree(choice[0], error or (state["checksum"] if state else None))
+        if state is None:
+            return None
+        self._check(state, say)
+        if self.resumed_from.is_dir():  # every rank: its part of the shards, resharded (or gathered) by DCP
+            state.update(load_shards(self.resumed_from, self.collect(named=True)))
+        return state
+
+    def _agree(self, path: str | None, mine: str | None) -> None:
+        sums = [None] * self.runtime.world_size
+        dist.all_gather_object(sums, mine)
+        if len(set(sums)) != 1:
+            ranks = ", ".join(f"rank {r}: {s if s and ' ' in s else (s or 'none')[:16]}" for r, s in enumerate(sums))
+            raise CheckpointError(f"checkpoint {path}: the ranks did not load the same file ({ranks}); "
+                                  "checkpoint.dir must be one folder shared by every node")
+
+    def _check(self, state: dict, say: Callable[[str], None]) -> None:
+        """The compatibility check, and one line when the checkpoint is of the other format."""
+        path = self.resumed_from
+        if self.config is not None:
+            changed = check_compatible(str(path), state["config"], self.config, self.allow_config_change)
+            if changed:
+                say(f"checkpoint {path}: resumed with the allowed changes {'; '.join(changed)}")
+        theirs = ShardedStorage.kind if path.is_dir() else FileStorage.kind
+        if theirs != self.storage.kind:
+            say(f"checkpoint {path}: a {theirs} checkpoint resumed in the {self.storage.kind} format; both hold the "
+                "full training state, so the resume is exact (only the layout of the tensors changes)")
+
+    def save(self, step: int, *, best: bool = False) -> Path:
+        """Every rank: gathers the RNG states, then the storage writes; rank 0 prunes once the new one is in place."""
+        self.storage.wait()  # the previous write (and its pruning) is done before the next one begins
+        rngs = [None] * self.runtime.world_size
+        dist.all_gather_object(rngs, rng_state(self.runtime))
+        path = self.storage.target(self.directory, f"{'best' if best else 'step'}_{step:08d}")
+        verdict = [None, ""]
+        if self.runtime.is_main:
+            try:
+                self._claim(path, step)
+            except UserError as e:
+                verdict[0] = e
+            verdict[1] = str(self.owned[-1]) if self.owned else ""
+        dist.broadcast_object_list(verdict, src=0)
+        if verdict[0] is not None:
+            raise verdict[0]
+        state = {"format": FORMAT, "version": VERSION, "run_id": self.run_id, **self.collect(), "rng": rngs}
+        try:
+            self.storage.write(path, state, (lambda: self._committed(path, best)) if self.runtime.is_main else None)
+        except EnvironmentFault as e:
+            kept = f"; the newest checkpoint, {verdict[1]}, is intact" if verdict[1] else ""
+            raise EnvironmentFault(f"checkpoint.dir: {e}{kept}") from None
+        return path
+
+    def _claim(self, path: Path, step: int) -> None:
+        """Rank 0: never overwrite another run's checkpoint; the folder is this run's from its first save on."""
+        other = stored_run_id(path) if path.exists() else None
+        if other is not None and other != self.run_id:
+            raise CheckpointError(
+                f"checkpoint.dir = '{self.directory}': {path.name} is another run's checkpoint (run {other}, kept by "
+                f"checkpoint.foreign=keep), which this run's save at step {step} would overwrite; give this run its "
+                "own --set checkpoint.dir, or move that run's checkpoints away")
+        write_owner(self.directory, self.run_id)  # first, so resume=auto never again picks another run's
+
+    def _committed(self, path: Path, best: bool) -> None:
+        """Rank 0, once `path` is in place: prune this run's periodic checkpoints to the last keep_last."""
+        if best:
+            return  # keep_best prunes its own (distrib.checkpoint.best)
+        self.owned = [p for p in self.owned if p != path] + [path]
+        for old in self.owned[:-self.keep_last]:
+            remove(old)
+        self.owned = self.owned[-self.keep_last:]
+
+    def find(self, name: str) -> Path | None:
+        return find(self.directory, name)
+
+    def wait(self) -> None:
+        self.storage.wait()
+
+    def close(self) -> None:
+        self.storage.close()
+
+
+def make_checkpointer(config: CheckpointConfig, strategy: str, directory: Path, runtime: Runtime,
+                      collect: Callable[..., dict], run_config: dict | None = None) -> Checkpoints:
+    """One file by rank 0 under ddp (the whole state is on every rank); sharded directories under fsdp (and any
+    DTensor layout). The policy is the same; run_config is what a resumed checkpoint's config is checked against."""
+    storage = ShardedStorage(runtime, config.async_save) if strategy == "fsdp" else FileStorage(runtime)
+    return Checkpoints(storage, directory, runtime, collect, every_steps=config.every_steps,
+                       keep_last=config.keep_last, foreign=config.foreign, config=run_config,
+                       allow_config_change=config.allow_config_change)
+
+
+@contextlib.contextmanager
+def committing(checkpointer) -> Iterator[None]:
+    """Around training: an asynchronous write still in flight at the end or at a preemption is waited for and
+    committed before the run goes on (or exits 75); after an error it stays a temporary directory, never picked."""
+    try:
+        yield
+    except Preempted:
+        checkpointer.close()
+        raise
+    checkpointer.close()
