@@ -1,6 +1,7 @@
 """Data for training: datasets by name or factory, read once and described by a DataInfo (load.py, idx.py, named.py,
 factory.py, assemble.py); the world-size-invariant batch plan and the two batch sources (batching.py); batched
-augmentation on the device (augment.py). The worker calls load_data; distrib.fit calls data_from_datasets."""
+augmentation on the device (augment.py); language-model windows of a text or token stream, their own batch source
+(text.py). The worker calls load_data; distrib.fit calls data_from_datasets."""
 
 from distrib.data.assemble import Data, load_inputs
 from distrib.data.augment import Augment
