@@ -72,8 +72,8 @@ def fit(model: nn.Module | Callable[..., nn.Module], train_data, test_data,
         resolved = resolve_config(config, overrides)
         with environment_faults(), open_runtime(resolved.dist) as runtime, peers_lost(resolved, runtime):
             data = data_from_datasets(train_data, test_data, resolved.data, runtime, resolved.train.seed)
-            return train_on(resolved, runtime, data=data, model=model, loss_fn=loss_fn,
-                                metrics=tuple(metrics))  # it locks run.dir
+            # train_on locks the run's folders
+            return train_on(resolved, runtime, data=data, model=model, loss_fn=loss_fn, metrics=tuple(metrics))
     except Exception as e:
         _record(e)
         if isinstance(e, UserError):  # its one line says it all: not the chain of exceptions that led to it

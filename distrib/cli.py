@@ -2,6 +2,7 @@
 
     distrib train [--config FILE] [--set section.key=value ...] [--nproc-per-node N]
     distrib launch [torchrun options] SCRIPT|-m MODULE [args ...]
+    distrib plan [--config FILE] [--set ...] (--nnodes N --nproc-per-node N | --world-size N) [--json] [...]
     distrib doctor
     distrib plot RUN_DIR [--out FILE]
     distrib eval RUN_DIR|CHECKPOINT [--config FILE] [--set ...] [--nproc-per-node N] [--out FILE]
@@ -79,6 +80,26 @@ def _worker(config) -> int:
         say(f"distrib: {e}; exit code {EXIT_PREEMPTED}: requeue the job and it resumes there")
         return EXIT_PREEMPTED
     return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from distrib.config import load_config
+    from distrib.plan import GB, GIB, Machine, main
+
+    config = load_config(args.config, args.set)
+    nproc = args.nproc_per_node or (args.world_size if args.world_size and not args.nnodes else 8)
+    nnodes = args.nnodes or (args.world_size // nproc if args.world_size else 1)
+    if args.world_size and nnodes * nproc != args.world_size:
+        raise UserError(f"--world-size {args.world_size}: is not --nnodes {nnodes} x --nproc-per-node {nproc}; "
+                        "give --world-size alone (one node), or --nnodes and --nproc-per-node")
+    for name, value in (("--nnodes", nnodes), ("--nproc-per-node", nproc), ("--device-memory", args.device_memory),
+                        ("--intra-node-bandwidth", args.intra_node_bandwidth),
+                        ("--inter-node-bandwidth", args.inter_node_bandwidth)):
+        if not value > 0:
+            raise UserError(f"{name} {value}: must be > 0")
+    machine = Machine(nnodes, nproc, args.device_memory * GIB, args.intra_node_bandwidth * GB,
+                      args.inter_node_bandwidth * GB)
+    return main(config, machine, args.json)
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -176,6 +197,21 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--nproc-per-node", type=int, default=None,
                        help="launch this many workers on this node (a shorthand for distrib launch)")
     train.set_defaults(func=_train)
+    plan = commands.add_parser("plan", help="per-rank memory, batch layout and communication of a run at any world "
+                                            "size, from the real sharding plan on a fake process group; no training")
+    plan.add_argument("--config", help="the TOML file distrib train would take")
+    plan.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                      help="override one config value, as for distrib train; repeatable")
+    plan.add_argument("--nnodes", type=int, default=None, help="nodes of the planned run (default 1)")
+    plan.add_argument("--nproc-per-node", type=int, default=None, help="ranks per node (default 8, or --world-size)")
+    plan.add_argument("--world-size", type=int, default=None, help="all ranks: one node of them unless --nnodes")
+    plan.add_argument("--device-memory", type=float, default=80.0, help="GiB per device (H100: 80, H200: 141)")
+    plan.add_argument("--intra-node-bandwidth", type=float, default=450.0,
+                      help="GB/s per rank and direction within a node (NVLink 4: 450)")
+    plan.add_argument("--inter-node-bandwidth", type=float, default=50.0,
+                      help="GB/s per rank and direction between nodes (one 400 Gb/s NIC per GPU: 50)")
+    plan.add_argument("--json", action="store_true", help="print the figures as JSON, under summary.json's names")
+    plan.set_defaults(func=_plan)
     # Listed for --help only: main() hands `launch` to torchrun's own parser before this one sees it.
     commands.add_parser("launch", help="torchrun-compatible launcher: distrib launch [torchrun options] "
                                        "SCRIPT|-m MODULE [args]; see distrib launch --help")

@@ -232,22 +232,38 @@ class DistConfig:
     device: str = "auto"  # auto (cuda when available, else cpu) | cpu | cuda
     timeout_s: float = 60.0  # a collective that waits longer fails, naming the ranks it waited for, instead of hanging
     strategy: str = "ddp"  # ddp (a whole replica per rank) | fsdp (FSDP2: parameters, gradients, optimizer sharded)
+    # | hsdp (FSDP2 on a 2-D mesh: sharded within groups of dist.shard_size ranks, replicated across them)
+    shard_size: int = 0  # hsdp: ranks per shard group; 0 = one node's (LOCAL_WORLD_SIZE / dist.tensor_parallel)
+    tensor_parallel: int = 1  # ranks that split each layer of the built-in GPT (innermost mesh dim); fsdp/hsdp outside
     shard_modules: str | tuple[str, ...] = "auto"  # fsdp units (and checkpointed blocks): class names, or auto
     reshard_after_forward: bool = True  # fsdp: free gathered parameters after forward (less memory, one more gather)
     cpu_offload: bool = False  # fsdp: keep parameter, gradient and optimizer shards in host memory
     sync_batchnorm: bool = False  # BatchNorm statistics over the global batch (torch's SyncBatchNorm; GPUs only)
 
+    @property
+    def sharded(self) -> bool:
+        """Parameters, gradients and optimizer state split over ranks (FSDP2 DTensors): fsdp and hsdp."""
+        return self.strategy in ("fsdp", "hsdp")
+
     def __post_init__(self):
         _choice("dist", self, "device", ("auto", "cpu", "cuda"))
         _positive("dist", self, "timeout_s", 60)
-        _choice("dist", self, "strategy", ("ddp", "fsdp"))
+        _choice("dist", self, "strategy", ("ddp", "fsdp", "hsdp"))
         names = (self.shard_modules,) if isinstance(self.shard_modules, str) else self.shard_modules
         if not names or not all(isinstance(n, str) and n.isidentifier() for n in names):
             _fail("dist", "shard_modules", self.shard_modules, "must be auto or a list of module class names",
                   "e.g. --set 'dist.shard_modules=[\"TransformerBlock\"]'")
-        if self.cpu_offload and self.strategy != "fsdp":
+        if self.cpu_offload and not self.sharded:
             _fail("dist", "cpu_offload", self.cpu_offload, "offloads FSDP shards, and dist.strategy is ddp",
                   "set --set dist.strategy=fsdp or --set dist.cpu_offload=false")
+        _at_least("dist", self, "shard_size", 0)
+        if self.shard_size and self.strategy != "hsdp":
+            _fail("dist", "shard_size", self.shard_size, f"sizes hsdp's shard groups, and dist.strategy is "
+                  f"{self.strategy}", "set --set dist.strategy=hsdp or --set dist.shard_size=0")
+        _at_least("dist", self, "tensor_parallel", 1)
+        if self.tensor_parallel > 1 and not self.sharded:
+            _fail("dist", "tensor_parallel", self.tensor_parallel, "composes with fsdp or hsdp on the data-parallel "
+                  "ranks, and dist.strategy is ddp", "set --set dist.strategy=fsdp (or hsdp)")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -351,10 +367,11 @@ class Config:
             raise ConfigError(f"speed.static_graph = true: does not work with train.grad_accum_steps = "
                               f"{self.train.grad_accum_steps} (DDP's static graph has no no_sync); "
                               "set --set speed.static_graph=false or --set train.grad_accum_steps=1")
-        if self.dist.strategy == "fsdp" and self.train.precision == "fp16":  # GradScaler would skip per shard
-            raise ConfigError("train.precision = 'fp16': not supported with dist.strategy = 'fsdp' (a GradScaler's "
-                              "skip decision would differ between shards); use --set train.precision=bf16")
-        if self.checkpoint.async_save and self.dist.strategy != "fsdp":
+        if self.dist.sharded and self.train.precision == "fp16":  # GradScaler would skip per shard
+            raise ConfigError(f"train.precision = 'fp16': not supported with dist.strategy = '{self.dist.strategy}' "
+                              "(a GradScaler's skip decision would differ between shards); use --set "
+                              "train.precision=bf16")
+        if self.checkpoint.async_save and not self.dist.sharded:
             raise ConfigError("checkpoint.async_save = true: asynchronous saves write sharded (fsdp) checkpoints; "
                               "set --set dist.strategy=fsdp or --set checkpoint.async_save=false")
         _needs_ema("checkpoint", "best_metric", self.checkpoint.best_metric if self.checkpoint.keep_best else "",

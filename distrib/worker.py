@@ -162,6 +162,8 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
     placed = _model(config, runtime, data, model, notes)
     dry = dry_batch(placed, data.train, data.info, runtime.device, build_loss(config.train, loss_fn))
     loss, task = dry.loss, task_for(dry, config.metrics.eval, metrics)
+    task.check_watched("train.early_stop_metric", config.train.early_stop_metric)
+    task.check_watched("checkpoint.best_metric", config.checkpoint.best_metric if config.checkpoint.keep_best else "")
     check_user_optimizer(config.train)
     notes += task_notes(config.train, loss, task, placed, total_steps)
     meter = meter_for(config, runtime)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from processes import LAUNCH_VARS, Done, Launches, clean_env, run_one  # noqa: F401 - the one runner, re-exported
+from processes import LAUNCH_VARS, Done, Launches, clean_env, listening_addresses, run_one  # noqa: F401 - the one runner, re-exported
 from support import REPO, load_weights, max_relative_diff
 
 PROBE = REPO / "tests" / "probe_env.py"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +38,35 @@ def descendants(pid: int) -> list[int]:
         for child in children.get(todo.pop(), []):
             found.append(child)
             todo.append(child)
+    return found
+
+
+def _listening_sockets() -> dict[str, tuple[str, int]]:
+    """Every TCP socket in LISTEN state on this machine, by inode: (address, port), from /proc/net/tcp and tcp6."""
+    found = {}
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        with contextlib.suppress(OSError):
+            for line in Path("/proc/net", table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] != "0A":  # TCP_LISTEN
+                    continue
+                address, port = fields[1].split(":")
+                raw = bytes.fromhex(address)  # 32-bit words in host (little-endian) order
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                found[fields[9]] = (socket.inet_ntop(family, raw), int(port, 16))
+    return found
+
+
+def listening_addresses(pid: int) -> dict[int, list[tuple[str, int]]]:
+    """The (address, port) pairs that process pid and its descendants listen on, by pid."""
+    sockets, found = _listening_sockets(), {}
+    for each in [pid, *descendants(pid)]:
+        with contextlib.suppress(OSError):
+            for fd in Path(f"/proc/{each}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith("socket:[") and target[8:-1] in sockets:
+                        found.setdefault(each, []).append(sockets[target[8:-1]])
     return found
 
 

@@ -15,6 +15,7 @@ from distrib.launch.doctor import (
     check_port,
     check_scontrol,
     check_slurm_tasks,
+    check_store,
     port_in_use,
     run_checks,
 )
@@ -53,6 +54,12 @@ def test_reachable_or_single_node_master_passes(env):
     assert check_master_addr(env, CPU).ok
 
 
+@pytest.mark.parametrize("env, where", [({}, "loopback only"), ({"SLURM_NNODES": "4"}, "--rdzv-endpoint address")])
+def test_doctor_says_the_store_has_no_authentication(env, where):
+    found = check_store(env, CPU)
+    assert found.ok and "no authentication" in found.message and where in found.message
+
+
 def test_a_busy_master_port_fails_and_a_free_one_passes():
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -89,7 +96,7 @@ def test_several_slurm_tasks_per_node_and_several_workers_per_task_fails():
 
 def test_all_checks_run_and_pass_on_an_empty_environment():
     findings = run_checks({}, CPU, nproc_per_node=1)
-    assert len(findings) == 5 and all(f.ok for f in findings)
+    assert len(findings) == 6 and all(f.ok for f in findings)
 
 
 @pytest.mark.timeout(120)

@@ -3,11 +3,13 @@ count, CPU threads, SLURM), failures that end the run fast and name the rank, an
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from launch_support import (
     Launches,
     clean_env,
     distrib_cmd,
+    listening_addresses,
     run_one,
     runs_relative_diff,
     train_reference,
@@ -30,7 +33,7 @@ from distrib.errors import EXIT_HUNG, EXIT_PREEMPTED, CollectiveTimeoutError, Pe
 from distrib.launch import launcher
 
 SAME_IN_BOTH = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "TORCHELASTIC_RESTART_COUNT",
+                "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT",
                 "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE")
 PER_RUN = ("MASTER_PORT", "TORCHELASTIC_RUN_ID")  # the same on every rank of a run, different between runs
 
@@ -205,6 +208,7 @@ def test_workers_see_the_same_variables_as_under_torchrun(tmp_path):
     for records in (theirs, ours):
         assert len({tuple(r[k] for k in PER_RUN) for r in records}) == 1  # one run, one port, one run id
     assert ours[0]["OMP_NUM_THREADS"] == str(max(1, len(os.sched_getaffinity(0)) // 2))
+    assert ours[0]["MASTER_ADDR"] == "127.0.0.1"  # the one store, on loopback (torchrun names this host)
 
 
 @pytest.mark.timeout(150)
@@ -257,6 +261,25 @@ def test_two_nodes_over_loopback_train_like_one_process(tmp_path, reference):
         assert done.returncode == 0, done.text()
     assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 4
     assert runs_relative_diff(run_dir, reference) < 1e-5
+
+
+@pytest.mark.timeout(200)
+def test_a_single_node_run_listens_on_loopback_only(tmp_path):
+    """c10d stores have no authentication: during a 2-worker run no process of it (launcher, lifelines, workers)
+    listens on an address another machine could reach; the store and each worker's gloo listen on loopback."""
+    log = tmp_path / "proc0.err"
+    with Launches(tmp_path) as launches:
+        launches.start(distrib_cmd("train", "--nproc-per-node", "2", "--config", CLUSTER_CONFIG,
+                                   "--set", "train.max_steps=100000", "--set", "train.log_every=5",
+                                   "--set", f"run.dir={tmp_path}/run"))
+        deadline = time.monotonic() + 150
+        while "[distrib] step 5 " not in (log.read_text() if log.exists() else ""):
+            assert time.monotonic() < deadline and launches.procs[0][0].poll() is None, log.read_text()
+            time.sleep(0.1)
+        listening = listening_addresses(launches.procs[0][0].pid)
+    addresses = [address for pairs in listening.values() for address, _ in pairs]
+    assert len(listening) >= 3, listening  # the launcher's store and both workers' gloo
+    assert all(ipaddress.ip_address(address).is_loopback for address in addresses), listening
 
 
 @pytest.mark.timeout(200)

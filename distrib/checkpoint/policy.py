@@ -221,7 +221,7 @@ def make_checkpointer(config: CheckpointConfig, strategy: str, directory: Path, 
                       collect: Callable[..., dict], run_config: dict | None = None) -> Checkpoints:
     """One file by rank 0 under ddp (the whole state is on every rank); sharded directories under fsdp (and any
     DTensor layout). The policy is the same; run_config is what a resumed checkpoint's config is checked against."""
-    storage = ShardedStorage(runtime, config.async_save) if strategy == "fsdp" else FileStorage(runtime)
+    storage = ShardedStorage(runtime, config.async_save) if strategy in ("fsdp", "hsdp") else FileStorage(runtime)
     return Checkpoints(storage, directory, runtime, collect, every_steps=config.every_steps,
                        keep_last=config.keep_last, foreign=config.foreign, config=run_config,
                        allow_config_change=config.allow_config_change)

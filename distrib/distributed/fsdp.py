@@ -1,5 +1,5 @@
-"""The fsdp strategy (FSDP2): fully_shard on each block then the root, its mixed-precision and offload policies,
-and the state dicts of a sharded model (sharded for checkpoints, gathered on rank 0 for model.pt).
+"""The fsdp and hsdp strategies (FSDP2): fully_shard on each block then the root, its mixed-precision and offload
+policies, and the state dicts of a sharded model (sharded for checkpoints, gathered on rank 0 for model.pt).
 
 Blocks (dist.shard_modules) are also what speed.activation_checkpointing recomputes, under either strategy."""
 
@@ -15,11 +15,12 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
 from distrib.config import DistConfig
+from distrib.distributed.mesh import data_parallel_mesh
 from distrib.distributed.runtime import Runtime
 from distrib.errors import ConfigError
 
@@ -76,18 +77,19 @@ def checkpoint_activations(model: nn.Module, spec: str | tuple[str, ...]) -> int
     return len(blocks)
 
 
-def shard(model: nn.Module, runtime: Runtime, config: DistConfig, precision: str) -> FSDPModule:
-    """fully_shard on each block, then on the root (which takes the rest). Every rank holds the same initial weights
-    (the worker seeds before building) and keeps its own 1/world_size slice of each: no broadcast is needed.
+def shard(model: nn.Module, runtime: Runtime, config: DistConfig, precision: str, mesh: DeviceMesh) -> FSDPModule:
+    """fully_shard on each block, then on the root (which takes the rest), over the data-parallel dimensions of the
+    mesh: one dimension (fsdp) shards, two (hsdp) replicate over the first and shard over the second. Every rank
+    holds the same initial weights (the worker seeds before building) and keeps its own slice of each: no
+    broadcast is needed.
 
     Under bf16, each BatchNorm is a unit of its own that computes in fp32 (its parameters and inputs; autocast casts
     its output back for the next layer): its running statistics are fp32 buffers, which FSDP does not cast, and
     batch_norm refuses bf16 weights beside them ("expected scalar type BFloat16 but found Float")."""
-    mesh = init_device_mesh(runtime.device.type, (runtime.world_size,))  # explicit: CPU runs on a GPU host too
     mixed = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16"
              else MixedPrecisionPolicy())
     offload = CPUOffloadPolicy(pin_memory=runtime.pin_memory) if config.cpu_offload else OffloadPolicy()
-    options = dict(mesh=mesh, reshard_after_forward=config.reshard_after_forward, mp_policy=mixed,
+    options = dict(mesh=data_parallel_mesh(mesh), reshard_after_forward=config.reshard_after_forward, mp_policy=mixed,
                    offload_policy=offload)
     norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m is not model] \
         if precision == "bf16" else []

@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distrib.config import DistConfig, SpeedConfig
 from distrib.distributed import fsdp
+from distrib.distributed.mesh import build_mesh, mesh_shape
 from distrib.distributed.runtime import Runtime
 from distrib.errors import DeviceMismatchError, UserError
 
@@ -108,12 +109,20 @@ def parallelize(model: nn.Module, runtime: Runtime, speed: SpeedConfig, strategy
         model.register_forward_pre_hook(_inputs_channels_last)  # inputs follow, whoever feeds the model
     if speed.activation_checkpointing == "blocks":
         fsdp.checkpoint_activations(model, strategy.shard_modules)
-    if strategy.strategy == "fsdp":
-        wrapped = fsdp.shard(model, runtime, strategy, precision)
+    if strategy.sharded:
+        wrapped = shard_on_mesh(model, runtime, strategy, precision, runtime.device.type)
     else:
         wrapped = wrap_ddp(model, runtime, gradient_as_bucket_view=speed.gradient_as_bucket_view,
                            static_graph=speed.static_graph, bucket_cap_mb=speed.bucket_cap_mb or None)
     return torch.compile(wrapped, mode=speed.compile_mode) if speed.compile else wrapped
+
+
+def shard_on_mesh(model: nn.Module, runtime: Runtime, strategy: DistConfig, precision: str,
+                  device_type: str) -> nn.Module:
+    """fsdp and hsdp: the run's mesh (device_type explicit: a CPU run on a GPU host, or distrib plan's fake group),
+    then FSDP2 over its data-parallel dimensions. distrib plan calls this too, so it predicts what runs do."""
+    shape = mesh_shape(strategy, runtime.world_size, runtime.local_world_size)
+    return fsdp.shard(model, runtime, strategy, precision, build_mesh(shape, device_type))
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -188,18 +197,26 @@ def full_model_state(model: nn.Module) -> dict:
     return fsdp.full_model_state(unwrap(model)) if fsdp.is_sharded(model) else unwrap(model).state_dict()
 
 
-def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> int:
+def state_parts(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
+                planned: bool = False) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state this rank holds on `device` (local shards of DTensors).
     Gradients are counted as one per trainable parameter, same shard and dtype: they live from each backward to
-    zero_grad, so at the peak of every step."""
+    zero_grad, so at the peak of every step. planned: a model on the meta device (distrib plan), whose meta
+    tensors stand for `device`'s."""
     def on_device(tensor: torch.Tensor) -> int:
         part = local_tensor(tensor)
-        return part.numel() * part.element_size() if _same_device(part, device) else 0
+        here = _same_device(part, device) or (planned and part.device.type == "meta")
+        return part.numel() * part.element_size() if here else 0
 
     params = list(model.parameters())
-    total = sum(on_device(p) for p in params) + sum(on_device(p) for p in params if p.requires_grad)
-    return total + sum(on_device(value) for state in optimizer.state.values() for value in state.values()
-                       if isinstance(value, torch.Tensor))
+    return {"parameters": sum(on_device(p) for p in params),
+            "gradients": sum(on_device(p) for p in params if p.requires_grad),
+            "optimizer": sum(on_device(value) for state in optimizer.state.values() for value in state.values()
+                             if isinstance(value, torch.Tensor))}
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> int:
+    return sum(state_parts(model, optimizer, device).values())
 
 
 def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer, runtime: Runtime) -> dict:

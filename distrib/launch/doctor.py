@@ -140,8 +140,17 @@ def check_slurm_tasks(env: Mapping[str, str], facts: Facts, nproc_per_node: int)
     return Finding(name, True, f"{tasks} task(s) per node x {nproc_per_node} worker(s)")
 
 
+def check_store(env: Mapping[str, str], facts: Facts) -> Finding:
+    """Not a failure, a fact to know: torch's c10d stores take any client that reaches them."""
+    name, nodes = "rendezvous store", num_nodes(env)
+    where = ("binds loopback only (no other machine can reach it)" if nodes == 1 else
+             "binds only the --rdzv-endpoint address: keep that address on the cluster's private network")
+    return Finding(name, True, f"the c10d store has no authentication (anyone who reaches it can write into the "
+                               f"job's store); distrib launch {where}")
+
+
 def run_checks(env: Mapping[str, str], facts: Facts, nproc_per_node: int) -> list[Finding]:
-    checks = [check_local_rank, check_master_addr, check_port, check_scontrol]
+    checks = [check_local_rank, check_master_addr, check_port, check_store, check_scontrol]
     return [check(env, facts) for check in checks] + [check_slurm_tasks(env, facts, nproc_per_node)]
 
 

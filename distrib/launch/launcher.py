@@ -130,6 +130,17 @@ def cpu_threads(environ: Mapping[str, str], num_workers: int, num_gpus: int) -> 
     return str(max(1, len(os.sched_getaffinity(0)) // max(num_workers, 1)))
 
 
+def private_sockets(environ: Mapping[str, str], max_nodes: int) -> dict[str, str]:
+    """On one node, the workers' gloo and NCCL connections on the loopback interface, so that no process of the
+    run listens on an address another machine can reach (the stores: distrib.launch.rendezvous); a user's own
+    choice of interface stands."""
+    if max_nodes > 1:
+        return {}
+    from distrib.launch.rendezvous import loopback_interface
+
+    return {key: loopback_interface() for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if key not in environ}
+
+
 # Signals that ask a run to stop for preemption: SLURM's --signal and scancel, Kubernetes and most schedulers.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -226,14 +237,16 @@ def run_agent(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
 
+    from distrib.launch import rendezvous
+    from distrib.launch.lifeline import read_statuses
+
     def signal_exception(signum: int) -> SignalException:  # what torch's own handler raises
         return SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
 
-    from distrib.launch.lifeline import read_statuses  # here: `python -m distrib.launch.lifeline` imports this module
-
-    with lifelines(args) as status, stop_handlers(signal_exception), quiet_torch_failure_lines():
+    with lifelines(args) as status, stop_handlers(signal_exception), quiet_torch_failure_lines(), \
+            rendezvous.registered():
         try:
-            torchrun.run(args)
+            torchrun.run(rendezvous.private_args(args))
         except SignalException as e:
             # The agent has already passed the signal on to the workers and waited for them.
             codes = [worker.code for worker in read_statuses(status)]
@@ -299,6 +312,7 @@ def main(argv: Sequence[str], check: Callable[[int | None], None] | None = None)
         if threads is not None:
             # Set here, in the one writer of the launch environment; torch's agent passes it on to every worker.
             os.environ["OMP_NUM_THREADS"] = threads
+        os.environ.update(private_sockets(os.environ, _max_nodes(args.nnodes)))
         with _reporting_env():
             return run_agent(args)
 

@@ -49,6 +49,20 @@ class Task:
     sequence: bool = False
     metrics: tuple[Metric, ...] = ()
 
+    def reported(self) -> list[str]:
+        """The scalar metrics an evaluation of this task reports (besides test_count)."""
+        names = ["test_loss"]
+        names += {"classes": ["test_accuracy", f"test_top{TOP_K}_accuracy"], "positions": ["test_token_accuracy"],
+                  "values": []}[self.kind]
+        names += ["test_perplexity"] if self.sequence else []
+        return names + [f"test_{name}" for metric in self.metrics for name in metric.names]
+
+    def check_watched(self, key: str, metric: str) -> None:
+        """Early stopping and best-k must watch a metric this task reports: one line now, not a KeyError later."""
+        if metric and metric.removesuffix("_ema") not in self.reported():
+            raise UserError(f"{key} = {metric!r}: this run reports no {metric.removesuffix('_ema')} (it reports "
+                            f"{', '.join(self.reported())}); fix: --set {key}=test_loss")
+
 
 def task_of(outputs, targets, loss: Loss, metrics: tuple[Metric, ...] = ()) -> Task:
     logits = logits_of(outputs)

@@ -9,9 +9,6 @@ from distrib.config import TrainConfig
 from distrib.training.evaluation import Task
 from distrib.training.losses import Loss
 
-_METRICS = {"classes": "test_accuracy, test_top5_accuracy (more than 5 classes), test_per_class_accuracy",
-            "positions": "test_token_accuracy", "values": ""}
-
 
 def dropout_layers(model: nn.Module) -> list[str]:
     """Names of the layers that draw random masks in training (dropout with p > 0, attention dropout too)."""
@@ -28,9 +25,7 @@ def dropout_layers(model: nn.Module) -> list[str]:
 def task_notes(config: TrainConfig, loss: Loss, task: Task, model: nn.Module, total_steps: int) -> list[str]:
     source = ("the model's own outputs.loss (train.loss is not used)" if loss.name == "model"
               else f"train.loss = {loss.name}")
-    metrics = ", ".join(filter(None, ["test_loss", _METRICS[task.kind], "test_perplexity" if task.sequence else "",
-                                      *(f"test_{name}" for metric in task.metrics for name in metric.names)]))
-    notes = [f"loss: {source}; metrics: {metrics}"]
+    notes = [f"loss: {source}; metrics: {', '.join(task.reported())}"]
     dropout = dropout_layers(model)
     if dropout:
         notes.append(f"the model has {len(dropout)} dropout layers ({dropout[0]}, ...): their random masks differ "

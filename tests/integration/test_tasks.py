@@ -147,6 +147,11 @@ def test_regression_with_mse_and_a_user_metric_at_world_sizes_1_and_2(task_root,
         assert summary["test_loss"] == pytest.approx(F.mse_loss(outputs, test_y.double()).item(), rel=1e-5)
         assert summary["test_mae"] == pytest.approx((outputs - test_y).abs().mean().item(), rel=1e-5)
         assert not [key for key in summary if "accuracy" in key or "perplexity" in key]
+    from distrib import cli
+
+    assert cli.main(["eval", str(tmp_path / "one")]) == 0  # the trained model's task and metric, as in training
+    evaluated = json.loads((tmp_path / "one" / "eval.json").read_text())
+    assert (evaluated["test_loss"], evaluated["test_mae"]) == (one["test_loss"], one["test_mae"])
 
 
 @pytest.mark.timeout(400)
@@ -185,6 +190,8 @@ EARLIER = {"config.toml": b"[run]\ndir = 'earlier'\n", "model.pt": b"earlier wei
      ["to [2, 10]", "targets are int64 [2, 16]", "[2, 16, C]"]),
     (["data.factory=taskpkg.data:dict_lm_extra_key", "model.factory=taskpkg.models:dict_lm"],
      ["'token_type_ids'", "DictLM.forward(input_ids, attention_mask, labels)"]),
+    (["data.factory=taskpkg.data:dict_lm_no_labels", "model.factory=taskpkg.models:dict_lm"],
+     ["{input_ids: int64 [16]} have no targets", "returned no loss"]),
     (["data.factory=taskpkg.data:regression", "model.factory=taskpkg.models:tagger", "train.loss=mse"],
      ["to [2, 5]", "targets are float32 [2]", "needs [2]"]),
 ])
@@ -204,3 +211,48 @@ def test_wrong_pairings_are_one_line_naming_both_shapes_and_write_nothing(task_r
     for text in expected:
         assert text in last, last
     assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == EARLIER
+
+
+RESUMED = {  # dict samples through the DataLoader path; masks with -100 on the device path, two micro-steps each
+    "dict": [*BASE, "data.factory=taskpkg.data:dict_lm", "model.factory=taskpkg.models:dict_lm",
+             "train.optimizer=adamw", "train.lr=0.003"],
+    "segmentation": DENSE["segmentation"],
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("task", sorted(RESUMED))
+def test_stop_mid_epoch_and_resume_is_bitwise(task_root, tmp_path, task):
+    common = [*RESUMED[task], "train.schedule=constant", "train.grad_accum_steps=2"]
+    _one_process(tmp_path / "whole", [*common, "train.max_steps=7"])
+    _one_process(tmp_path / "parts", [*common, "train.max_steps=3"])  # 4 steps per epoch: stopped inside epoch 0
+    resumed = _one_process(tmp_path / "parts", [*common, "train.max_steps=7"])
+    assert resumed["resumed_from_step"] == 3 and resumed["epochs"] == 1
+    whole, parts = load_weights(tmp_path / "whole"), load_weights(tmp_path / "parts")
+    assert all(torch.equal(whole[key], parts[key]) for key in whole)
+    assert resumed["test_loss"] == _summary(tmp_path / "whole")["test_loss"]
+
+
+# SGD: GPT-2's attention has a key bias, whose true gradient is zero (softmax ignores a constant per row); Adam would
+# scale its rounding noise, which differs between world sizes, up to whole steps.
+HF_GPT2 = [*BASE, "data.factory=taskpkg.data:dict_lm", "model.factory=taskpkg.models:gpt2", "train.max_steps=6",
+           "train.lr=0.1"]
+
+
+@pytest.mark.timeout(400)
+def test_a_hugging_face_gpt2_on_dict_samples_at_world_size_1_and_under_fsdp(task_root, tmp_path):
+    """transformers (a dev extra only): GPT2LMHeadModel from a tiny GPT2Config trains on its own loss."""
+    from taskpkg.data import dict_lm
+    from taskpkg.models import gpt2
+
+    one = _one_process(tmp_path / "one", HF_GPT2)
+    two = _two_processes(task_root, tmp_path / "two", [*HF_GPT2, "dist.strategy=fsdp"])
+    assert max_relative_diff(load_weights(tmp_path / "two"), load_weights(tmp_path / "one")) < 1e-5
+    _, test = dict_lm()
+    with torch.no_grad():
+        batch = {key: torch.stack([test[i][key] for i in range(len(test))]) for key in test[0]}
+        model = gpt2()
+        model.load_state_dict(load_weights(tmp_path / "one"))
+        expected = model.eval()(**batch).loss.item()
+    for summary in (one, two):
+        assert summary["test_loss"] == pytest.approx(expected, rel=1e-5) and "test_perplexity" in summary

@@ -1,0 +1,232 @@
+"""`distrib plan`: what each rank of a run of this config would hold and send, at any world size, before booking it.
+
+The model is built on the meta device (nothing allocated) and sharded by the run's own calls (shard_on_mesh) over
+torch's fake process group of the asked world size, so per-rank bytes are the real plan's DTensor shards; the
+optimizer steps once on meta to create its state. Activations come from one meta forward that counts the tensors
+autograd saves; collective bytes from the mesh (ring collectives, hierarchical across nodes)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+
+from distrib.config import Config
+from distrib.data import load_data
+from distrib.data.batching import BatchPlan
+from distrib.distributed import fsdp
+from distrib.distributed.mesh import MeshShape, mesh_shape
+from distrib.distributed.parallel import local_tensor, shard_on_mesh, state_parts
+from distrib.distributed.runtime import Runtime
+from distrib.models.build import build_model
+from distrib.training.trainer import build_optimizer
+
+GIB, GB = 2**30, 1e9
+
+
+@dataclass(frozen=True, slots=True)
+class Machine:
+    """The cluster asked about; the defaults are H100/H200 nodes (NVLink 4: 450 GB/s per GPU and direction;
+    one 400 Gb/s NIC per GPU: 50 GB/s). device_memory 0: H100's 80 GiB."""
+
+    nnodes: int
+    nproc_per_node: int
+    device_memory: float = 80 * GIB
+    intra_node_bandwidth: float = 450 * GB
+    inter_node_bandwidth: float = 50 * GB
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int) -> Iterator[None]:
+    """Rank 0 of a fake group of world_size ranks: collectives return at once, meshes of any shape can be built."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def activation_bytes(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                     blocks: list[nn.Module]) -> tuple[int, int]:
+    """Bytes autograd keeps for backward after one forward of this micro-batch (parameters not counted, each
+    storage once): as is, and with each block recomputed (speed.activation_checkpointing = blocks: a block keeps
+    only its input, and one block's own tensors live again while it is recomputed)."""
+    params = {id(p) for p in model.parameters()}
+    saved: dict[tuple, tuple[int, int]] = {}  # storage -> (bytes, index of the block that saved it, -1: none)
+    block_inputs, current = [], [-1]
+
+    def pack(tensor):
+        if id(tensor) not in params and not (tensor._base is not None and id(tensor._base) in params):
+            key = (tensor.untyped_storage()._cdata, tensor.storage_offset(), tuple(tensor.shape))
+            saved.setdefault(key, (_nbytes(tensor), current[0]))
+        return tensor
+
+    def enter(index):
+        def hook(module, args):
+            current[0] = index
+            block_inputs.append(sum(_nbytes(a) for a in args if isinstance(a, torch.Tensor)))
+        return hook
+
+    handles = [block.register_forward_pre_hook(enter(i)) for i, block in enumerate(blocks)]
+    handles += [block.register_forward_hook(lambda *_: current.__setitem__(0, -1)) for block in blocks]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            logits = model(inputs)
+            torch.nn.functional.cross_entropy(logits.flatten(0, -2) if logits.dim() > 2 else logits,
+                                              targets.flatten())
+    finally:
+        for handle in handles:
+            handle.remove()
+    whole = sum(size for size, _ in saved.values())
+    per_block = [sum(size for size, owner in saved.values() if owner == i) for i in range(len(blocks))]
+    outside = whole - sum(per_block)
+    return whole, outside + sum(block_inputs) + max(per_block, default=0)
+
+
+def _meta_batch(model_input_shape: tuple[int, ...], num_classes: int, micro_batch_size: int):
+    """A micro-batch of meta tensors of the data's shapes: token ids (and next-token targets) for sequences."""
+    if len(model_input_shape) == 1:
+        tokens = torch.zeros(micro_batch_size, *model_input_shape, dtype=torch.long, device="meta")
+        return tokens, tokens
+    return (torch.zeros(micro_batch_size, *model_input_shape, device="meta"),
+            torch.zeros(micro_batch_size, dtype=torch.long, device="meta"))
+
+
+def _meta_model(config: Config, info) -> nn.Module:
+    torch.manual_seed(config.train.seed)
+    with torch.device("meta"):
+        model = build_model(config.model, info)
+    return model.to(torch.bfloat16) if config.train.precision == "bf16" else model
+
+
+def _sharded_state(config: Config, info, machine: Machine, device: torch.device) -> tuple[dict, int]:
+    """Rank 0's bytes of parameters, gradients and optimizer state (the fullest rank: shards are chunks, rank 0's
+    the largest), and the parameters one shard group gathers (0 under ddp)."""
+    torch.manual_seed(config.train.seed)
+    with torch.device("meta"):
+        model = build_model(config.model, info)
+    if config.dist.sharded:
+        runtime = Runtime(0, 0, machine.world_size, machine.nproc_per_node, device, "fake")
+        model = shard_on_mesh(model, runtime, config.dist, config.train.precision, "cpu")
+    optimizer = build_optimizer(model, config.train)
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param) if param.requires_grad else None
+    optimizer.step()  # creates the optimizer's state (momenta, moments, step counts) on meta, as a first step would
+    local = sum(local_tensor(p).numel() for p in model.parameters())
+    return state_parts(model, optimizer, device, planned=True), local
+
+
+def _group_split(size: int, inner: int, per_node: int, nbytes: float, rounds: int) -> tuple[float, float]:
+    """(intra-node, inter-node) bytes one rank sends in a ring collective over a mesh dimension of `size` ranks
+    spaced `inner` apart (ranks numbered node by node), done hierarchically: within the node over its ranks of the
+    group, then across nodes on 1/l of the data each. rounds: 1 all-gather / reduce-scatter, 2 all-reduce."""
+    local = max(1, min(size, per_node // inner)) if per_node % inner == 0 else 1
+    nodes = size // local
+    return rounds * (local - 1) / local * nbytes, rounds * (nodes - 1) / nodes * nbytes / local
+
+
+def collective_bytes(shape: MeshShape, per_node: int, local_params: int, compute_bytes: int, grad_accum: int,
+                     reshard_after_forward: bool) -> tuple[float, float]:
+    """(intra-node, inter-node) bytes each rank sends per optimizer step for the gradients and parameters:
+    ddp all-reduces fp32 gradients once; fsdp/hsdp all-gather parameters in every forward (and backward, when
+    resharded) of every micro-step and reduce-scatter fp32 gradients once; hsdp then all-reduces its gradient
+    shards across the replicas."""
+    tp = shape.tensor_parallel
+    if shape.strategy == "ddp":
+        return _group_split(shape.replicate, tp, per_node, local_params * 4, 2)
+    gathered = local_params * shape.shard
+    gathers = grad_accum * (2 if reshard_after_forward else 1)
+    parts = [_group_split(shape.shard, tp, per_node, gathered * compute_bytes, gathers),
+             _group_split(shape.shard, tp, per_node, gathered * 4, 1)]
+    if shape.replicate > 1:
+        parts.append(_group_split(shape.replicate, shape.shard * tp, per_node, local_params * 4, 2))
+    return sum(p[0] for p in parts), sum(p[1] for p in parts)
+
+
+def plan_run(config: Config, machine: Machine) -> dict:
+    """The figures of the plan, under summary.json's names where it has them. UserErrors are train's own."""
+    shape = mesh_shape(config.dist, machine.world_size, machine.nproc_per_node)
+    device = torch.device("cpu" if config.dist.device == "cpu" else "cuda")
+    one = Runtime(0, 0, 1, 1, torch.device("cpu"), "gloo")
+    data = load_data(config.data, one, config.train.seed, log=lambda message: None)
+    batches = BatchPlan(data.train.num_samples, config.train.global_batch_size, config.train.grad_accum_steps, 0,
+                        shape.data_parallel, config.train.seed)
+    with fake_process_group(machine.world_size):
+        parts, local_params = _sharded_state(config, data.info, machine, device)
+    model = _meta_model(config, data.info)
+    inputs, targets = _meta_batch(tuple(data.info.input_shape), data.info.num_classes, batches.micro_batch_size)
+    whole, recomputed = activation_bytes(model, inputs, targets, fsdp.find_blocks(model, config.dist.shard_modules))
+    compute_bytes = 2 if config.train.precision == "bf16" else 4
+    intra, inter = collective_bytes(shape, machine.nproc_per_node, local_params, compute_bytes,
+                                    config.train.grad_accum_steps, config.dist.reshard_after_forward)
+    state = sum(parts.values())
+    activations = recomputed if config.speed.activation_checkpointing == "blocks" else whole
+    needed = state + activations
+    return {"world_size": machine.world_size, "nnodes": machine.nnodes, "nproc_per_node": machine.nproc_per_node,
+            "strategy": config.dist.strategy, "mesh": dict(shape.dims()) if shape.strategy != "ddp" else
+            {"replicate": shape.replicate}, "num_parameters": sum(p.numel() for p in model.parameters()),
+            "parameter_bytes_per_rank": parts["parameters"], "gradient_bytes_per_rank": parts["gradients"],
+            "optimizer_bytes_per_rank": parts["optimizer"], "state_bytes_per_rank": state,
+            "activation_bytes_per_micro_batch": whole, "activation_bytes_per_micro_batch_checkpointed": recomputed,
+            "global_batch_size": batches.global_batch_size, "micro_batch_size": batches.micro_batch_size,
+            "grad_accum_steps": batches.grad_accum_steps, "data_parallel_size": shape.data_parallel,
+            "collective_bytes_per_step_intra_node": intra, "collective_bytes_per_step_inter_node": inter,
+            "device_memory_bytes": machine.device_memory, "memory_bytes_per_rank": needed,
+            "fits": needed <= machine.device_memory,
+            "step_seconds_lower_bound": max(intra / machine.intra_node_bandwidth,
+                                            inter / machine.inter_node_bandwidth)}
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def table(figures: dict, machine: Machine) -> str:
+    """The plan as the lines `distrib plan` prints."""
+    f = figures
+    mesh = " x ".join(f"{name} {size}" for name, size in f["mesh"].items())
+    rows = [
+        ("model", f"{f['num_parameters'] / 1e9:.3f} B parameters"),
+        ("world", f"{f['nnodes']} node(s) x {f['nproc_per_node']} = {f['world_size']} ranks, {f['strategy']} "
+                  f"({mesh})"),
+        ("parameters / rank", _size(f["parameter_bytes_per_rank"])),
+        ("gradients / rank", _size(f["gradient_bytes_per_rank"])),
+        ("optimizer state / rank", _size(f["optimizer_bytes_per_rank"])),
+        ("state_bytes_per_rank", f"{_size(f['state_bytes_per_rank'])} ({f['state_bytes_per_rank']} bytes)"),
+        ("activations / micro-batch", f"{_size(f['activation_bytes_per_micro_batch'])}; with activation "
+                                      f"checkpointing {_size(f['activation_bytes_per_micro_batch_checkpointed'])}"),
+        ("batch", f"global {f['global_batch_size']} = {f['data_parallel_size']} data-parallel ranks x "
+                  f"{f['grad_accum_steps']} grad-accum steps x micro-batch {f['micro_batch_size']}"),
+        ("collectives / step", f"{_size(f['collective_bytes_per_step_intra_node'])} intra-node, "
+                               f"{_size(f['collective_bytes_per_step_inter_node'])} inter-node per rank"),
+        ("device memory", f"{'fits' if f['fits'] else 'DOES NOT FIT'}: {_size(f['memory_bytes_per_rank'])} of "
+                          f"{_size(f['device_memory_bytes'])} (state + activations of one micro-batch)"),
+        ("step time >=", f"{f['step_seconds_lower_bound'] * 1e3:.1f} ms from communication at "
+                         f"{machine.intra_node_bandwidth / GB:g} GB/s intra-node, "
+                         f"{machine.inter_node_bandwidth / GB:g} GB/s inter-node"),
+    ]
+    return "\n".join(f"{name:<26} {value}" for name, value in rows)
+
+
+def main(config: Config, machine: Machine, as_json: bool) -> int:
+    figures = plan_run(config, machine)
+    print(json.dumps(figures, indent=1) if as_json else table(figures, machine))
+    return 0
