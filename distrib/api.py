@@ -4,12 +4,12 @@ runs as one process (`python train.py`) and unchanged under `torchrun` or `distr
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch.nn as nn
 
 from distrib.config import Config, load_config
-from distrib.errors import ConfigError
+from distrib.errors import ConfigError, UserError
 
 
 def _toml_text(value: Any) -> str:
@@ -33,15 +33,19 @@ def resolve_config(config: str | Path | Config | None, overrides: Mapping[str, A
 
 def fit(model: nn.Module | Callable[..., nn.Module], train_data, test_data,
         config: str | Path | Config | None = None, overrides: Mapping[str, Any] | None = None,
-        loss_fn: Callable | None = None) -> dict:
+        loss_fn: Callable | None = None, metrics: Sequence[Callable] = ()) -> dict:
     """Trains `model` on `train_data`, evaluates it exactly on `test_data`; returns the summary (as in summary.json).
 
     model: an nn.Module, or a function returning one (called after seeding, with num_classes, in_channels and
         image_size from the data if it declares them: the same initial weights at any world size).
-    train_data, test_data: map-style datasets of (tensor, int label), e.g. torchvision's, or (inputs, labels) tensor
-        pairs.
+    train_data, test_data: map-style datasets of (inputs, targets) (e.g. torchvision's) or of dicts of tensors (a
+        tokenized Hugging Face dataset; the dict goes to model(**batch), its "labels" are the targets), or
+        (inputs, targets) pairs of tensors. Inputs and targets may be tensors of any dtype and shape, or dicts.
     config: a TOML path or a distrib.Config (default: the built-in defaults); overrides: {"train.lr": 0.1, ...}.
-    loss_fn: (outputs, targets) -> scalar mean; default train.loss (cross-entropy).
+    loss_fn: (outputs, targets) -> scalar mean; default: the model's own outputs.loss if it returns one, else
+        train.loss (cross-entropy).
+    metrics: functions (outputs, targets) -> {name: (sum, count)}, reported as test_<name> = sum / count, summed
+        exactly over the whole test set (as metrics.eval does for functions named in the config).
 
     Run as one process, or unchanged under `torchrun --nproc-per-node N` / `distrib launch`: every worker runs the
     script, fit() joins the process group the launcher set up and takes its share of each global batch. Outputs go
@@ -62,9 +66,24 @@ def fit(model: nn.Module | Callable[..., nn.Module], train_data, test_data,
     from distrib.data import data_from_datasets
     from distrib.distributed.runtime import open_runtime
     from distrib.launch.rundir import environment_faults
-    from distrib.worker import train_on
+    from distrib.worker import peers_lost, train_on
 
-    resolved = resolve_config(config, overrides)
-    with environment_faults(), open_runtime(resolved.dist) as runtime:  # train_on locks the run's folders
-        data = data_from_datasets(train_data, test_data, resolved.data, runtime, resolved.train.seed)
-        return train_on(resolved, runtime, data=data, model=model, loss_fn=loss_fn)
+    try:
+        resolved = resolve_config(config, overrides)
+        with environment_faults(), open_runtime(resolved.dist) as runtime, peers_lost(resolved, runtime):
+            data = data_from_datasets(train_data, test_data, resolved.data, runtime, resolved.train.seed)
+            # train_on locks the run's folders
+            return train_on(resolved, runtime, data=data, model=model, loss_fn=loss_fn, metrics=tuple(metrics))
+    except Exception as e:
+        _record(e)
+        if isinstance(e, UserError):  # its one line says it all: not the chain of exceptions that led to it
+            raise e.with_traceback(None) from None
+        raise
+
+
+def _record(error: Exception) -> None:
+    """Under torchrun or distrib launch (TORCHELASTIC_ERROR_FILE set), the exception's type and message go to torch's
+    error file, as @record on an entry point does: the launcher's last line then names them, not just an exit code."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    ErrorHandler().record_exception(error)

@@ -34,7 +34,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.nproc_per_node is not None:
         from distrib.launch.launcher import launch_trainer
 
-        return launch_trainer(args.nproc_per_node, args.argv)
+        return launch_trainer(args.nproc_per_node, args.argv, _before_workers(config, args.nproc_per_node))
     from distrib.launch.preempt import StoppedEarly, exit_on_signals, parse_signals
 
     try:
@@ -46,8 +46,22 @@ def _train(args: argparse.Namespace) -> int:
 
             return record(_worker)(config)  # under a launcher, a failing rank's exception reaches its summary
     except StoppedEarly as e:
-        say(f"distrib: {e}; exit code {EXIT_PREEMPTED}: requeue the job and it starts (or resumes) there")
+        if not _reported_by_launcher(e, record=False):  # distrib launch says how its workers were stopped, and why
+            say(f"distrib: {e}; exit code {EXIT_PREEMPTED}: requeue the job and it starts (or resumes) there")
         return EXIT_PREEMPTED
+
+
+def _before_workers(config, nproc_per_node: int):
+    """What the launcher checks once, before any worker starts: the device each worker would get (CUDA present,
+    enough GPUs) and the global batch's split over the world size."""
+    def check(world_size: int | None) -> None:
+        from distrib.config import check_world_size
+        from distrib.distributed.runtime import select_device
+
+        select_device(config.dist.device, nproc_per_node - 1)  # the last local rank's device: all of them exist
+        if world_size is not None:
+            check_world_size(config.train.global_batch_size, config.train.grad_accum_steps, world_size)
+    return check
 
 
 def _check_nproc(nproc_per_node: int | None) -> None:
@@ -104,11 +118,12 @@ def _plot(args: argparse.Namespace) -> int:
 
 def _use(args: argparse.Namespace) -> int:
     """distrib eval and distrib predict: checked here, then run in this process or in N launched workers."""
-    from distrib.training.inference import check_input, load_trained
+    from distrib.training.inference import check_input, check_rebuildable, load_trained
 
     trained = load_trained(args.source, args.config, args.set)  # a bad run dir or checkpoint fails before any worker
     if args.command == "predict":
         check_input(args.input)
+    check_rebuildable(trained, args.input if args.command == "predict" else None)  # before any data is read
     if args.nproc_per_node is not None:
         from distrib.launch.launcher import main as launch
 
@@ -122,6 +137,7 @@ def _use_worker(args: argparse.Namespace, trained) -> int:
     from pathlib import Path
 
     from distrib.distributed.runtime import open_runtime
+    from distrib.metrics.recorder import headline
     from distrib.training.inference import evaluate_trained, predict_trained
 
     with open_runtime(trained.config.dist) as runtime:
@@ -129,8 +145,8 @@ def _use_worker(args: argparse.Namespace, trained) -> int:
             out = Path(args.out) if args.out else trained.out_dir / "eval.json"
             metrics = evaluate_trained(trained, runtime, out)
             if runtime.is_main:
-                print(f"test accuracy {100 * metrics['test_accuracy']:.2f}%, loss {metrics['test_loss']:.4f} over "
-                      f"{metrics['test_count']} samples at world size {runtime.world_size}; written to {out}")
+                print(f"{headline(metrics)}, loss {metrics['test_loss']:.4f} over {metrics['test_count']} samples at "
+                      f"world size {runtime.world_size}; written to {out}")
         else:
             count = predict_trained(trained, runtime, args.input, Path(args.out))
             if runtime.is_main:
@@ -245,8 +261,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.argv = _launch_trainer_argv(argv[1:])  # what follows `train`
         return args.func(args)
     except UserError as e:
-        say(f"distrib: error: {e}")
+        if not _reported_by_launcher(e):
+            say(f"distrib: error: {e}")
         return getattr(e, "exit_code", EXIT_USER_ERROR)  # 2; EnvironmentFault: EXIT_ENVIRONMENT (74)
+
+
+def _reported_by_launcher(error: BaseException, record: bool = True) -> bool:
+    """A worker of distrib launch on its last attempt writes its error to torch's error file instead of stderr: the
+    launcher's last line names it, once for all the ranks that share it. Elsewhere (one process, torchrun, a restart
+    still to come) the worker prints it."""
+    from distrib.launch.reporting import launched_by_distrib
+
+    if not launched_by_distrib():
+        return False
+    from distrib.distributed.runtime import read_launch_env
+
+    try:
+        reported = read_launch_env().errors_reported
+    except UserError:
+        return False
+    if reported and record:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(error)  # as @record does; also for errors raised outside its wrapper
+    return reported
 
 
 def hard_exit(code: int) -> NoReturn:

@@ -45,6 +45,9 @@ def _positive(section: str, obj, key: str, example) -> None:
         _fail(section, key, value, "must be a finite number > 0", f"e.g. --set {section}.{key}={example}")
 
 
+LOSSES = ("cross_entropy", "mse", "l1", "bce_with_logits")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+
 # What early stopping and best-k checkpoints can watch: lower is better for losses, higher for accuracies.
 EVAL_METRICS = ("test_loss", "test_accuracy", "test_loss_ema", "test_accuracy_ema")
 
@@ -149,9 +152,11 @@ class TrainConfig:
     global_batch_size: int = 128  # samples per optimizer step, summed over ranks and micro-steps
     grad_accum_steps: int = 1
     lr: float = 0.05
-    optimizer: str = "sgd"  # sgd | adam | adamw
+    optimizer: str = "sgd"  # sgd | adam | adamw | package.module:function, (parameter groups, config) -> Optimizer
     momentum: float = 0.9  # sgd only
+    betas: tuple[float, ...] = (0.9, 0.999)  # adam, adamw: the moving averages' coefficients
     weight_decay: float = 0.0
+    decay: str = "weights"  # adam, adamw: weights (no weight decay on biases, norms, embeddings) | all
     schedule: str = "cosine"  # constant | cosine (with linear warm-up)
     schedule_steps: int = 0  # the schedule's length in steps; 0 = this run's total (fix it if the run may be extended)
     warmup_steps: int = 100
@@ -166,13 +171,21 @@ class TrainConfig:
     early_stop_patience: int = 3  # evaluations without improvement before every rank stops
     early_stop_min_delta: float = 0.0  # an improvement must exceed this to reset the patience
     ema_decay: float = 0.0  # exponential moving average of the weights, updated every step; 0 = off
-    loss: str = "cross_entropy"  # cross_entropy | package.module:function, (outputs, targets) -> scalar mean
+    loss: str = "cross_entropy"  # cross_entropy | mse | l1 | bce_with_logits | package.module:function (a model's
+    # own outputs.loss wins over it)
     label_smoothing: float = 0.0  # cross_entropy only
 
     def __post_init__(self):
-        if self.loss != "cross_entropy" and not _FACTORY.match(self.loss):
-            _fail("train", "loss", self.loss, "must be cross_entropy or package.module:function",
+        if self.loss not in LOSSES and not _FACTORY.match(self.loss):
+            _fail("train", "loss", self.loss, f"must be {', '.join(LOSSES)} or package.module:function",
                   "e.g. --set train.loss=mypkg.losses:focal")
+        if self.optimizer not in OPTIMIZERS and not _FACTORY.match(self.optimizer):
+            _fail("train", "optimizer", self.optimizer, f"must be {', '.join(OPTIMIZERS)} or package.module:function",
+                  "e.g. --set train.optimizer=adamw")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            _fail("train", "betas", list(self.betas), "must be two numbers in [0, 1)",
+                  "e.g. --set train.betas=[0.9,0.95]")
+        _choice("train", self, "decay", ("weights", "all"))
         if not (0.0 <= self.label_smoothing < 1.0):
             _fail("train", "label_smoothing", self.label_smoothing, "must be in [0, 1)",
                   "e.g. --set train.label_smoothing=0.1")
@@ -185,7 +198,6 @@ class TrainConfig:
             _fail("train", "epochs", 0, "and train.max_steps = 0 leave the run unbounded",
                   "set --set train.epochs=1 or --set train.max_steps=100")
         _positive("train", self, "lr", 0.01)
-        _choice("train", self, "optimizer", ("sgd", "adam", "adamw"))
         _choice("train", self, "schedule", ("constant", "cosine"))
         _choice("train", self, "precision", ("fp32", "bf16", "fp16"))
         _at_least("train", self, "weight_decay", 0.0)
@@ -319,8 +331,13 @@ class MetricsConfig:
     logger_errors: str = "fail"  # a tracker that cannot start: fail (exit 2 before training) | warn (go on without)
     peak_flops: float = 0.0  # peak FLOP/s of one device for MFU; 0 = from distrib.throughput's table
     timing_skip_steps: int = 5  # first optimizer steps left out of samples/s (compile and warm-up)
+    eval: tuple[str, ...] = ()  # the user's metrics, package.module:function: (outputs, targets) -> {name: (sum, n)}
 
     def __post_init__(self):
+        for spec in self.eval:
+            if not _FACTORY.match(spec):
+                _fail("metrics", "eval", list(self.eval), f"{spec!r} must look like package.module:function",
+                      'e.g. --set metrics.eval=["mypkg.metrics:r2"]')
         _at_least("metrics", self, "peak_flops", 0.0)
         _at_least("metrics", self, "timing_skip_steps", 0)
         for name in self.loggers:
@@ -359,6 +376,17 @@ class Config:
                               "set --set dist.strategy=fsdp or --set checkpoint.async_save=false")
         _needs_ema("checkpoint", "best_metric", self.checkpoint.best_metric if self.checkpoint.keep_best else "",
                    self.train.ema_decay)
+
+
+def check_world_size(global_batch_size: int, grad_accum_steps: int, world_size: int) -> None:
+    """train.global_batch_size splits into world_size x train.grad_accum_steps equal micro-batches: checked by each
+    worker's batch plan, and by the launcher before any worker starts."""
+    parts = world_size * grad_accum_steps
+    if global_batch_size % parts:
+        low = global_batch_size // parts * parts or parts
+        raise ConfigError(f"train.global_batch_size = {global_batch_size}: must divide into world_size "
+                          f"({world_size}) x train.grad_accum_steps ({grad_accum_steps}) = {parts} equal "
+                          f"micro-batches; use {low} or {low + parts}")
 
 
 def _sections() -> dict[str, type]:

@@ -8,11 +8,13 @@ A SLURM cluster:             sbatch --nodes 2 scripts/slurm/train.sbatch configs
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from distrib.checkpoint import BestCheckpoints, Checkpointer, CheckpointError, committing, make_checkpointer
@@ -22,14 +24,18 @@ from distrib.data import Data, DataInfo, load_data, make_plan
 from distrib.distributed.agreement import RankAgreement
 from distrib.distributed.parallel import full_model_state, memory_report, parallelize, place_model, sync_batchnorm
 from distrib.distributed.runtime import LaunchEnv, Runtime, collective_timeouts, open_runtime
+from distrib.errors import say
 from distrib.factory import accepted, call_factory
 from distrib.launch.preempt import Preempted, parse_signals, stop_on_signals
 from distrib.launch.rundir import checkpoint_dir, environment_faults, own_folders
 from distrib.metrics import Recorder
+from distrib.metrics.recorder import headline
 from distrib.models.build import batchnorm_layers, build_model, data_kwargs
-from distrib.training.evaluation import evaluate
+from distrib.training.evaluation import MetricFn, Task, evaluate
 from distrib.training.losses import Loss, LossFn, build_loss
-from distrib.training.preflight import dry_batch
+from distrib.training.notes import task_notes
+from distrib.training.optimizers import check_user_optimizer
+from distrib.training.preflight import dry_batch, task_for
 from distrib.training.throughput import flops_per_sample, meter_for, tokens_per_sample
 from distrib.training.trainer import Trainer, TrainState, new_state
 
@@ -38,8 +44,15 @@ ModelArg = nn.Module | Callable[..., nn.Module] | None  # distrib.fit's model: a
 
 def run_training(config: Config, env: LaunchEnv | None = None) -> dict:
     """Trains on this worker's device inside an open process group; returns the run's summary."""
-    with environment_faults(), open_runtime(config.dist, env) as runtime:
+    with environment_faults(), open_runtime(config.dist, env) as runtime, peers_lost(config, runtime):
         return train_on(config, runtime)  # which locks run.dir and checkpoint.dir once the input is checked
+
+
+def peers_lost(config: Config, runtime: Runtime):
+    """Before (and after) the training steps too, a peer that died or hangs is one line naming it (PeerLostError,
+    CollectiveTimeoutError), not gloo's traceback: e.g. rank 0 waiting in the run.dir lock's broadcast while rank 1
+    failed on its input."""
+    return collective_timeouts(config.dist.timeout_s, lambda: "before training", runtime.peers)
 
 
 def _total_steps(config: Config, steps_per_epoch: int) -> int:
@@ -89,6 +102,33 @@ def _resume(state: TrainState, config: Config, runtime: Runtime, checkpointer: C
     return state.progress.step
 
 
+def _finished_summary(config: Config, runtime: Runtime, state: TrainState, total_steps: int) -> dict | None:
+    """The summary of a resumed run that has nothing left to train (its steps done, or stopped early), after one line
+    that says so and how to retrain or extend; None when steps are left, or when run.dir holds no summary of that
+    step (the run ended before writing it: then it ends the usual way, evaluation and summary included)."""
+    step, early_stop = state.progress.step, state.early_stop
+    stopped_early = early_stop is not None and early_stop.stopped
+    if step < total_steps and not stopped_early:
+        return None
+    found = [_read_summary(Path(config.run.dir) / "summary.json", step) if runtime.is_main else None]
+    dist.broadcast_object_list(found, src=0)  # every rank returns, or every rank trains on: the same collectives
+    summary = found[0]
+    if summary is not None and runtime.is_main:
+        done = early_stop.reason() if stopped_early else f"{step} of {total_steps} steps done"
+        extend = "" if stopped_early else "; to extend it, raise train.max_steps or train.epochs"
+        say(f"distrib: {config.run.dir}: the run is finished ({done}), nothing to train; its summary.json is left as "
+            f"it was. To retrain, give a new run.dir or --set checkpoint.resume=never{extend}")
+    return summary
+
+
+def _read_summary(path: Path, step: int) -> dict | None:
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):  # none, or unreadable: the run ends the usual way and writes it anew
+        return None
+    return summary if isinstance(summary, dict) and summary.get("steps") == step else None
+
+
 def _model(config: Config, runtime: Runtime, data: Data, model: ModelArg, notes: list[str]) -> nn.Module:
     """The config's model (or distrib.fit's), with SyncBatchNorm if asked, placed on this worker's device."""
     torch.manual_seed(config.train.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's too)
@@ -110,7 +150,8 @@ def _model(config: Config, runtime: Runtime, data: Data, model: ModelArg, notes:
 
 
 def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None] | None = None, *,
-             data: Data | None = None, model: ModelArg = None, loss_fn: LossFn | None = None) -> dict:
+             data: Data | None = None, model: ModelArg = None, loss_fn: LossFn | None = None,
+             metrics: tuple[MetricFn, ...] = ()) -> dict:
     """Trains inside an open process group; returns the run's summary. Everything that can fail on the user's input
     (data, model, the dry batch, the checkpoint to resume) runs before anything is written to run.dir, so a run that
     fails leaves an earlier run's files there as they were. on_step_end(step) runs after each step's bookkeeping."""
@@ -118,20 +159,27 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
     data = data or load_data(config.data, runtime, config.train.seed)
     plan = make_plan(data.train.num_samples, config.train, runtime)
     total_steps = _total_steps(config, plan.steps_per_epoch)
-    loss = build_loss(config.train, loss_fn)
     placed = _model(config, runtime, data, model, notes)
-    inputs, targets = dry_batch(placed, data.train, data.info, runtime.device)
+    dry = dry_batch(placed, data.train, data.info, runtime.device, build_loss(config.train, loss_fn))
+    loss, task = dry.loss, task_for(dry, config.metrics.eval, metrics)
+    task.check_watched("train.early_stop_metric", config.train.early_stop_metric)
+    task.check_watched("checkpoint.best_metric", config.checkpoint.best_metric if config.checkpoint.keep_best else "")
+    check_user_optimizer(config.train)
+    notes += task_notes(config.train, loss, task, placed, total_steps)
     meter = meter_for(config, runtime)
-    meter.flops_per_sample = flops_per_sample(placed, inputs, targets)
-    meter.tokens_per_sample = tokens_per_sample(inputs)
+    meter.flops_per_sample = flops_per_sample(placed, dry.inputs, dry.targets, loss)
+    meter.tokens_per_sample = tokens_per_sample(dry.inputs)
     # Only now, once the user's input passed: rank 0 locks run.dir and checkpoint.dir for the rest of the run (a
     # refused run wrote nothing, not even a lock file); the resume choice below is made under the lock.
     with own_folders(config, runtime):
         # Placed before sharding (in _model), so the device-mismatch listing sees the whole model.
         state = new_state(parallelize(placed, runtime, config.speed, config.dist, config.train.precision), config.train,
-                          total_steps, runtime.device, best=_best(config, runtime))
+                          total_steps, runtime.device, best=_best(config, runtime), log=notes.append)
         checkpointer = _checkpointer(config, runtime, state, plan.global_batch_size, data.info)
         resumed_from = _resume(state, config, runtime, checkpointer, plan.global_batch_size, notes)
+        finished = _finished_summary(config, runtime, state, total_steps) if resumed_from is not None else None
+        if finished is not None:
+            return finished  # nothing written: summary.json, config.toml and metrics.jsonl stay as they were
         recorder = Recorder(Path(config.run.dir), runtime.is_main, config.run.progress, metrics=config.metrics,
                             run_ids=state.tracker_ids)
         if runtime.is_main:  # only now: a run that failed above left the earlier run's config.toml as it was
@@ -149,10 +197,11 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
                                         runtime.peers), \
                     committing(checkpointer):
                 agreement = RankAgreement(stop, runtime.device, runtime.world_size, synced_at=state.progress.step)
-                evaluator = _evaluator(config, runtime, data, loss)
+                evaluator = _evaluator(config, runtime, data, loss, task)
                 trainer = Trainer(state=state, loss=loss, config=config.train, device=runtime.device, plan=plan,
                                   total_steps=total_steps, evaluate=evaluator, recorder=recorder, meter=meter,
-                                  agreement=agreement, checkpointer=checkpointer, on_step_end=on_step_end)
+                                  agreement=agreement, checkpointer=checkpointer,
+                                  on_step_end=_after_step(runtime, on_step_end))
                 metrics = trainer.train(data.train)
         except BaseException as e:  # flush metrics and trackers now: the CLI's os._exit skips finalisers
             recorder.close("preempted" if isinstance(e, Preempted) else "failed")
@@ -161,10 +210,25 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
                        model is None)
 
 
-def _evaluator(config: Config, runtime: Runtime, data: Data, loss: Loss) -> Callable[[nn.Module], dict]:
+def _after_step(runtime: Runtime, on_step_end: Callable[[int], None] | None) -> Callable[[int], None] | None:
+    """A heartbeat that names the step just finished (a stopped rank is then named at its true step), then the
+    caller's on_step_end."""
+    peers = runtime.peers
+    if peers is None:
+        return on_step_end
+
+    def after_step(step: int) -> None:
+        peers.step_done()
+        if on_step_end:
+            on_step_end(step)
+
+    return after_step
+
+
+def _evaluator(config: Config, runtime: Runtime, data: Data, loss: Loss, task: Task) -> Callable[[nn.Module], dict]:
     def evaluate_model(model: nn.Module) -> dict:
         return evaluate(model, data.test, data.info.num_classes, config.data.eval_batch_size, runtime, loss,
-                        config.train.precision, data.info.class_names)
+                        config.train.precision, data.info.class_names, task)
 
     return evaluate_model
 
@@ -201,7 +265,6 @@ def _finish(config: Config, runtime: Runtime, data: Data, state: TrainState, met
                **({"best_checkpoints": state.best.describe()} if state.best else {}),
                **meter.summary(), **memory, "elapsed_seconds": elapsed, "data": data.info.to_dict()}
     recorder.write_summary(summary)
-    recorder.info(f"done in {elapsed:.1f}s: test accuracy {100 * metrics['test_accuracy']:.2f}%, "
-                  f"summary in {run_dir / 'summary.json'}")
+    recorder.info(f"done in {elapsed:.1f}s: {headline(metrics)}, summary in {run_dir / 'summary.json'}")
     recorder.close()
     return summary

@@ -42,7 +42,7 @@ class PerSample(Dataset):
         return len(self.split)
 
     def __getitem__(self, index: int):
-        return self.transform(self.split.images[index]), self.split.labels[index]
+        return self.transform(self.split.inputs[index]), self.split.targets[index]
 
 
 def distrib_pass(source: DeviceBatches, plan: BatchPlan, epoch: int, device: torch.device) -> int:

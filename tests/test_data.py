@@ -118,8 +118,8 @@ def test_the_two_loader_paths_give_identical_batches(shape, augment):
 def test_synthetic_data_is_seeded_and_the_same_each_time():
     config = DataConfig(name="synthetic", synthetic_train_size=100, synthetic_test_size=10)
     (a, at), (b, _) = data.load_splits(config, CPU), data.load_splits(config, CPU)
-    assert torch.equal(a.images, b.images) and torch.equal(a.labels, b.labels)
-    assert not torch.equal(a.images[:10], at.images)  # train and test differ
+    assert torch.equal(a.inputs, b.inputs) and torch.equal(a.targets, b.targets)
+    assert not torch.equal(a.inputs[:10], at.inputs)  # train and test differ
 
 
 def test_train_end_to_end_on_idx_files_through_the_real_loader(tmp_path, monkeypatch):

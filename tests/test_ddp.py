@@ -43,7 +43,7 @@ def _plain_reference(config) -> dict:
         order = plan.order(epoch)
         for step_in_epoch in range(plan.steps_per_epoch):
             for idx in plan.micro_batches(order, step_in_epoch):
-                loss = F.cross_entropy(model(normalize(train.images[idx])), train.labels[idx]) / cfg.grad_accum_steps
+                loss = F.cross_entropy(model(normalize(train.inputs[idx])), train.targets[idx]) / cfg.grad_accum_steps
                 loss.backward()
             optimizer.step()
             optimizer.zero_grad()

@@ -84,7 +84,7 @@ def test_predict_test_split_in_input_order_at_world_size_2(run_dir, tmp_path):
     assert [line["source"] for line in lines] == [f"test:{i}" for i in range(203)]
     # Each line's target is sample i's true label: rank 1's lines were gathered after rank 0's, in order.
     _, test = load_splits(load_config(str(run_dir / "config.toml")).data, None)
-    assert [line["target"] for line in lines] == test.labels.tolist()
+    assert [line["target"] for line in lines] == test.targets.tolist()
     summary = _summary(run_dir)
     assert sum(line["label"] == line["target"] for line in lines) / 203 == summary["test_accuracy"]
     card = json.loads((run_dir / "model.json").read_text())

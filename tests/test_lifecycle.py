@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -185,7 +186,12 @@ def test_a_stopped_rank_ends_the_run_within_the_timeout_and_is_named(tmp_path):
     last = done.stderr.strip().splitlines()[-1]
     assert "did not arrive: rank 1 (host " in last and f"pid {workers[1]}, after step " in last, done.text()
     assert "no heartbeat since" in last and last.endswith("[first failure]"), done.text()
-    print(f"stopped rank named after {seconds:.1f}s")
+    # Rank 0 waited in the step after its last; rank 1 had taken part in that one's all-reduce, so it stopped in
+    # or just after it: its heartbeat names (nearly) the same step, not one from up to a beat interval before.
+    rank0, rank1 = (int(step) for step in re.findall(r"after step (\d+)", last.split("did not arrive:")[0])[-1:]
+                    + re.findall(r"pid \d+, after step (\d+)", last))
+    assert rank0 - 3 <= rank1 <= rank0, f"rank 0 after step {rank0}, rank 1's heartbeat: after step {rank1}\n{last}"
+    print(f"stopped rank named after {seconds:.1f}s, at step {rank1} (rank 0: {rank0})")
 
 
 @pytest.mark.timeout(240)

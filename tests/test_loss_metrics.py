@@ -36,7 +36,7 @@ def test_a_loss_function_by_name_trains_like_the_built_in_key(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("override, message", [
-    ("train.loss=focal", "train.loss = 'focal': must be cross_entropy or package.module:function"),
+    ("train.loss=focal", "train.loss = 'focal': must be cross_entropy, mse, l1, bce_with_logits or package.module"),
     ("train.label_smoothing=1.0", "train.label_smoothing = 1.0: must be in [0, 1)"),
     ("dist.sync_batchnorm=1", "dist.sync_batchnorm = 1: must be of type bool"),
     ("model.kwargs=3", "model.kwargs = 3: must be a table"),

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from distrib.config import DataConfig
+from distrib.data import samples
 from distrib.data.augment import Augment
 from distrib.data.batching import BatchSource, DeviceBatches, Failed, LoaderBatches, collate
 from distrib.data.tensors import DataInfo, Normalizer, Split, channel_stats, stats_indices
@@ -18,6 +19,7 @@ from distrib.distributed.runtime import Runtime
 from distrib.errors import UserError
 
 Stats = tuple[tuple[float, ...], tuple[float, ...]]
+IGNORE_INDEX = -100  # a dense class target that is not counted (cross-entropy's ignore_index, Hugging Face's)
 
 
 @dataclass(frozen=True)
@@ -63,26 +65,34 @@ def build(loaded: Loaded, config: DataConfig, runtime: Runtime, seed: int, log) 
     train, test = loaded.train, loaded.test
     if device_path:
         train, test = materialize(train, config), materialize(test, config)
-    shape, uint8 = _input_kind(train)
-    if _input_kind(test) != (shape, uint8):
-        kinds = [f"{list(k[0])} {'uint8' if k[1] else 'float'}" for k in (_input_kind(train), _input_kind(test))]
-        raise UserError(f"data {loaded.name}: train inputs are {kinds[0]}, test inputs {kinds[1]}; fix: give both "
-                        "splits inputs of one shape and type")
-    info = on_rank0(runtime, lambda: _info(loaded, train, test, shape, uint8, config))
+    first = first_batch(train)
+    _same_kind(loaded.name, first, first_batch(test))
+    info = on_rank0(runtime, lambda: _info(loaded, train, test, first, config))
+    uint8 = isinstance(first[0], torch.Tensor) and first[0].dtype == torch.uint8
     normalizer = Normalizer(info.mean, info.std, uint8)
-    augment = _augment(config, seed, shape)
+    augment = _augment(config, seed, first[0])
     if device_path:
         sources = (DeviceBatches(train, runtime, normalizer, augment), DeviceBatches(test, runtime, normalizer))
     else:
         sources = tuple(LoaderBatches(split, runtime, config.num_workers, normalizer, aug, config)
                         for split, aug in ((train, augment), (test, None)))
-    if config.normalize == "auto" and loaded.stats is None:
-        log(f"data.normalize = auto: per-channel mean {_rounded(info.mean)}, std {_rounded(info.std)} from "
-            f"{len(stats_indices(len(train)))} training samples (recorded in summary.json)")
-    log(f"data {info.name}: {len(train)} train / {len(test)} test samples of {list(shape)}, {info.num_classes} "
-        f"classes, {'device-resident' if device_path else f'DataLoader ({config.num_workers} workers)'}"
+    log(_normalize_line(config, loaded, info, len(train)))
+    classes = f"{info.num_classes} classes" if info.num_classes else "no classes"
+    log(f"data {info.name}: {len(train)} train / {len(test)} test samples of {info.inputs} -> {info.targets}, "
+        f"{classes}, {'device-resident' if device_path else f'DataLoader ({config.num_workers} workers)'}"
         + (f", augment {config.augment}" if augment else ""))
     return Data(info, *sources)
+
+
+def _normalize_line(config: DataConfig, loaded: Loaded, info: DataInfo, num_train: int) -> str:
+    """Which normalisation data.normalize chose: the one line that says whether the inputs were rescaled."""
+    where = f"data.normalize = {config.normalize if isinstance(config.normalize, str) else 'given'}"
+    if not info.mean:
+        return f"{where}: inputs {info.inputs} are not images, so they pass as given"
+    if config.normalize == "auto" and loaded.stats is None:
+        return (f"{where}: per-channel mean {_rounded(info.mean)}, std {_rounded(info.std)} from "
+                f"{len(stats_indices(num_train))} training samples (recorded in summary.json)")
+    return f"{where}: images normalised with mean {_rounded(info.mean)}, std {_rounded(info.std)}"
 
 
 def _rounded(values: tuple[float, ...]) -> list[float]:
@@ -102,74 +112,116 @@ def materialize(split: Split | Dataset, config: DataConfig) -> Split:
     if isinstance(split, Split):
         return split
     loader = DataLoader(split, batch_size=256, collate_fn=collate, num_workers=config.num_workers)
-    inputs, labels = [], []
+    inputs, targets = [], []
     for batch in loader:
-        if isinstance(batch, Failed):
-            raise UserError(batch.message)
+        batch = _checked(batch)
         inputs.append(batch[0])
-        labels.append(batch[1])
-    if len({tuple(x.shape[1:]) for x in inputs}) > 1:
-        raise UserError(collate([(inputs[0][0], 0), (inputs[-1][0], 0)]).message)
-    return Split(torch.cat(inputs), torch.cat(labels))
+        targets.append(batch[1])
+    kinds = sorted({samples.kind(x) for x in inputs})
+    if len(kinds) > 1:
+        raise UserError(f"data: samples of different shapes or types ({'; '.join(kinds[:3])}); fix: give samples "
+                        "of one shape (pad or cut sequences to one length)")
+    return Split(samples.cat(inputs), None if targets[0] is None else samples.cat(targets))
 
 
-def _input_kind(split: Split | Dataset) -> tuple[tuple[int, ...], bool]:
+def first_batch(split: Split | Dataset):
+    """The first sample as a batch of one (inputs, targets), targets resolved: what the data's kind is read from."""
     if isinstance(split, Split):
-        return tuple(split.images.shape[1:]), split.images.dtype == torch.uint8
-    first = split[0]
-    if isinstance(first, Failed):
-        raise UserError(first.message)
-    return tuple(first[0].shape), first[0].dtype == torch.uint8
+        return samples.resolve(*split.rows(torch.arange(1)))
+    return samples.resolve(*_checked(collate([split[0]])))
 
 
-def _augment(config: DataConfig, seed: int, shape: tuple[int, ...]) -> Augment | None:
+def _same_kind(name: str, train, test) -> None:
+    for part, what in ((0, "inputs"), (1, "targets")):
+        kinds = [_described(batch[part]) for batch in (train, test)]
+        if kinds[0] != kinds[1]:
+            raise UserError(f"data {name}: train {what} are {kinds[0]}, test {what} {kinds[1]}; fix: give both "
+                            f"splits {what} of one shape and type")
+
+
+def _described(tree) -> str:
+    """'[3, 8, 8] float' for float and uint8 tensors, as the seed said it; 'int64 [64]' and dicts otherwise."""
+    if isinstance(tree, torch.Tensor) and (tree.is_floating_point() or tree.dtype == torch.uint8):
+        return f"{list(tree.shape[1:])} {'uint8' if tree.dtype == torch.uint8 else 'float'}"
+    return samples.kind(tree)
+
+
+def _augment(config: DataConfig, seed: int, inputs) -> Augment | None:
     if config.augment == "none":
         return None
-    if len(shape) != 3:
-        raise UserError(f"data.augment = {config.augment!r}: needs image inputs (C, H, W), these are {list(shape)}; "
-                        "fix: --set data.augment=none")
+    if not samples.is_image(inputs, per_sample=False):
+        raise UserError(f"data.augment = {config.augment!r}: needs image inputs (C, H, W), these are "
+                        f"{samples.kind(inputs)}; fix: --set data.augment=none")
     return Augment(config.augment, seed, config.crop_padding)
 
 
 # ---------------------------------------------------------------- what the data is: classes and normalisation
 
 
-def _info(loaded: Loaded, train, test, shape: tuple[int, ...], uint8: bool, config: DataConfig) -> DataInfo:
-    num_classes, names = _classes(loaded, train, test, config)
-    mean, std = _stats(loaded, train, shape, uint8, config)
-    return DataInfo(loaded.name, shape, num_classes, names, mean, std)
+def _info(loaded: Loaded, train, test, first, config: DataConfig) -> DataInfo:
+    inputs, targets = first
+    classes = _is_class(targets)
+    num_classes, names = _classes(loaded, train, test, config, targets.dim() > 1) if classes else (0, ())
+    mean, std = _stats(loaded, train, inputs, config)
+    shape = tuple(inputs.shape[1:]) if isinstance(inputs, torch.Tensor) else ()
+    return DataInfo(loaded.name, shape, num_classes, names, mean, std, samples.kind(inputs), samples.kind(targets))
 
 
-def _cheap_labels(split) -> torch.Tensor | None:
+def _is_class(targets) -> bool:
+    """Integer targets are class indices (one per sample, or per position); float targets are values."""
+    return isinstance(targets, torch.Tensor) and not targets.is_floating_point() and targets.dtype != torch.bool
+
+
+def _cheap_targets(split) -> torch.Tensor | None:
     if isinstance(split, Split):
-        return split.labels
+        return samples.resolve(split.inputs, split.targets)[1]
     targets = getattr(split, "targets", None)
     return torch.as_tensor(targets).long() if targets is not None and len(targets) == len(split) else None
 
 
-def _classes(loaded: Loaded, train, test, config: DataConfig) -> tuple[int, tuple[str, ...]]:
+def _all_targets(split) -> torch.Tensor:
+    """A Dataset that says nothing about its targets: read them once."""
+    return torch.stack([samples.resolve(*samples.as_pair(split[i]))[1] for i in range(len(split))])
+
+
+def _classes(loaded: Loaded, train, test, config: DataConfig, dense: bool) -> tuple[int, tuple[str, ...]]:
     names = loaded.class_names or getattr(loaded.train, "classes", None)
-    labels = {what: _cheap_labels(split) for what, split in (("train", train), ("test", test))}
+    labels = {what: _cheap_targets(split) for what, split in (("train", train), ("test", test))}
     num_classes = config.num_classes or (len(names) if names else 0)
     if not num_classes:
-        if labels["train"] is None:  # a Dataset that says nothing about its labels: read them once
-            labels["train"] = torch.tensor([int(train[i][1]) for i in range(len(train))])
-        num_classes = int(max(int(y.max()) for y in labels.values() if y is not None)) + 1
+        if labels["train"] is None:
+            labels["train"] = _all_targets(train)
+        counted = [_counted(y) for y in labels.values() if y is not None]
+        num_classes = max(int(y.max()) if len(y) else -1 for y in counted) + 1
     for what, y in labels.items():
-        if y is not None and (int(y.min()) < 0 or int(y.max()) >= num_classes):
+        y = _counted(y) if dense and y is not None else y  # dense targets: IGNORE_INDEX marks positions not counted
+        if y is not None and len(y) and (int(y.min()) < 0 or int(y.max()) >= num_classes):
             bad = int(y.min()) if int(y.min()) < 0 else int(y.max())
-            raise UserError(f"data: a {what} label is {bad}, out of range for {num_classes} classes (data.num_classes "
-                            f"= {config.num_classes}, 0 = from the data); fix: labels 0..{num_classes - 1}, or set "
-                            "data.num_classes")
+            noun = "target" if dense else "label"
+            raise UserError(f"data: a {what} {noun} is {bad}, out of range for {num_classes} classes (data.num_classes "
+                            f"= {config.num_classes}, 0 = from the data); fix: targets 0..{num_classes - 1}"
+                            + (f" or {IGNORE_INDEX} (not counted)" if dense else "") + ", or set data.num_classes")
     if not names or len(names) != num_classes:
         names = tuple(str(i) for i in range(num_classes))
     return num_classes, tuple(str(n) for n in names)
 
 
-def _stats(loaded: Loaded, train, shape: tuple[int, ...], uint8: bool, config: DataConfig) -> Stats:
-    channels = shape[0] if len(shape) == 3 else 1
-    if config.normalize == "none":
+def _counted(targets: torch.Tensor) -> torch.Tensor:
+    flat = targets.reshape(-1)
+    return flat[flat != IGNORE_INDEX]
+
+
+def _stats(loaded: Loaded, train, inputs, config: DataConfig) -> Stats:
+    """Per-channel statistics of image inputs; () for anything else, whose inputs pass as given."""
+    image = samples.is_image(inputs, per_sample=False)
+    if config.normalize == "none" or not image and config.normalize == "auto":
+        channels = inputs.shape[1] if image else 0
         return (0.0,) * channels, (1.0,) * channels
+    if not image and not (isinstance(inputs, torch.Tensor) and (inputs.is_floating_point()
+                                                               or inputs.dtype == torch.uint8)):
+        raise UserError(f"data.normalize = {[list(m) for m in config.normalize]}: the inputs are "
+                        f"{samples.kind(inputs)}, which cannot be normalised; fix: --set data.normalize=none")
+    channels = inputs.shape[1] if image else 1
     if config.normalize != "auto":
         mean, std = config.normalize
         if len(mean) not in (1, channels):
@@ -181,7 +233,7 @@ def _stats(loaded: Loaded, train, shape: tuple[int, ...], uint8: bool, config: D
         return (tuple(mean) * channels, tuple(std) * channels) if len(mean) == 1 else (mean, std)
     indices = stats_indices(len(train))
     if isinstance(train, Split):
-        return channel_stats(train.images.index_select(0, chunk) for chunk in indices.split(1024))
+        return channel_stats(train.inputs.index_select(0, chunk) for chunk in indices.split(1024))
     loader = DataLoader(torch.utils.data.Subset(train, indices.tolist()), batch_size=256, collate_fn=collate,
                         num_workers=config.num_workers)
     return channel_stats(_checked(batch)[0] for batch in loader)

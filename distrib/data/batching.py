@@ -9,18 +9,21 @@ from typing import Iterator, Protocol
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from distrib.config import DataConfig, TrainConfig
+from distrib.config import DataConfig, TrainConfig, check_world_size
+from distrib.data import samples
 from distrib.data.augment import Augment
+from distrib.data.samples import Tree
 from distrib.data.tensors import Normalizer, Split
 from distrib.distributed.runtime import Runtime
 from distrib.errors import ConfigError, UserError
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[Tree, Tree | None]  # (inputs, targets); a dict sample's targets are its "labels" (or None)
 
 
 class BatchSource(Protocol):
-    """Where batches come from. `batches` yields one (inputs float32 normalised, targets int64) pair on the
-    runtime's device per index list, in order. `epoch` None means no augmentation (evaluation, prediction);
+    """Where batches come from. `batches` yields one (inputs, targets) pair on the runtime's device per index list, in
+    order: images normalised to float32, any other inputs and all targets as the data gave them. `epoch` None means
+    no augmentation (evaluation, prediction);
     otherwise augmentation is keyed by (seed, epoch, sample index), so both sources give bitwise-equal batches at
     any world size and after a resume."""
 
@@ -45,14 +48,7 @@ class BatchPlan:
     seed: int
 
     def __post_init__(self):
-        parts = self.world_size * self.grad_accum_steps
-        if self.global_batch_size % parts:
-            low = self.global_batch_size // parts * parts or parts
-            raise ConfigError(
-                f"train.global_batch_size = {self.global_batch_size}: must divide into world_size "
-                f"({self.world_size}) x train.grad_accum_steps ({self.grad_accum_steps}) = {parts} equal "
-                f"micro-batches; "
-                f"use {low} or {low + parts}")
+        check_world_size(self.global_batch_size, self.grad_accum_steps, self.world_size)
         if self.steps_per_epoch == 0:
             raise ConfigError(f"train.global_batch_size = {self.global_batch_size}: larger than the training set "
                               f"({self.num_samples} samples); use at most {self.num_samples}")
@@ -108,10 +104,10 @@ class _Finish:
     def __init__(self, normalizer: Normalizer, augment: Augment | None):
         self.normalizer, self.augment = normalizer, augment
 
-    def __call__(self, inputs: torch.Tensor, idx: torch.Tensor, epoch: int | None) -> torch.Tensor:
+    def __call__(self, inputs: Tree, targets: Tree | None, idx: torch.Tensor, epoch: int | None) -> Batch:
         if epoch is not None and self.augment is not None:
             inputs = self.augment(inputs, idx, epoch)
-        return self.normalizer(inputs)
+        return samples.resolve(self.normalizer(inputs), targets)
 
 
 class DeviceBatches:
@@ -119,12 +115,11 @@ class DeviceBatches:
 
     def __init__(self, split: Split, runtime: Runtime, normalizer: Normalizer | None = None,
                  augment: Augment | None = None):
-        self.images = split.images.to(runtime.device)
-        self.labels = split.labels.to(runtime.device)
+        self.split = Split(samples.to_device(split.inputs, runtime.device),
+                           samples.to_device(split.targets, runtime.device))
         self.device = runtime.device
         self.num_samples = len(split)
-        self.finish = _Finish(normalizer or Normalizer(*_default_stats(split), split.images.dtype == torch.uint8),
-                              augment)
+        self.finish = _Finish(normalizer or _default_normalizer(split), augment)
 
     def batches(self, index_lists: list[torch.Tensor], epoch: int | None = None) -> Iterator[Batch]:
         if not index_lists:
@@ -132,14 +127,17 @@ class DeviceBatches:
         # One copy of all the indices: from pageable memory, a copy per step would wait for the device's queue.
         indices = torch.cat(index_lists).to(self.device, non_blocking=True)
         for idx in indices.split([len(i) for i in index_lists]):
-            # index_select copies whole rows; images[idx] gathers uint8 byte by byte on the CPU, 14x slower (bench)
-            yield self.finish(self.images.index_select(0, idx), idx, epoch), self.labels.index_select(0, idx)
+            yield self.finish(*self.split.rows(idx), idx, epoch)
 
 
-def _default_stats(split: Split):
+def _default_normalizer(split: Split) -> Normalizer:
+    """Without a DataInfo (tests, scripts): uint8 images in Fashion-MNIST's units, other inputs as given."""
     from distrib.data.tensors import FASHION_MNIST_STATS
 
-    return FASHION_MNIST_STATS if split.images.dtype == torch.uint8 else ((0.0,), (1.0,))
+    if not samples.is_image(split.inputs, per_sample=False):
+        return Normalizer((), (), uint8=False)
+    uint8 = split.inputs.dtype == torch.uint8
+    return Normalizer(*(FASHION_MNIST_STATS if uint8 else ((0.0,), (1.0,))), uint8)
 
 
 class InMemory(Dataset):
@@ -152,8 +150,7 @@ class InMemory(Dataset):
         return len(self.split)
 
     def __getitems__(self, indices):
-        idx = torch.as_tensor(indices)
-        return self.split.images.index_select(0, idx), self.split.labels.index_select(0, idx)  # whole rows
+        return self.split.rows(torch.as_tensor(indices))  # whole rows
 
 
 class Failed:
@@ -164,17 +161,27 @@ class Failed:
 
 
 def collate(batch):
-    """A batch gathered whole (InMemory) passes through; samples are stacked; any failure is passed on."""
+    """A batch gathered whole (InMemory) passes through; samples are stacked (a dict sample's targets stay inside it,
+    as None beside it); any failure is passed on."""
     if isinstance(batch, tuple):
         return batch
     failed = next((item for item in batch if isinstance(item, Failed)), None)
     if failed is not None:
         return failed
-    shapes = {tuple(x.shape) for x, _ in batch}
-    if len(shapes) > 1:
-        return Failed(f"data: samples of different shapes {sorted(shapes)} in one batch; fix: give inputs of one "
-                      "shape")
-    return torch.stack([x for x, _ in batch]), torch.tensor([int(y) for _, y in batch])
+    pairs = [samples.as_pair(item) for item in batch]
+    if any(pair is None for pair in pairs):
+        bad = next(item for item, pair in zip(batch, pairs) if pair is None)
+        return Failed(f"data: a sample is a {type(bad).__name__}; fix: make every sample (inputs, targets), each a "
+                      "tensor or a dict of tensors, or one dict of tensors")
+    kinds = {(samples.kind(x, rows=True), samples.kind(y, rows=True)) for x, y in pairs}
+    if len(kinds) > 1:
+        shown = sorted(f"{x} -> {y}" for x, y in kinds)[:3]
+        return Failed(f"data: samples of different shapes or types in one batch ({'; '.join(shown)}); fix: give "
+                      "samples of one shape (pad or cut sequences to one length)")
+    inputs = samples.stack([x for x, _ in pairs])
+    if isinstance(batch[0], dict):
+        return inputs, None  # the labels are in the dict
+    return inputs, samples.stack([y for _, y in pairs])
 
 
 class _Lists(Sampler):
@@ -197,7 +204,7 @@ class LoaderBatches:
     def __init__(self, dataset: Dataset, runtime: Runtime, num_workers: int = 0, normalizer: Normalizer | None = None,
                  augment: Augment | None = None, config: DataConfig | None = None):
         if isinstance(dataset, Split):
-            normalizer = normalizer or Normalizer(*_default_stats(dataset), dataset.images.dtype == torch.uint8)
+            normalizer = normalizer or _default_normalizer(dataset)
             dataset = InMemory(dataset)
         config = config or DataConfig()
         self.device = runtime.device
@@ -217,6 +224,5 @@ class LoaderBatches:
         for idx, batch in zip(indices.split([len(i) for i in index_lists]), self.loader):
             if isinstance(batch, Failed):
                 raise UserError(batch.message)
-            inputs, labels = batch
-            yield (self.finish(inputs.to(self.device, non_blocking=True), idx, epoch),
-                   labels.to(self.device, non_blocking=True))
+            inputs, targets = (samples.to_device(part, self.device, non_blocking=True) for part in batch)
+            yield self.finish(inputs, targets, idx, epoch)

@@ -6,13 +6,15 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-import torch
 from torch.utils.data import Dataset, TensorDataset
 
+from distrib.data import samples
 from distrib.data.tensors import Split, check_inputs
 from distrib.errors import UserError
 
-EXPECTED = ("(train, test): two map-style datasets of (tensor, int label), or two (inputs, labels) tensor pairs")
+EXPECTED = ("(train, test): two map-style datasets of (inputs, targets) or of dicts of tensors, or two (inputs, "
+            "targets) pairs of tensors (or of dicts of tensors)")
+SAMPLE = "(inputs, targets), each a tensor or a dict of tensors (or an int class), or one dict of tensors"
 
 
 def call_data_factory(spec: str, kwargs: dict) -> tuple[Any, Any]:
@@ -50,26 +52,22 @@ def _describe(value) -> str:
 
 
 def as_split_or_dataset(value, what: str) -> Split | Dataset:
-    """A pair of tensors or a TensorDataset -> a Split; another map-style Dataset stays one (its first sample is
-    checked here); anything else is a UserError naming `what`."""
+    """A pair of tensors (or dicts of tensors) or a TensorDataset -> a Split; another map-style Dataset stays one (its
+    first sample is checked here); anything else is a UserError naming `what`."""
     if isinstance(value, TensorDataset) and len(value.tensors) == 2:
         value = value.tensors
-    if isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, torch.Tensor) for v in value):
-        inputs, labels = value
-        check_inputs(what, inputs, labels)
-        return Split(inputs.detach().cpu().contiguous(), labels.detach().cpu().long())
+    if isinstance(value, (tuple, list)) and len(value) == 2 and all(samples.is_tree(v) for v in value):
+        inputs, targets = value
+        check_inputs(what, inputs, targets)
+        return Split(samples.detach_cpu(inputs), samples.detach_cpu(targets))
+    if isinstance(value, dict) and samples.is_tree(value):  # a tokenized dataset's columns: one dict of tensors
+        check_inputs(what, value, value.get(samples.LABELS, next(iter(value.values()))))
+        return Split(samples.detach_cpu(value), None)
     if isinstance(value, Dataset) and hasattr(value, "__getitem__") and hasattr(value, "__len__"):
         if len(value) == 0:
             raise UserError(f"{what}: an empty dataset; fix: give at least one sample")
         first = value[0]
-        if not (isinstance(first, (tuple, list)) and len(first) == 2 and isinstance(first[0], torch.Tensor)
-                and _is_label(first[1])):
-            raise UserError(f"{what}: its samples are {_describe(first)}; fix: make each one (tensor, int label)")
+        if samples.as_pair(first) is None:
+            raise UserError(f"{what}: its samples are {_describe(first)}; fix: make each one {SAMPLE}")
         return value
     raise UserError(f"{what}: {_describe(value)}; fix: give {EXPECTED}")
-
-
-def _is_label(y) -> bool:
-    if isinstance(y, torch.Tensor):
-        return y.dim() == 0 and not y.is_floating_point()
-    return isinstance(y, int) and not isinstance(y, bool)

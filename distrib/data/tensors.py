@@ -1,5 +1,5 @@
 """What a dataset is once loaded: DataInfo (shape, classes, normalisation: recorded in the outputs), in-memory splits,
-and the normalisation both batch sources apply on the device (one fused kernel for uint8 images)."""
+and the normalisation both batch sources apply on the device (one fused kernel for uint8 images; images only)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from typing import Iterable
 
 import torch
 
+from distrib.data import samples
+from distrib.data.samples import Tree
 from distrib.errors import UserError
 
 FASHION_MNIST_STATS = ((0.2860,), (0.3530,))  # Fashion-MNIST training-set pixel statistics (0..1 units)
@@ -19,11 +21,13 @@ class DataInfo:
     """What a model and inference need to know about the data; recorded in summary.json, model.json, checkpoints."""
 
     name: str
-    input_shape: tuple[int, ...]  # (C, H, W) of one input
-    num_classes: int
+    input_shape: tuple[int, ...]  # of one input tensor: (C, H, W) for images, (T,) for tokens; () for dict samples
+    num_classes: int  # integer targets: the number of classes (or of token ids); 0 for float targets or none
     class_names: tuple[str, ...]
-    mean: tuple[float, ...]  # per channel, subtracted after uint8 images are scaled to 0..1
+    mean: tuple[float, ...]  # per channel, subtracted after uint8 images are scaled to 0..1; () = inputs as given
     std: tuple[float, ...]  # per channel, divided by
+    inputs: str = ""  # what one sample's inputs are, e.g. 'int64 [64]' or '{input_ids: int64 [64], labels: ...}'
+    targets: str = ""  # what one sample's targets are, e.g. 'int64 []' (a class), 'float32 [6]'; 'none'
 
     def to_dict(self) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
@@ -31,32 +35,41 @@ class DataInfo:
 
 @dataclass(frozen=True)
 class Split:
-    """A whole split in memory: inputs (N, C, H, W), uint8 images or float32, and int64 labels (N,)."""
+    """A whole split in memory: inputs and targets whose first dimension is the sample (N, ...), each a tensor or
+    a dict of tensors; targets None for dict samples (their "labels" entry is the targets)."""
 
-    images: torch.Tensor
-    labels: torch.Tensor
+    inputs: Tree
+    targets: Tree | None
 
     def __len__(self) -> int:
-        return len(self.labels)
+        return samples.num_rows(self.inputs)
 
     def nbytes(self) -> int:
-        return self.images.nbytes + self.labels.nbytes
+        return samples.nbytes(self.inputs) + samples.nbytes(self.targets)
+
+    def rows(self, index: torch.Tensor) -> tuple[Tree, Tree | None]:
+        """(inputs, targets) of the samples `index`, as stored (targets None for dict samples)."""
+        return samples.select(self.inputs, index), samples.select(self.targets, index)
 
 
 class Normalizer:
-    """x -> (x / pixel - mean) / std per channel, where pixel = 255 for uint8 images and 1 for float inputs."""
+    """x -> (x / pixel - mean) / std per channel, where pixel = 255 for uint8 images and 1 for float inputs. No mean
+    (inputs that are not images, or a dict): the inputs pass as given."""
 
     def __init__(self, mean: tuple[float, ...], std: tuple[float, ...], uint8: bool):
         pixel = 255 if uint8 else 1  # uint8 images count in 1/255ths
+        self.as_given = not mean
         self.identity = not uint8 and all(m == 0 for m in mean) and all(s == 1 for s in std)
         self.single = len(set(mean)) == 1 and len(set(std)) == 1
         # The same floats as the seed's (x / 255 - MEAN) / STD = x * SCALE + SHIFT, computed in double precision.
         self.scale = [1 / (pixel * s) for s in std]
         self.shift = [-m / s for m, s in zip(mean, std)]
-        self._shift0 = torch.tensor(self.shift[0])
+        self._shift0 = torch.tensor(self.shift[0]) if mean else None
         self._tensors: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: Tree) -> Tree:
+        if self.as_given:
+            return x
         if self.identity:
             return x.float()
         if self.single:
@@ -78,18 +91,17 @@ def normalize(images: torch.Tensor, stats=FASHION_MNIST_STATS) -> torch.Tensor:
     return Normalizer(*stats, uint8=images.dtype == torch.uint8)(images)
 
 
-def check_inputs(what: str, inputs: torch.Tensor, labels: torch.Tensor) -> None:
-    """The one place that says which tensors a split may hold."""
-    if inputs.dtype != torch.uint8 and not inputs.is_floating_point():
-        raise UserError(f"{what}: inputs of dtype {inputs.dtype}; fix: give uint8 images or float tensors")
-    if labels.dim() != 1 or labels.is_floating_point() or labels.dtype == torch.bool:
-        raise UserError(f"{what}: labels of dtype {labels.dtype} and shape {list(labels.shape)}; fix: give one integer "
-                        "class index per sample")
-    if len(inputs) != len(labels) or len(labels) == 0:
-        raise UserError(f"{what}: {len(inputs)} inputs and {len(labels)} labels; fix: give one label per input, and at "
-                        "least one sample")
-    if inputs.dim() < 2:
-        raise UserError(f"{what}: inputs of shape {list(inputs.shape)}; fix: give (N, C, H, W) or (N, features)")
+def check_inputs(what: str, inputs: Tree, targets: Tree) -> None:
+    """The one place that says which tensors a split may hold: any dtype and shape, one row per sample."""
+    rows = {name: samples.num_rows(tree) for name, tree in (("inputs", inputs), ("targets", targets))}
+    for name, count in rows.items():
+        if isinstance(count, set):
+            raise UserError(f"{what}: the {name} {samples.kind(inputs if name == 'inputs' else targets, rows=True)} "
+                            "have different numbers of rows; fix: give every tensor one row per sample")
+    if rows["inputs"] != rows["targets"] or rows["inputs"] == 0:
+        raise UserError(f"{what}: {rows['inputs']} inputs and {rows['targets']} targets "
+                        f"({samples.kind(inputs, rows=True)} and {samples.kind(targets, rows=True)}); fix: give one "
+                        "target per input, and at least one sample")
 
 
 def stats_indices(num_samples: int) -> torch.Tensor:

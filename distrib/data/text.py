@@ -166,6 +166,12 @@ def _vocab_check(path: Path, vocab_size: int) -> Callable[[torch.Tensor], None]:
 # ---------------------------------------------------------------- both
 
 
+def token_info(name: str, seq_len: int, vocab_size: int) -> DataInfo:
+    """What a model is told about token data: sequences [seq_len] of ids below vocab_size, no normalisation."""
+    kind = f"int64 [{seq_len}]"  # inputs and targets alike
+    return DataInfo(name, (seq_len,), vocab_size, (), (), (), inputs=kind, targets=kind)
+
+
 def token_data(config: DataConfig, runtime: Runtime, seed: int) -> tuple[DataInfo, TokenWindows, TokenWindows]:
     """The DataInfo and the (train, test) batch sources of data.name = text or tokens."""
     seq_len = config.seq_len
@@ -179,7 +185,7 @@ def token_data(config: DataConfig, runtime: Runtime, seed: int) -> tuple[DataInf
         for name in ("train.bin", "val.bin"):
             tokens = open_tokens(root, name, seq_len)
             reads.append((_from_memmap(tokens), len(tokens), _vocab_check(root / name, vocab_size)))
-    info = DataInfo(config.name, (seq_len,), vocab_size, (), (0.0,), (1.0,))
+    info = token_info(config.name, seq_len, vocab_size)
     sources = [TokenWindows(read, num_tokens, seq_len, seed, runtime, training, check)
                for (read, num_tokens, check), training in zip(reads, (True, False))]
     return info, sources[0], sources[1]

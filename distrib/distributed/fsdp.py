@@ -81,14 +81,24 @@ def shard(model: nn.Module, runtime: Runtime, config: DistConfig, precision: str
     """fully_shard on each block, then on the root (which takes the rest), over the data-parallel dimensions of the
     mesh: one dimension (fsdp) shards, two (hsdp) replicate over the first and shard over the second. Every rank
     holds the same initial weights (the worker seeds before building) and keeps its own slice of each: no
-    broadcast is needed."""
+    broadcast is needed.
+
+    Under bf16, each BatchNorm is a unit of its own that computes in fp32 (its parameters and inputs; autocast casts
+    its output back for the next layer): its running statistics are fp32 buffers, which FSDP does not cast, and
+    batch_norm refuses bf16 weights beside them ("expected scalar type BFloat16 but found Float")."""
     mixed = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16"
              else MixedPrecisionPolicy())
     offload = CPUOffloadPolicy(pin_memory=runtime.pin_memory) if config.cpu_offload else OffloadPolicy()
     options = dict(mesh=data_parallel_mesh(mesh), reshard_after_forward=config.reshard_after_forward, mp_policy=mixed,
                    offload_policy=offload)
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m is not model] \
+        if precision == "bf16" else []
+    for norm in norms:
+        fully_shard(norm, **{**options, "mp_policy": MixedPrecisionPolicy(param_dtype=torch.float32,
+                                                                          reduce_dtype=torch.float32)})
     for block in find_blocks(model, config.shard_modules):
-        fully_shard(block, **options)
+        if not any(block is norm for norm in norms):  # a norm large enough to be a block is sharded already
+            fully_shard(block, **options)
     return fully_shard(model, **options)
 
 

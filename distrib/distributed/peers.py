@@ -14,6 +14,7 @@ from typing import Callable
 import torch.distributed as dist
 
 BEAT_INTERVAL_S = 1.0
+MIN_BEAT_GAP_S = 0.01  # at most 100 beats a second per rank, however short the steps: the store serves every rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,15 +31,16 @@ class Beat:
 
 
 class PeerWatch:
-    """A daemon thread writes this rank's Beat to the store every BEAT_INTERVAL_S (its own store connection, so it
-    never waits behind the main thread); after a failed collective, diagnose() tells who did not arrive and why."""
+    """A daemon thread writes this rank's Beat to the store every BEAT_INTERVAL_S, and at once after each finished
+    step (step_done), on a store connection of its own so it never waits behind the main thread; after a failed
+    collective, diagnose() tells who did not arrive and why."""
 
     def __init__(self, connect: Callable[[], dist.Store], rank: int, world_size: int, timeout_s: float):
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self.where: Callable[[], str] = lambda: "before training"
         self._connect, self._store, self._lock = connect, None, threading.Lock()
         self._host, self._count = socket.gethostname(), 0
-        self._stop = threading.Event()
+        self._stop, self._due = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._run, name="distrib-heartbeat", daemon=True)
 
     def start(self) -> "PeerWatch":
@@ -46,8 +48,14 @@ class PeerWatch:
         self._thread.start()
         return self
 
+    def step_done(self) -> None:
+        """After each step, from the main thread: wakes the beat thread (no store call, no host sync here), so the last
+        beat of a rank that stops names the step it last finished, not one from up to BEAT_INTERVAL_S before."""
+        self._due.set()
+
     def stop(self) -> None:
         self._stop.set()
+        self._due.set()
         self._thread.join(timeout=2 * BEAT_INTERVAL_S)
 
     def _store_(self) -> dist.Store:
@@ -62,10 +70,16 @@ class PeerWatch:
             self._store_().set(f"beat/{self.rank}", json.dumps([beat.host, beat.pid, beat.where, beat.count]))
 
     def _run(self) -> None:
-        while not self._stop.wait(BEAT_INTERVAL_S):
+        while True:
+            self._due.wait(BEAT_INTERVAL_S)
+            self._due.clear()  # before reading where(): a step finished while beating is beaten next time
+            if self._stop.is_set():
+                return
             try:
                 self.beat()
             except Exception:  # the store is gone (its host ended): nothing left to tell anyone
+                return
+            if self._stop.wait(MIN_BEAT_GAP_S):
                 return
 
     def _read(self, key: str) -> str | None:

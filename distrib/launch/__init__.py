@@ -1,10 +1,8 @@
 """Launching: what runs around the workers, in the parent process and at the edges of each worker's life.
 
-The launcher (torch's elastic agent with better defaults, SLURM detection, one line per failed rank) and the only
-writer of the launch environment; the lifeline that ties each worker to it; preemption signals; the run's folders
-and their locks; `distrib doctor`. No module here imports torch at import time."""
-
-from distrib.launch.launcher import launch_trainer
-from distrib.launch.launcher import main as launch
-
-__all__ = ["launch", "launch_trainer"]
+launcher.main (`distrib launch`) and launcher.launch_trainer (`distrib train --nproc-per-node`): torch's elastic
+agent with better defaults, SLURM detection, checks before any worker starts, and the only writer of the launch
+environment. reporting: what it reports of its workers' ends (one line per way of failing). lifeline: the small
+process that ties each worker to its launcher. preempt: stop signals. rundir: the run's folders and their locks.
+doctor: `distrib doctor`. This __init__ imports nothing: `python -m distrib.launch.lifeline` runs in every worker's
+parent and must stay small (no torch, no launcher)."""

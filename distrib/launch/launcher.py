@@ -8,14 +8,16 @@ import argparse
 import contextlib
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 from distrib.errors import EXIT_PREEMPTED, UserError, say
+from distrib.launch.reporting import REPORTS_VAR, failure_lines, quiet_torch_failure_lines
 
 # Flags whose defaults we choose ourselves; None after parsing means neither the flag nor its PET_* form was given.
 _OUR_DEFAULTS = ("nnodes", "nproc_per_node", "rdzv_backend", "rdzv_endpoint", "rdzv_id")
@@ -139,28 +141,6 @@ def private_sockets(environ: Mapping[str, str], max_nodes: int) -> dict[str, str
     return {key: loopback_interface() for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if key not in environ}
 
 
-def failure_lines(error, worker_pids: Mapping[int, int] | None = None) -> list[str]:
-    """A ChildFailedError as one line per failed rank, the first failure last (the cause ends the log, where one
-    looks first): which rank, how it ended, and the first line of its exception, uncut, when the worker's entry
-    point has @record (the worker printed the whole message to its stderr)."""
-    first, _ = error.get_first_failure()
-    lines = []
-    for rank in sorted(error.failures, key=lambda r: (r == first, r)):
-        failure = error.failures[rank]
-        if failure.exitcode < 0:
-            how = f"was killed by signal {-failure.exitcode} ({failure.signal_name()})"
-        else:
-            how = f"exited with code {failure.exitcode}"
-        message = failure.message
-        if isinstance(message, dict):  # written by @record: {"message": "Type: text", "extraInfo": {...}}
-            text = str(message.get("message", "")).strip()
-            how += f": {text.splitlines()[0]}" if text else ""
-        note = " [first failure]" if rank == first else ""
-        pid = (worker_pids or {}).get(failure.pid, failure.pid)  # the worker's own pid, not its lifeline's
-        lines.append(f"distrib launch: rank {rank} (local rank {failure.local_rank}, pid {pid}) {how}{note}")
-    return lines
-
-
 # Signals that ask a run to stop for preemption: SLURM's --signal and scancel, Kubernetes and most schedulers.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -257,15 +237,14 @@ def run_agent(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
 
-    # lifeline here, not at the top: `python -m distrib.launch.lifeline` imports this package (and so this module)
-    # first, and runpy warns on stderr when the module it runs was imported before.
     from distrib.launch import rendezvous
     from distrib.launch.lifeline import read_statuses
 
     def signal_exception(signum: int) -> SignalException:  # what torch's own handler raises
         return SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
 
-    with lifelines(args) as status, stop_handlers(signal_exception), rendezvous.registered():
+    with lifelines(args) as status, stop_handlers(signal_exception), quiet_torch_failure_lines(), \
+            rendezvous.registered():
         try:
             torchrun.run(rendezvous.private_args(args))
         except SignalException as e:
@@ -284,19 +263,62 @@ def run_agent(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str]) -> int:
+def check_program(args: argparse.Namespace) -> None:
+    """The script (or --no-python program) exists: said once here, not once per worker. A -m module is looked up by
+    the workers (finding it here would import its packages)."""
+    name = args.training_script
+    if args.module:
+        return
+    if args.no_python:
+        if shutil.which(name) is None:
+            raise UserError(f"{name}: no such program on PATH (--no-python runs it as a command); give its path")
+        return
+    if not Path(name).is_file():
+        raise UserError(f"{name}: no such script; give the path of a Python script, or -m MODULE "
+                        "(e.g. distrib launch --nproc-per-node 2 -m distrib train)")
+
+
+def fixed_world_size(args: argparse.Namespace) -> int | None:
+    """nnodes x workers per node, when the node count is fixed (not MIN:MAX with MIN < MAX)."""
+    low, _, high = args.nnodes.partition(":")
+    if high and low != high:
+        return None
+    return _max_nodes(args.nnodes) * local_world_size(args.nproc_per_node)
+
+
+@contextlib.contextmanager
+def _reporting_env() -> Iterator[None]:
+    previous = os.environ.get(REPORTS_VAR)
+    os.environ[REPORTS_VAR] = "1"  # the one writer of the launch environment; torch's agent passes it on
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(REPORTS_VAR, None)
+        else:
+            os.environ[REPORTS_VAR] = previous
+
+
+def main(argv: Sequence[str], check: Callable[[int | None], None] | None = None) -> int:
     """`distrib launch [torchrun options] SCRIPT|-m MODULE [args]`; returns the exit code. A stop signal from the
-    first moment on ends it with the preemption code (the job is requeued), also before torch is imported."""
+    first moment on ends it with the preemption code (the job is requeued), also before torch is imported.
+    check(world_size) runs before any worker starts (world_size None when the node count is elastic)."""
     with stop_handlers():
         args = apply_defaults(parse_args(argv), os.environ)
+        check_program(args)
+        if check is not None:
+            check(fixed_world_size(args))
         threads = cpu_threads(os.environ, local_world_size(args.nproc_per_node), visible_gpu_count())
         if threads is not None:
             # Set here, in the one writer of the launch environment; torch's agent passes it on to every worker.
             os.environ["OMP_NUM_THREADS"] = threads
         os.environ.update(private_sockets(os.environ, _max_nodes(args.nnodes)))
-        return run_agent(args)
+        with _reporting_env():
+            return run_agent(args)
 
 
-def launch_trainer(nproc_per_node: int, train_argv: Sequence[str]) -> int:
-    """`distrib train --nproc-per-node N ...`: N workers of `python -m distrib train ...` on this node."""
-    return main(["--nproc-per-node", str(nproc_per_node), "-m", "distrib", "train", *train_argv])
+def launch_trainer(nproc_per_node: int, train_argv: Sequence[str],
+                   check: Callable[[int | None], None] | None = None) -> int:
+    """`distrib train --nproc-per-node N ...`: N workers of `python -m distrib train ...` on this node; check as in
+    main."""
+    return main(["--nproc-per-node", str(nproc_per_node), "-m", "distrib", "train", *train_argv], check)

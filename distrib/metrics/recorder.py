@@ -113,7 +113,9 @@ class Recorder:
         self.write({"step": step, "epoch": epoch, **metrics})
         ema = metrics.get("test_accuracy_ema")
         self.info(f"eval at step {step}: test loss {metrics['test_loss']:.4f} "
-                  f"accuracy {100 * metrics['test_accuracy']:.2f}% over {metrics['test_count']} samples"
+                  + (f"accuracy {100 * metrics['test_accuracy']:.2f}% " if "test_accuracy" in metrics else "")
+                  + (f"perplexity {metrics['test_perplexity']:.4g} " if "test_perplexity" in metrics else "")
+                  + f"over {metrics['test_count']} samples"
                   + (f" (EMA weights: {100 * ema:.2f}%)" if ema is not None else ""))
 
     def write_summary(self, summary: dict) -> None:
@@ -126,6 +128,14 @@ class Recorder:
         self._jsonl.close()
         self._each_tracker(lambda logger: logger.close(status), "closing")
         self._trackers = []
+
+
+def headline(metrics: dict) -> str:
+    """The result in a few words: the accuracy of a classifier, else the test loss (and perplexity)."""
+    if "test_accuracy" in metrics:
+        return f"test accuracy {100 * metrics['test_accuracy']:.2f}%"
+    return f"test loss {metrics['test_loss']:.4f}" + (
+        f", perplexity {metrics['test_perplexity']:.4g}" if "test_perplexity" in metrics else "")
 
 
 def logger_names(metrics, tensorboard: bool = False) -> list[str]:

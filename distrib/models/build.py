@@ -21,13 +21,19 @@ def _shape(shape) -> str:
 
 
 def data_kwargs(info: DataInfo) -> dict:
-    """What the data tells a factory that asks: num_classes, in_channels, image_size (an int for square images);
-    for sequences [T], also vocab_size (= num_classes) and seq_len (= T)."""
-    channels, *size = info.input_shape
-    image_size = size[0] if len(size) == 2 and size[0] == size[1] else tuple(size)
-    offered = {"num_classes": info.num_classes, "in_channels": channels, "image_size": image_size}
-    if len(info.input_shape) == 1:
-        offered.update(vocab_size=info.num_classes, seq_len=info.input_shape[0])
+    """What the data tells a factory that asks: num_classes; in_channels and image_size (an int for square images)
+    for images; in_features for vectors of features; seq_len and vocab_size (= num_classes) for sequences of integer
+    ids."""
+    offered = {"num_classes": info.num_classes}
+    if len(info.input_shape) == 3:
+        channels, *size = info.input_shape
+        offered.update(in_channels=channels, image_size=size[0] if size[0] == size[1] else tuple(size))
+    elif len(info.input_shape) == 1:
+        integer = info.inputs.startswith(("int", "uint"))
+        if integer and not info.inputs.startswith("uint8"):
+            offered.update(seq_len=info.input_shape[0], vocab_size=info.num_classes)
+        else:
+            offered["in_features"] = info.input_shape[0]
     return offered
 
 

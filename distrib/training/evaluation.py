@@ -1,9 +1,12 @@
 """Exact evaluation at any world size: the test set cut into fixed global batches, sums kept as integers (so their
-order does not matter), one all-reduce; test loss of the training loss, top-1, top-5 and per-class accuracy."""
+order does not matter), one all-reduce. test_loss always; the task's metrics where they mean something; the user's."""
 
 from __future__ import annotations
 
 import contextlib
+import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -12,10 +15,12 @@ import torch.nn as nn
 from distrib.data import eval_batches
 from distrib.distributed.parallel import is_sharded, unwrap
 from distrib.distributed.runtime import Runtime
-from distrib.training.losses import Loss, cross_entropy
+from distrib.errors import UserError
+from distrib.training.losses import IGNORE_INDEX, Loss, class_dim, cross_entropy, forward, logits_of, own_loss
 
 _FIXED_POINT = 2.0 ** 32  # losses summed as integers: exact, whatever the order of the sum
 TOP_K = 5  # top-5 accuracy is reported when there are more than TOP_K classes
+MetricFn = Callable[..., dict]  # (outputs, targets) -> {name: (sum, count)}
 
 
 def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
@@ -25,36 +30,121 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def _loss_sum(loss: Loss, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The batch's summed loss in fixed point: per sample where the loss has that form, else mean x count (each sample
-    sits in the same fixed batch at any world size, so the batch mean is the same bits everywhere)."""
-    if loss.per_sample is not None:
-        return (loss.per_sample(logits, targets).double() * _FIXED_POINT).round().long().sum()
-    return (loss(logits, targets).double() * len(targets) * _FIXED_POINT).round().long()
+@dataclass(frozen=True)
+class Metric:
+    """A user's metric and the names it reports (read from the dry batch, so every rank sums the same entries)."""
+
+    spec: str
+    fn: MetricFn
+    names: tuple[str, ...]
 
 
-def _batch_stats(logits: torch.Tensor, targets: torch.Tensor, loss: Loss, num_classes: int) -> torch.Tensor:
-    """[loss sum, top-1 correct, top-k correct, count, correct per class..., count per class...] as int64."""
-    top1 = logits.argmax(dim=1) == targets
-    k = min(TOP_K, logits.shape[1])
-    topk = (logits.topk(k, dim=1).indices == targets[:, None]).any(dim=1)
-    per_class = torch.zeros(2, num_classes, dtype=torch.int64, device=logits.device)
-    per_class[0].index_add_(0, targets, top1.long())
-    per_class[1].index_add_(0, targets, torch.ones_like(targets))
-    head = torch.stack([_loss_sum(loss, logits, targets), top1.sum(), topk.sum(),
-                        torch.tensor(len(targets), device=logits.device)])
-    return torch.cat([head, per_class.reshape(-1)])
+@dataclass(frozen=True)
+class Task:
+    """Which metrics mean something, decided once from the dry batch (the same on every rank).
+    classes: [B, C] logits of [B] integer targets (top-1, top-5, per class); positions: class logits at each target
+    position (token accuracy); sequence: [B, T] class targets (perplexity); values: none of these (regression...)."""
+
+    kind: str = "classes"  # classes | positions | values
+    sequence: bool = False
+    metrics: tuple[Metric, ...] = ()
+
+    def reported(self) -> list[str]:
+        """The scalar metrics an evaluation of this task reports (besides test_count)."""
+        names = ["test_loss"]
+        names += {"classes": ["test_accuracy", f"test_top{TOP_K}_accuracy"], "positions": ["test_token_accuracy"],
+                  "values": []}[self.kind]
+        names += ["test_perplexity"] if self.sequence else []
+        return names + [f"test_{name}" for metric in self.metrics for name in metric.names]
+
+    def check_watched(self, key: str, metric: str) -> None:
+        """Early stopping and best-k must watch a metric this task reports: one line now, not a KeyError later."""
+        if metric and metric.removesuffix("_ema") not in self.reported():
+            raise UserError(f"{key} = {metric!r}: this run reports no {metric.removesuffix('_ema')} (it reports "
+                            f"{', '.join(self.reported())}); fix: --set {key}=test_loss")
+
+
+def task_of(outputs, targets, loss: Loss, metrics: tuple[Metric, ...] = ()) -> Task:
+    logits = logits_of(outputs)
+    integer = isinstance(targets, torch.Tensor) and not targets.is_floating_point() and targets.dtype != torch.bool
+    sequence = integer and targets.dim() == 2
+    if not integer or not isinstance(logits, torch.Tensor) or class_dim(logits, targets) is None:
+        return Task("values", sequence, metrics)
+    if targets.dim() == 1:
+        return Task("classes", False, metrics)
+    # A model's own loss may shift its targets (a causal LM's does): its logits are not aligned with them.
+    return Task("values" if loss.name == "model" else "positions", sequence, metrics)
+
+
+def user_metric(spec: str, fn: MetricFn, outputs, targets) -> Metric:
+    """Calls the metric once on the dry batch: its names, and one line if it breaks the contract."""
+    where = f"metrics.eval {spec!r}"
+    try:
+        result = fn(logits_of(outputs), targets)
+    except Exception as e:  # noqa: BLE001 - the user's function
+        raise UserError(f"{where}: raised {type(e).__name__}: {str(e).strip()[:160]} on the first batch; fix the "
+                        "metric") from None
+    if not (isinstance(result, dict) and result and all(isinstance(k, str) and k.isidentifier()
+                                                        and isinstance(v, (tuple, list)) and len(v) == 2
+                                                        for k, v in result.items())):
+        raise UserError(f"{where}: returned {type(result).__name__} {str(result)[:80]}; fix: return "
+                        "{name: (sum, count)}, e.g. {\"mae\": (errors.abs().sum(), errors.numel())}")
+    return Metric(spec, fn, tuple(sorted(result)))
+
+
+def _fixed(value) -> torch.Tensor:
+    return (torch.as_tensor(value).double() * _FIXED_POINT).round().long()
+
+
+def _loss_sum(loss: Loss, outputs, targets, num_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed loss in fixed point, what it counts): per counted position for the built-ins, else the batch mean x
+    its samples (each sample sits in the same fixed batch at any world size, so the mean is the same bits)."""
+    logits = logits_of(outputs)
+    if loss.elementwise is not None and loss.fits(logits, targets):
+        return _fixed(loss.elementwise(logits.float(), targets)).sum(), loss.count(targets)
+    own = own_loss(outputs) if loss.name == "model" else None
+    mean = own if own is not None else loss(outputs, targets)
+    return _fixed(mean.float() * num_samples), torch.tensor(num_samples)
+
+
+def _batch_stats(outputs, targets, loss: Loss, num_classes: int, task: Task, device) -> torch.Tensor:
+    """[loss sum, loss count, samples, top-1, top-k, tokens right, tokens counted, right per class..., seen per
+    class..., (sum, count) per user metric...] as int64."""
+    logits = logits_of(outputs)
+    num_samples = len(targets) if isinstance(targets, torch.Tensor) else len(logits)
+    head = [*_loss_sum(loss, outputs, targets, num_samples), torch.tensor(num_samples)]
+    per_class = torch.zeros(2, num_classes if task.kind == "classes" else 0, dtype=torch.int64, device=device)
+    counts = [torch.tensor(0)] * 4
+    if task.kind == "classes":
+        top1 = logits.argmax(dim=1) == targets
+        k = min(TOP_K, logits.shape[1])
+        counts[:2] = top1.sum(), (logits.topk(k, dim=1).indices == targets[:, None]).any(dim=1).sum()
+        per_class[0].index_add_(0, targets, top1.long())
+        per_class[1].index_add_(0, targets, torch.ones_like(targets))
+    elif task.kind == "positions":
+        counted = targets != IGNORE_INDEX
+        right = logits.argmax(dim=class_dim(logits, targets)) == targets
+        counts[2:] = (right & counted).sum(), counted.sum()
+    user = []
+    for metric in task.metrics:
+        result = metric.fn(logits, targets)
+        if tuple(sorted(result)) != metric.names:
+            raise UserError(f"metrics.eval {metric.spec!r}: returned {sorted(result)} on a test batch and "
+                            f"{list(metric.names)} on the first one; fix: return the same names for every batch")
+        user += [item for name in metric.names for item in (_fixed(result[name][0]), torch.as_tensor(result[name][1]))]
+    scalars = torch.stack([torch.as_tensor(v).long().to(device) for v in head + counts[:2] + counts[2:] + user])
+    return torch.cat([scalars[:7], per_class.reshape(-1), scalars[7:]])
 
 
 def evaluate(model: nn.Module, source, num_classes: int, batch_size: int, runtime: Runtime, loss: Loss | None = None,
-             precision: str = "fp32", class_names: tuple[str, ...] = ()) -> dict:
+             precision: str = "fp32", class_names: tuple[str, ...] = (), task: Task = Task()) -> dict:
     """Exact metrics over the whole test set: every sample once, no padding, one all-reduce. Runs the unwrapped
     module, so no DDP hooks fire and ranks may see different numbers of batches (an FSDP module all-gathers in every
-    forward, so there each rank makes as many forward calls as the busiest, the extra ones not counted). Keys:
-    test_loss, test_accuracy (top-1), test_top5_accuracy (more than 5 classes only), test_count,
-    test_per_class_accuracy {name: accuracy}."""
+    forward, so there each rank makes as many forward calls as the busiest, the extra ones not counted)."""
     model, loss = unwrap(model), loss or cross_entropy()
-    stats = torch.zeros(4 + 2 * num_classes, dtype=torch.int64, device=runtime.device)
+    classes = num_classes if task.kind == "classes" else 0
+    stats = torch.zeros(7 + 2 * classes + 2 * sum(len(m.names) for m in task.metrics), dtype=torch.int64,
+                        device=runtime.device)
     was_training = model.training
     model.eval()
     batches = eval_batches(source.num_samples, batch_size, runtime.rank, runtime.world_size)
@@ -65,16 +155,34 @@ def evaluate(model: nn.Module, source, num_classes: int, batch_size: int, runtim
         batches = batches + [torch.arange(1)] * (busiest - num_counted)
     with torch.no_grad(), autocast(precision, runtime.device):
         for batch_index, (inputs, targets) in enumerate(source.batches(batches)):
-            logits = model(inputs).float()
+            outputs = forward(model, inputs)
             if batch_index < num_counted:
-                stats += _batch_stats(logits, targets, loss, num_classes)
+                stats += _batch_stats(outputs, targets, loss, classes, task, runtime.device)
     model.train(was_training)
     dist.all_reduce(stats)
-    loss_sum, correct, correct_k, count, *per_class = stats.tolist()
-    names = class_names or tuple(str(c) for c in range(num_classes))
-    metrics = {"test_loss": loss_sum / _FIXED_POINT / count, "test_accuracy": correct / count, "test_count": count}
-    if num_classes > TOP_K:
-        metrics[f"test_top{TOP_K}_accuracy"] = correct_k / count
-    right, seen = per_class[:num_classes], per_class[num_classes:]
-    metrics["test_per_class_accuracy"] = {name: (r / s if s else None) for name, r, s in zip(names, right, seen)}
+    return _metrics(stats.tolist(), classes, class_names, task)
+
+
+def _metrics(stats: list[int], num_classes: int, class_names: tuple[str, ...], task: Task) -> dict:
+    loss_sum, loss_count, count, correct, correct_k, tokens_right, tokens, *rest = stats
+    metrics = {"test_loss": loss_sum / _FIXED_POINT / max(loss_count, 1)}
+    if task.kind == "classes":
+        metrics["test_accuracy"] = correct / count
+    metrics["test_count"] = count
+    if task.kind == "classes":
+        if num_classes > TOP_K:
+            metrics[f"test_top{TOP_K}_accuracy"] = correct_k / count
+        names = class_names or tuple(str(c) for c in range(num_classes))
+        right, seen = rest[:num_classes], rest[num_classes:2 * num_classes]
+        metrics["test_per_class_accuracy"] = {name: (r / s if s else None) for name, r, s in zip(names, right, seen)}
+    if task.kind == "positions":
+        metrics["test_token_accuracy"] = tokens_right / max(tokens, 1)
+        metrics["test_token_count"] = tokens
+    if task.sequence:
+        metrics["test_perplexity"] = math.exp(min(metrics["test_loss"], 700.0))  # exp(710) overflows a float
+    user = rest[2 * num_classes:]
+    names = [name for metric in task.metrics for name in metric.names]
+    for index, name in enumerate(names):
+        total, seen = user[2 * index], user[2 * index + 1]
+        metrics[f"test_{name}"] = total / _FIXED_POINT / seen if seen else None
     return metrics

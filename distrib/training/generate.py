@@ -6,8 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from distrib.data.tensors import DataInfo
-from distrib.data.text import BYTE_VOCAB
+from distrib.data.text import BYTE_VOCAB, token_info
 from distrib.distributed.runtime import select_device
 from distrib.errors import UserError
 from distrib.models.build import build_model
@@ -55,7 +54,7 @@ def text_model(trained: Trained) -> nn.Module:
     if config.data.name != "text" or config.data.factory:
         raise UserError(f"{trained.source}: trained on data.name = {config.data.name!r}, and generate reads and "
                         "writes bytes, so it needs a run trained on data.name = text (byte-level tokens)")
-    info = DataInfo("text", (config.data.seq_len,), BYTE_VOCAB, (), (0.0,), (1.0,))
+    info = token_info("text", config.data.seq_len, BYTE_VOCAB)
     torch.manual_seed(config.train.seed)
     model = build_model(config.model, info)
     try:

@@ -24,6 +24,7 @@ from distrib.metrics import write_json_atomic
 from distrib.models.build import build_model, factory_call
 from distrib.training.evaluation import autocast, evaluate
 from distrib.training.losses import build_loss
+from distrib.training.preflight import dry_batch, task_for
 
 CARD_FORMAT, CARD_VERSION = "distrib.model", 1
 SPLITS = ("test", "train")  # `--input test`: a split of the run's own data; a folder of that name is ./test
@@ -145,14 +146,22 @@ def placed_model(trained: Trained, info: DataInfo, runtime: Runtime) -> nn.Modul
     return parallelize(place_model(model, runtime.device), runtime, trained.config.speed)
 
 
+def check_rebuildable(trained: Trained, input_arg: str | None = None) -> None:
+    """Refuses, before any data is read, a run whose data its config cannot load: one trained through distrib.fit()
+    on datasets given in Python. input_arg: distrib predict's --input (a folder needs no training data)."""
+    if input_arg is not None and input_arg not in SPLITS:
+        return
+    if trained.data is not None and trained.data.get("name") == "custom":
+        raise UserError(f"{trained.source}: trained through distrib.fit() on datasets given in Python, which "
+                        "distrib eval and predict cannot load; use distrib.training.evaluation.evaluate in Python, "
+                        "or distrib predict --input a folder of images")
+
+
 def _load_data(trained: Trained, runtime: Runtime):
     """The run's data, as its config loads it, refused when it is not the data the model was trained on."""
+    check_rebuildable(trained)  # distrib eval and predict check it before any worker; a caller in Python may not
     data = load_data(trained.config.data, runtime, trained.config.train.seed)
     if trained.data is not None and trained.data != data.info.to_dict():
-        if trained.data.get("name") == "custom":
-            raise UserError(f"{trained.source}: trained through distrib.fit() on datasets given in Python, which "
-                            "distrib eval/predict cannot load; use distrib.evaluation.evaluate in Python, or predict "
-                            "a folder of images")
         changed = [f"{key} {trained.data.get(key)!r} -> {value!r}" for key, value in data.info.to_dict().items()
                    if trained.data.get(key) != value]
         raise UserError(f"{trained.source}: the config loads other data than the model was trained on "
@@ -169,8 +178,9 @@ def evaluate_trained(trained: Trained, runtime: Runtime, out: Path) -> dict:
     config = trained.config
     data = _load_data(trained, runtime)
     model = placed_model(trained, data.info, runtime)
-    metrics = evaluate(model, data.test, data.info.num_classes, config.data.eval_batch_size, runtime,
-                       build_loss(config.train), config.train.precision, data.info.class_names)
+    dry = dry_batch(model, data.test, data.info, runtime.device, build_loss(config.train))  # the task, as trained
+    metrics = evaluate(model, data.test, data.info.num_classes, config.data.eval_batch_size, runtime, dry.loss,
+                       config.train.precision, data.info.class_names, task_for(dry, config.metrics.eval))
     result = {"source": str(trained.source), "step": trained.step, "world_size": runtime.world_size,
               "device": str(runtime.device), **metrics}
     if runtime.is_main:
@@ -213,6 +223,9 @@ def predict_trained(trained: Trained, runtime: Runtime, input_arg: str, out: Pat
     """Writes one JSON line per input to `out`, in input order at any world size; returns the number of lines."""
     config = trained.config
     info, sources, source = _inputs(trained, input_arg, runtime)
+    if not (info.num_classes and info.targets.endswith(" []")) and info.targets:
+        raise UserError(f"{trained.source}: distrib predict writes one class per sample, and this model was trained "
+                        f"on targets {info.targets}; use distrib eval for its test metrics")
     # The plain module, as evaluation runs it: DDP's forward would sync buffers, and ranks may differ in batches.
     model = unwrap(placed_model(trained, info, runtime)).eval()
     top_k = min(MAX_TOP_K, info.num_classes)

@@ -1,40 +1,155 @@
-"""The training loss: cross-entropy (with label smoothing) or the user's `(outputs, targets) -> scalar` function, and
-its per-sample form for exact evaluation sums."""
+"""The training loss, from where the user puts it: the model's own (`outputs.loss`, the Hugging Face convention), a
+built-in train.loss (cross_entropy over samples or positions, mse, l1, bce_with_logits), or the user's function; and
+the per-position form of the built-ins, for exact evaluation sums."""
 
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from distrib.config import TrainConfig
+from distrib.data import samples
 from distrib.factory import import_object
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+IGNORE_INDEX = -100  # a class target that counts for nothing (PyTorch's default ignore_index, Hugging Face's labels)
+BUILTIN = ("cross_entropy", "mse", "l1", "bce_with_logits")
+
+
+def forward(model, inputs):
+    """The model on a batch's inputs, as they are: model(inputs), or model(**inputs) for a dict."""
+    return model(**inputs) if isinstance(inputs, dict) else model(inputs)
+
+
+def own_loss(outputs) -> torch.Tensor | None:
+    """The loss a model computed itself: outputs.loss or outputs["loss"] (a Hugging Face ModelOutput has both)."""
+    if isinstance(outputs, torch.Tensor):
+        return None
+    loss = outputs.get("loss") if isinstance(outputs, dict) else getattr(outputs, "loss", None)
+    return loss if isinstance(loss, torch.Tensor) else None
+
+
+def logits_of(outputs):
+    """What losses and metrics see: the output tensor, or a model output's logits (attribute or key)."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    logits = outputs.get("logits") if isinstance(outputs, dict) else getattr(outputs, "logits", None)
+    return logits if isinstance(logits, torch.Tensor) else outputs
+
+
+def class_dim(logits: torch.Tensor, targets: torch.Tensor) -> int | None:
+    """Where the classes are: 1 for [B, C] logits of [B] targets, -1 for [B, ..., C] logits of [B, ...] targets (the
+    preferred layout), 1 for [B, C, ...] logits of [B, ...] targets (PyTorch's); None when they do not pair."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() != targets.dim() + 1 or len(logits) != len(targets):
+        return None
+    if targets.dim() == 1:
+        return 1
+    if logits.shape[:-1] == targets.shape:
+        return -1
+    return 1 if logits.shape[2:] == targets.shape[1:] else None
+
+
+def _flat(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, C] logits and [M] targets over every position (unchanged for [B, C] and [B])."""
+    if targets.dim() == 1:
+        return logits, targets
+    if class_dim(logits, targets) == 1:
+        logits = logits.movedim(1, -1)
+    return logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
 
 
 class Loss:
-    """A batch-mean loss. `per_sample` gives one value per sample where the loss has that form (cross-entropy);
-    for a user's function it is None and evaluation weights each fixed evaluation batch's mean by its size."""
+    """A training loss. Built-ins have an `elementwise` form (one value per counted target position, 0 where not
+    counted) and a `count` of counted positions, so evaluation sums exactly and training weights micro-batches by
+    what they count; a user's function has only its batch mean, weighted by samples; `model` takes outputs.loss."""
 
-    def __init__(self, name: str, batch_mean: LossFn, per_sample: LossFn | None = None):
+    def __init__(self, name: str, batch_mean: LossFn, elementwise: LossFn | None = None,
+                 ignore_index: int | None = None, needs: Callable[[torch.Tensor], str] | None = None):
         self.name = name
         self.batch_mean = batch_mean
-        self.per_sample = per_sample
+        self.elementwise = elementwise
+        self.ignore_index = ignore_index
+        self.needs = needs  # targets -> the outputs this loss needs for them, as words (built-ins)
 
-    def __call__(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.batch_mean(outputs, targets)
+    def __call__(self, outputs, targets) -> torch.Tensor:
+        """The batch mean (over counted positions for built-ins)."""
+        own = own_loss(outputs) if self.name == "model" else None
+        return own if own is not None else self.batch_mean(logits_of(outputs), targets)
+
+    def count(self, targets: torch.Tensor) -> torch.Tensor:
+        if self.ignore_index is not None:
+            return (targets != self.ignore_index).sum()
+        return torch.tensor(targets.numel(), device=targets.device)
+
+    def counts_vary(self, targets) -> bool:
+        """Whether micro-batches of one shape may count different numbers of positions (dense class targets, where
+        some may be ignore_index): then the step divides by the global count, not by a mean of means."""
+        return self.ignore_index is not None and isinstance(targets, torch.Tensor) and targets.dim() > 1
+
+    def total(self, outputs, targets) -> torch.Tensor:
+        """The sum over counted positions (built-ins only)."""
+        return self.elementwise(logits_of(outputs), targets).sum()
+
+    def fits(self, logits, targets) -> bool:
+        if self.needs is None:
+            return True
+        if not isinstance(logits, torch.Tensor) or not isinstance(targets, torch.Tensor):
+            return False
+        if self.ignore_index is not None:
+            return class_dim(logits, targets) is not None and not targets.is_floating_point()
+        return logits.shape == targets.shape
+
+
+def global_count_scale(loss: Loss, targets: list, world_size: int) -> torch.Tensor | None:
+    """world_size / (positions counted in the whole global batch), for losses whose counts vary; None otherwise.
+    One all-reduce on every rank of every step where it applies (all ranks hold the same kind of targets)."""
+    if not loss.counts_vary(targets[0]):
+        return None
+    total = torch.stack([loss.count(t) for t in targets]).sum()
+    if world_size > 1:
+        dist.all_reduce(total)
+    return (world_size / total.clamp(min=1)).float()
 
 
 def cross_entropy(label_smoothing: float = 0.0) -> Loss:
+    def batch_mean(logits, targets):
+        return F.cross_entropy(*_flat(logits, targets), label_smoothing=label_smoothing, ignore_index=IGNORE_INDEX)
+
+    def elementwise(logits, targets):
+        return F.cross_entropy(*_flat(logits, targets), reduction="none", label_smoothing=label_smoothing,
+                               ignore_index=IGNORE_INDEX)
+
+    def needs(targets):
+        if targets.dim() == 1:
+            return f"[{len(targets)}, C] (one logit per class)"
+        return f"[{', '.join(str(s) for s in targets.shape)}, C] (one logit per class at each position)"
+
+    return Loss("cross_entropy", batch_mean, elementwise, IGNORE_INDEX, needs)
+
+
+def _pointwise(name: str, fn) -> Loss:
+    """A loss of outputs and targets of one shape, averaged over every element (integer targets count as floats)."""
+    def elementwise(outputs, targets):
+        return fn(outputs, targets.to(outputs.dtype), reduction="none")
+
     def batch_mean(outputs, targets):
-        return F.cross_entropy(outputs, targets, label_smoothing=label_smoothing)
+        return fn(outputs, targets.to(outputs.dtype))
 
-    def per_sample(outputs, targets):
-        return F.cross_entropy(outputs, targets, reduction="none", label_smoothing=label_smoothing)
+    def needs(targets):
+        return f"[{', '.join(str(s) for s in targets.shape)}] (the targets' shape)"
 
-    return Loss("cross_entropy", batch_mean, per_sample)
+    return Loss(name, batch_mean, elementwise, None, needs)
+
+
+def model_loss() -> Loss:
+    """The model's own outputs.loss: a batch mean of its making, weighted by samples in evaluation."""
+    def missing(logits, targets):
+        raise TypeError("the model returned no loss on this batch (outputs.loss), though it did on the first one")
+
+    return Loss("model", missing)
 
 
 def build_loss(config: TrainConfig, loss_fn: LossFn | None = None) -> Loss:
@@ -43,4 +158,11 @@ def build_loss(config: TrainConfig, loss_fn: LossFn | None = None) -> Loss:
         return Loss(getattr(loss_fn, "__name__", type(loss_fn).__name__), loss_fn)
     if config.loss == "cross_entropy":
         return cross_entropy(config.label_smoothing)
+    pointwise = {"mse": F.mse_loss, "l1": F.l1_loss, "bce_with_logits": F.binary_cross_entropy_with_logits}
+    if config.loss in pointwise:
+        return _pointwise(config.loss, pointwise[config.loss])
     return Loss(config.loss, import_object("train.loss", config.loss))
+
+
+def describe(tree) -> str:
+    return samples.kind(tree, rows=True)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from distrib.config import Config
 from distrib.distributed.runtime import Runtime
+from distrib.training.losses import forward
 
 # Dense peak FLOP/s of one device (no sparsity), from the vendors' data sheets, by a substring of its name; the first
 # match wins (so "H100 PCIe" before "H100"; "GH200" is an H200). "fp32" is the plain (non-tensor-core) rate: with
@@ -51,17 +52,17 @@ def tokens_per_sample(inputs) -> int | None:
     return None
 
 
-def flops_per_sample(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
+def flops_per_sample(model: nn.Module, inputs, targets, loss=None) -> float | None:
     """A model that counts its own FLOPs per token (the built-in GPT: the decoder-transformer count torchtitan and
     PaLM use), times the tokens of a sample; the FLOP counter's measurement for any other model."""
     per_token = getattr(model, "flops_per_token", None)
     tokens = tokens_per_sample(inputs)
     if callable(per_token) and tokens:
         return float(per_token(tokens)) * tokens
-    return count_flops_per_sample(model, inputs, targets)
+    return count_flops_per_sample(model, inputs, targets, loss)
 
 
-def count_flops_per_sample(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
+def count_flops_per_sample(model: nn.Module, inputs, targets, loss=None) -> float | None:
     """Forward and backward FLOPs of one training sample, counted once on a real micro-batch of the plain module.
     Side-effect free: eval mode (no dropout draws, no batch-norm statistics), torch.autograd.grad (no .grad writes,
     no DDP hooks); None when the counter cannot run this model."""
@@ -72,15 +73,16 @@ def count_flops_per_sample(model: nn.Module, inputs: torch.Tensor, targets: torc
     model.eval()
     try:
         with FlopCounterMode(display=False) as counter:
-            loss = F.cross_entropy(model(inputs).float(), targets)
-            if params and loss.requires_grad:
-                torch.autograd.grad(loss, params, allow_unused=True)
+            outputs = forward(model, inputs)
+            value = loss(outputs, targets) if loss is not None else F.cross_entropy(outputs.float(), targets)
+            if params and value.requires_grad:
+                torch.autograd.grad(value, params, allow_unused=True)
         total = counter.get_total_flops()
     except (RuntimeError, NotImplementedError, TypeError):  # an op the counter cannot dispatch: no MFU, still train
         return None
     finally:
         model.train(was_training)
-    return total / len(inputs) if total else None
+    return total / len(targets if targets is not None else next(iter(inputs.values()))) if total else None
 
 
 def _quantile(sorted_values, q: float) -> float:

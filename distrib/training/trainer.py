@@ -17,6 +17,7 @@ import torch.nn as nn
 from distrib.checkpoint import BestCheckpoints, Checkpointer
 from distrib.config import TrainConfig
 from distrib.data import BatchPlan, epoch_steps
+from distrib.data.samples import named
 from distrib.distributed.agreement import RankAgreement
 from distrib.distributed.parallel import (
     explain_device_errors,
@@ -32,19 +33,26 @@ from distrib.metrics import Recorder
 from distrib.training.early_stop import EarlyStopping
 from distrib.training.ema import EMA
 from distrib.training.evaluation import autocast, evaluate
-from distrib.training.losses import Loss
+from distrib.training.losses import Loss, forward, global_count_scale
+from distrib.training.optimizers import param_groups, user_optimizer
 from distrib.training.throughput import Throughput
 
 __all__ = ["Progress", "TrainState", "Trainer", "autocast", "build_optimizer", "build_scheduler", "evaluate",
            "lr_factor", "new_state"]
 
 
-def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-    params = model.parameters()
+def build_optimizer(model: nn.Module, config: TrainConfig, log: Callable[[str], None] | None = None
+                    ) -> torch.optim.Optimizer:
+    """train.optimizer over the model's parameters; adam and adamw in two groups when weight decay is on, so that
+    biases, norms and embeddings are not decayed (train.decay = weights); a user's function gets those groups."""
     if config.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
-    cls = torch.optim.Adam if config.optimizer == "adam" else torch.optim.AdamW
-    return cls(params, lr=config.lr, weight_decay=config.weight_decay)
+        return torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
+                               weight_decay=config.weight_decay)
+    groups = param_groups(model, config, log or (lambda message: None))
+    if config.optimizer in ("adam", "adamw"):
+        cls = torch.optim.Adam if config.optimizer == "adam" else torch.optim.AdamW
+        return cls(groups, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
+    return user_optimizer(config, groups)
 
 
 def lr_factor(step: int, total_steps: int, config: TrainConfig) -> float:
@@ -124,8 +132,8 @@ class TrainState:
 
 
 def new_state(model: nn.Module, config: TrainConfig, total_steps: int, device: torch.device,
-              best: BestCheckpoints | None = None) -> TrainState:
-    optimizer = build_optimizer(model, config)
+              best: BestCheckpoints | None = None, log: Callable[[str], None] | None = None) -> TrainState:
+    optimizer = build_optimizer(model, config, log)
     scaler = torch.amp.GradScaler(device.type, enabled=config.precision == "fp16")
     ema = EMA(unwrap(model), config.ema_decay) if config.ema_decay else None
     early_stop = EarlyStopping(config.early_stop_metric, config.early_stop_patience,
@@ -159,8 +167,10 @@ class Trainer:
         the finite check, the rank agreement on sync steps, the update. Returns the loss averaged over the global
         batch (the same on every rank) on sync steps (log steps among them), and this rank's share on the others."""
         step, num_micro_steps = self.state.progress.step + 1, len(micro_batches)
+        # Dense class targets may count different numbers of positions per micro-batch: divide by the global count.
+        scale = global_count_scale(self.loss, [targets for _, targets in micro_batches], self.agreement.world_size)
         losses = [self._micro_step(inputs, targets, sync=micro_step == num_micro_steps - 1,
-                                   num_micro_steps=num_micro_steps)
+                                   num_micro_steps=num_micro_steps, scale=scale)
                   for micro_step, (inputs, targets) in enumerate(micro_batches)]
         local = torch.stack(losses).sum()
         self._check_finite(step)
@@ -176,13 +186,16 @@ class Trainer:
             self.agreement.check_finite([local_tensor(p.grad) for group in self.state.optimizer.param_groups
                                          for p in group["params"] if p.grad is not None])
 
-    def _micro_step(self, inputs: torch.Tensor, targets: torch.Tensor, sync: bool, num_micro_steps: int):
+    def _micro_step(self, inputs, targets, sync: bool, num_micro_steps: int, scale: torch.Tensor | None):
         model = self.state.model
         # Sync off for the whole forward+backward of non-final micro-steps: DDP decides in the forward.
-        batch = {"inputs": inputs, "targets": targets}
+        batch = {**named(inputs, "inputs"), **named(targets, "targets")}
         with grad_sync(model, sync), explain_device_errors(model, self.device, batch):
             with autocast(self.config.precision, self.device):
-                loss = self.loss(model(inputs), targets) / num_micro_steps
+                outputs = forward(model, inputs)
+                # The sum x world_size / global count: DDP and FSDP then average gradients over ranks.
+                loss = (self.loss.total(outputs, targets) * scale if scale is not None
+                        else self.loss(outputs, targets) / num_micro_steps)
             self.state.scaler.scale(loss).backward()
         return loss.detach()
 
@@ -248,7 +261,7 @@ class Trainer:
         if self.state.ema is not None:  # the averaged weights too, on the same samples
             with self.state.ema.swapped_in():
                 averaged = self.evaluate(self.state.model)
-            metrics.update({f"{key}_ema": averaged[key] for key in ("test_loss", "test_accuracy")})
+            metrics.update({f"{key}_ema": averaged[key] for key in ("test_loss", "test_accuracy") if key in averaged})
         return metrics
 
     def _log_eval(self, metrics: dict) -> dict:

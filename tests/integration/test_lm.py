@@ -39,12 +39,12 @@ def unigram_loss(train: bytes, test: bytes) -> float:
 def test_gpt_on_text_beats_the_unigram_model_and_generate_repeats_for_a_seed(tmp_path):
     config = load_config(None, [*COMMON, "data.name=text", f"data.root={TEXT}", "data.seq_len=64", TINY_GPT,
                                 "train.lr=3e-3", "train.warmup_steps=20", "train.max_steps=300",
-                                "train.global_batch_size=16", "train.log_every=100", f"run.dir={tmp_path}"])
+                                "train.global_batch_size=32", "train.log_every=100", f"run.dir={tmp_path}"])
     summary = run_training(config)
     raw = TEXT.read_bytes()
     split = len(raw) - round(len(raw) * 0.1)
     baseline = unigram_loss(raw[:split], raw[split:])
-    assert summary["test_loss"] < baseline - 0.5, (summary["test_loss"], baseline)  # ~3.0 nats for the unigram
+    assert summary["test_loss"] < baseline - 0.5, (summary["test_loss"], baseline)  # 3.51 vs 2.60 nats here
     assert summary["test_perplexity"] == pytest.approx(math.exp(summary["test_loss"]))
     assert summary["tokens_per_second"] == pytest.approx(summary["samples_per_second"] * 64)
     assert summary["mfu"] > 0 and summary["flops_per_sample"] > 0

@@ -10,7 +10,7 @@ import torch
 
 from distrib.config import load_config
 from distrib.data import eval_batches, load_data
-from distrib.data.text import IGNORE_INDEX, window_starts
+from distrib.data.text import IGNORE_INDEX, token_info, window_starts
 from distrib.distributed.fsdp import checkpoint_activations, find_blocks
 from distrib.distributed.runtime import Runtime
 from distrib.errors import ConfigError, UserError
@@ -55,9 +55,7 @@ def test_gpt_weight_tying_and_its_flop_count_by_hand():
 
 def test_gpt_state_dict_round_trip_through_the_config_builder():
     config = load_config(None, ["model.name=gpt", "model.kwargs={n_layers = 1, n_heads = 2, dim = 8}"])
-    from distrib.data import DataInfo
-
-    info = DataInfo("text", (12,), 256, (), (0.0,), (1.0,))
+    info = token_info("text", 12, 256)
     model = build_model(config.model, info)
     assert (model.vocab_size, model.seq_len, model.n_layers) == (256, 12, 1)
     other = build_model(config.model, info)

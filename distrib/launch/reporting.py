@@ -1,0 +1,74 @@
+"""What distrib launch says about how its workers ended: one line per way of failing (ranks that failed alike share
+it), the first failure last and with its exception; torch's own per-worker log lines left out; and the marker that
+tells a worker the launcher prints its error, so it writes it to torch's error file instead of stderr."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator, Mapping
+
+from distrib.errors import EXIT_PREEMPTED
+
+# Set by distrib launch for its workers: it prints their errors (from torch's error file) in its last line, once for
+# all ranks that share one, so a worker on its last attempt writes its error there instead of to stderr.
+REPORTS_VAR = "DISTRIB_LAUNCH_REPORTS"
+
+
+def launched_by_distrib(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether distrib launch (not torchrun) started this process: the one reader of REPORTS_VAR."""
+    return environ.get(REPORTS_VAR) == "1"
+
+
+def _how(failure) -> str:
+    """How a rank ended, and the first line of its exception when its entry point wrote torch's error file."""
+    if failure.exitcode < 0:
+        how = f"was killed by signal {-failure.exitcode} ({failure.signal_name()})"
+    else:
+        how = f"exited with code {failure.exitcode}"
+    message = failure.message
+    if isinstance(message, dict):  # written by @record: {"message": "Type: text", "extraInfo": {...}}
+        text = str(message.get("message", "")).strip()
+        how += f": {text.splitlines()[0]}" if text else ""
+    return how
+
+
+def failure_lines(error, worker_pids: Mapping[int, int] | None = None) -> list[str]:
+    """A ChildFailedError as one line per way of failing, the first failure last (the cause ends the log, where one
+    looks first): which ranks, how they ended, and the first line of their exception, uncut, when the worker's entry
+    point has @record. Ranks that failed alike (one mistake every rank makes) share one line."""
+    first, _ = error.get_first_failure()
+    by_how: dict[str, list[int]] = {}
+    for rank in sorted(error.failures):
+        failure = error.failures[rank]
+        how = _how(failure)
+        if rank != first and how in (f"exited with code {EXIT_PREEMPTED}", "was killed by signal 15 (SIGTERM)"):
+            how = "was stopped by the launcher when the first failure ended the run"  # not a failure of its own
+        by_how.setdefault(how, []).append(rank)
+    lines = []
+    for how, ranks in sorted(by_how.items(), key=lambda item: first in item[1]):
+        failures = [error.failures[rank] for rank in ranks]
+        pids = [(worker_pids or {}).get(f.pid, f.pid) for f in failures]  # the worker's own pid, not its lifeline's
+        if len(ranks) == 1:
+            who = f"rank {ranks[0]} (local rank {failures[0].local_rank}, pid {pids[0]})"
+        else:
+            who = f"ranks {', '.join(map(str, ranks))} (pids {', '.join(map(str, pids))})"
+        lines.append(f"distrib launch: {who} {how}" + (" [first failure]" if first in ranks else ""))
+    return lines
+
+
+@contextlib.contextmanager
+def quiet_torch_failure_lines() -> Iterator[None]:
+    """Leaves out torch's agent's own log lines about failed and stopped workers ("failed (exitcode: 2) local_rank:
+    ...", "Sending process ... closing signal SIGTERM"): failure_lines says the same once, with the cause."""
+    import logging
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(("failed (exitcode", "Sending process"))
+
+    logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)

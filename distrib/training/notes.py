@@ -1,0 +1,39 @@
+"""The log lines a run opens with about its task: where the loss comes from, which metrics it reports, and what would
+keep runs at other world sizes from agreeing (dropout) or the schedule from reaching train.lr (a long warm-up)."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from distrib.config import TrainConfig
+from distrib.training.evaluation import Task
+from distrib.training.losses import Loss
+
+
+def dropout_layers(model: nn.Module) -> list[str]:
+    """Names of the layers that draw random masks in training (dropout with p > 0, attention dropout too)."""
+    found = []
+    for name, module in model.named_modules():
+        p = getattr(module, "p", None) if isinstance(module, nn.modules.dropout._DropoutNd) else None
+        if p is None and isinstance(module, nn.MultiheadAttention):
+            p = module.dropout
+        if p:
+            found.append(name or type(module).__name__)
+    return found
+
+
+def task_notes(config: TrainConfig, loss: Loss, task: Task, model: nn.Module, total_steps: int) -> list[str]:
+    source = ("the model's own outputs.loss (train.loss is not used)" if loss.name == "model"
+              else f"train.loss = {loss.name}")
+    notes = [f"loss: {source}; metrics: {', '.join(task.reported())}"]
+    dropout = dropout_layers(model)
+    if dropout:
+        notes.append(f"the model has {len(dropout)} dropout layers ({dropout[0]}, ...): their random masks differ "
+                     "between world sizes and grad_accum_steps (each micro-batch draws its own), so such runs no "
+                     "longer agree exactly; set their p to 0 to compare runs")
+    if config.warmup_steps > total_steps:
+        notes.append(f"train.warmup_steps = {config.warmup_steps} is longer than this run's {total_steps} steps: the "
+                     f"learning rate never reaches train.lr = {config.lr:g} (it ends at "
+                     f"{config.lr * total_steps / config.warmup_steps:.3g}); set train.warmup_steps below "
+                     f"{total_steps}")
+    return notes

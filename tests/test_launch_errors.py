@@ -1,0 +1,74 @@
+"""What the launcher says about a failure, in its last line and once: the parent checks what it can before any
+worker starts (the global batch's split, the device, the script), a mistake every rank makes is one line, and a
+failing fit() script's exception type and message end the log."""
+
+from __future__ import annotations
+
+import pytest
+from launch_support import CLUSTER_CONFIG, SMALL, distrib_cmd, run_one
+from support import REPO
+
+import distrib.launch.launcher as launcher
+from distrib.cli import main
+
+FIT_FAILING = REPO / "tests" / "fit_failing.py"
+
+
+@pytest.fixture
+def no_workers(monkeypatch):
+    monkeypatch.setattr(launcher, "run_agent", lambda args: pytest.fail("a worker was started"))
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["train", "--nproc-per-node", "2", "--set", "train.global_batch_size=63"],
+     "distrib: error: train.global_batch_size = 63: must divide into world_size (2) x train.grad_accum_steps (1) = 2 "
+     "equal micro-batches; use 62 or 64"),
+    (["train", "--nproc-per-node", "2", "--set", "train.global_batch_size=64", "--set", "train.grad_accum_steps=3"],
+     "distrib: error: train.global_batch_size = 64: must divide into world_size (2) x train.grad_accum_steps (3) = 6 "
+     "equal micro-batches; use 60 or 66"),
+    (["train", "--nproc-per-node", "2", "--set", "dist.device=cuda"],
+     "distrib: error: dist.device = 'cuda': CUDA is not available on this machine; use --set dist.device=cpu "
+     "(or auto)"),
+    (["launch", "--nproc-per-node", "2", "nope.py"],
+     "distrib: error: nope.py: no such script; give the path of a Python script, or -m MODULE (e.g. distrib launch "
+     "--nproc-per-node 2 -m distrib train)"),
+], ids=["global-batch", "grad-accum", "no-cuda", "no-script"])
+def test_the_launcher_checks_once_before_any_worker(argv, line, tmp_path, capfd, monkeypatch, no_workers):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without CUDA, also on a GPU host
+    monkeypatch.chdir(tmp_path)
+    assert main([*argv, "--set", f"run.dir={tmp_path}/run"] if argv[0] == "train" else argv) == 2
+    assert capfd.readouterr().err.splitlines() == [line]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.timeout(150)
+def test_a_mistake_every_worker_makes_is_one_line(tmp_path):
+    """Through `distrib launch -m distrib train` the parent cannot read the config: every worker fails alike, writes
+    its error to torch's error file, and the launcher prints it once (no worker line, no torch log line)."""
+    done = run_one(distrib_cmd("launch", "--nproc-per-node", "2", "-m", "distrib", "train", "--config", CLUSTER_CONFIG,
+                               *SMALL, "--set", "train.global_batch_size=63", "--set", f"run.dir={tmp_path}/run"),
+                   tmp_path, timeout=120)
+    assert done.returncode == 2, done.text()
+    lines = [line for line in done.stderr.splitlines() if not line.startswith("[distrib]")]  # info lines
+    assert lines[-1].startswith(("distrib launch: ranks 0, 1 (pids ", "distrib launch: rank 0")), done.text()
+    assert lines[-1].endswith(": ConfigError: train.global_batch_size = 63: must divide into world_size (2) x "
+                              "train.grad_accum_steps (1) = 2 equal micro-batches; use 62 or 64 [first failure]"), \
+        done.text()
+    # At most one line before it: the other rank, when the agent stopped it before it failed on its own.
+    assert len(lines) == 1 or (len(lines) == 2 and "was stopped by the launcher" in lines[0]), done.text()
+
+
+@pytest.mark.timeout(150)
+def test_a_failing_fit_script_is_named_in_the_launchers_last_line(tmp_path):
+    done = run_one(distrib_cmd("launch", "--nproc-per-node", "2", FIT_FAILING, tmp_path / "run"), tmp_path,
+                   timeout=120)
+    assert done.returncode == 1, done.text()
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("distrib launch: rank 1 (local rank 1, pid ") and last.endswith(" [first failure]"), last
+    assert ("exited with code 1: UserError: the model cannot take the data's inputs: on a batch of shape [2, 1, 4, 4] "
+            "(custom, 3 classes) it raised ValueError: my model cannot take this batch on rank 1;") in last, last
+    # fit() raised one exception: one traceback, no chain of causes, no gloo error from the other rank.
+    assert done.stderr.count("Traceback") == 1 and "direct cause" not in done.stderr, done.text()
+    assert "Connection closed by peer" not in done.stderr and "failed (exitcode" not in done.stderr, done.text()
