@@ -18,7 +18,7 @@ from distrib.config import DistConfig, SpeedConfig
 from distrib.distributed import fsdp
 from distrib.distributed.mesh import build_mesh, mesh_shape
 from distrib.distributed.runtime import Runtime
-from distrib.errors import DeviceMismatchError, UserError
+from distrib.errors import ConfigError, DeviceMismatchError, UserError
 
 _MISMATCH_PHRASES = ("Expected all tensors to be on the same device", "is not on the expected device")
 _MAX_LISTED = 10
@@ -122,6 +122,9 @@ def shard_on_mesh(model: nn.Module, runtime: Runtime, strategy: DistConfig, prec
     """fsdp and hsdp: the run's mesh (device_type explicit: a CPU run on a GPU host, or distrib plan's fake group),
     then FSDP2 over its data-parallel dimensions. distrib plan calls this too, so it predicts what runs do."""
     shape = mesh_shape(strategy, runtime.world_size, runtime.local_world_size)
+    if shape.tensor_parallel > 1:
+        raise ConfigError(f"dist.tensor_parallel = {shape.tensor_parallel}: tensor parallel is not wired into training "
+                          "yet; use --set dist.tensor_parallel=1 (fsdp or hsdp shard the layers instead)")
     return fsdp.shard(model, runtime, strategy, precision, build_mesh(shape, device_type))
 
 
