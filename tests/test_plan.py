@@ -71,8 +71,6 @@ def test_the_table_names_every_figure(tokens, capsys):
      "dist.shard_size = 3: does not divide the 4 data-parallel ranks"),
     (["--set", "dist.strategy=fsdp", "--set", "dist.tensor_parallel=3", "--world-size", "4"],
      "dist.tensor_parallel = 3: does not divide world size 4"),
-    (["--set", "dist.strategy=fsdp", "--set", "dist.tensor_parallel=2", "--world-size", "4"],
-     "dist.tensor_parallel = 2: tensor parallel is not wired into training yet"),
     (["--world-size", "6", "--nnodes", "4"], "--world-size 6: is not --nnodes 4 x --nproc-per-node"),
 ])
 def test_plan_refuses_what_train_refuses_in_one_line(argv, message, capsys):
