@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from distrib.config import load_config
 from distrib.worker import run_training
+from tests.helpers.processes import EVENT_S
 from tests.helpers.support import REPO, SMALL, assert_ok, distrib, load_weights, max_relative_diff, run, sets
 from tests.helpers.task_package import write_task_package
 
@@ -68,7 +69,7 @@ def _one_process(run_dir, overrides) -> dict:
     return run_training(load_config(None, [*overrides, f"run.dir={run_dir}"]))
 
 
-def _two_processes(root, run_dir, overrides, timeout=300) -> dict:
+def _two_processes(root, run_dir, overrides, timeout=EVENT_S) -> dict:
     assert_ok(distrib("train", "--nproc-per-node", "2", *sets(*overrides, f"run.dir={run_dir}"), timeout=timeout,
                       env=_env(root)))
     summary = _summary(run_dir)
@@ -81,7 +82,7 @@ def _trained(run_dir, model):
     return model.eval()
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_byte_level_gpt_agrees_at_world_sizes_1_2_and_under_fsdp(task_root, tmp_path):
     from taskpkg.data import bytes_lm
     from taskpkg.models import gpt
@@ -104,7 +105,7 @@ def test_byte_level_gpt_agrees_at_world_sizes_1_2_and_under_fsdp(task_root, tmp_
     assert summaries["ws2"]["train_loss"] < math.log(256)  # it learned something: below a uniform guess
 
 
-@pytest.mark.timeout(500)
+@pytest.mark.timeout(900)
 def test_dict_samples_and_the_models_own_loss_through_fit_and_torchrun(task_root, tmp_path, capsys):
     from taskpkg.data import dict_lm
     from taskpkg.models import DictLM
@@ -112,7 +113,7 @@ def test_dict_samples_and_the_models_own_loss_through_fit_and_torchrun(task_root
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(FIT_SCRIPT).lstrip())
     two = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
-               str(tmp_path / "two")], timeout=300, env=_env(task_root))
+               str(tmp_path / "two")], timeout=EVENT_S, env=_env(task_root))
     assert_ok(two)
     assert two.stdout.count("rank done") == 2 and "the model's own outputs.loss" in two.stderr
     from distrib import fit
@@ -131,7 +132,7 @@ def test_dict_samples_and_the_models_own_loss_through_fit_and_torchrun(task_root
         assert not [key for key in summary if "accuracy" in key]
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(900)
 def test_regression_with_mse_and_a_user_metric_at_world_sizes_1_and_2(task_root, tmp_path):
     from taskpkg.data import regression
     from taskpkg.models import regressor
@@ -154,7 +155,7 @@ def test_regression_with_mse_and_a_user_metric_at_world_sizes_1_and_2(task_root,
     assert (evaluated["test_loss"], evaluated["test_mae"]) == (one["test_loss"], one["test_mae"])
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("task", sorted(DENSE))
 def test_dense_and_multi_label_targets_agree_at_world_sizes_1_and_2(task_root, tmp_path, task):
     from taskpkg import data, models
@@ -188,7 +189,7 @@ RESUMED = {  # dict samples through the DataLoader path; masks with -100 on the 
 }
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("task", sorted(RESUMED))
 def test_stop_mid_epoch_and_resume_is_bitwise(task_root, tmp_path, task):
     common = [*RESUMED[task], "train.schedule=constant", "train.grad_accum_steps=2"]
