@@ -35,19 +35,15 @@ def _train(args: argparse.Namespace) -> int:
         from distrib.launch.launcher import launch_trainer
 
         return launch_trainer(args.nproc_per_node, args.argv, _before_workers(config, args.nproc_per_node))
-    from distrib.launch.preempt import StoppedEarly, exit_on_signals, parse_signals
+    from distrib.launch.preempt import exit_on_signals, parse_signals
 
-    try:
-        # A stop request outside the training steps (importing torch, waiting for the other ranks, after the final
-        # checkpoint) ends this worker with EXIT_PREEMPTED at once: nothing is lost. The training steps take the
-        # signals over (checkpoint at the next step boundary, then EXIT_PREEMPTED).
-        with exit_on_signals(parse_signals(config.checkpoint.signals)):
-            from torch.distributed.elastic.multiprocessing.errors import record
+    # A stop request outside the training steps (importing torch, waiting for the other ranks, after the final
+    # checkpoint) ends this worker with EXIT_PREEMPTED at once: nothing is lost. The training steps take the
+    # signals over (checkpoint at the next step boundary, then EXIT_PREEMPTED).
+    with exit_on_signals(parse_signals(config.checkpoint.signals)):
+        from torch.distributed.elastic.multiprocessing.errors import record
 
-            return record(_worker)(config)  # under a launcher, a failing rank's exception reaches its summary
-    except StoppedEarly as e:
-        say(f"distrib: {e}; exit code {EXIT_PREEMPTED}: requeue the job and it starts (or resumes) there")
-        return EXIT_PREEMPTED
+        return record(_worker)(config)  # under a launcher, a failing rank's exception reaches its summary
 
 
 def _before_workers(config, nproc_per_node: int):
