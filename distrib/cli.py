@@ -36,11 +36,13 @@ def _train(args: argparse.Namespace) -> int:
 
         return launch_trainer(args.nproc_per_node, args.argv, _before_workers(config, args.nproc_per_node))
     from distrib.launch.preempt import exit_on_signals, parse_signals
+    from distrib.launch.reporting import errors_reported
 
     # A stop request outside the training steps (importing torch, waiting for the other ranks, after the final
     # checkpoint) ends this worker with EXIT_PREEMPTED at once: nothing is lost. The training steps take the
     # signals over (checkpoint at the next step boundary, then EXIT_PREEMPTED).
-    with exit_on_signals(parse_signals(config.checkpoint.signals)):
+    # distrib launch says how its workers were stopped, and why: its workers stay quiet.
+    with exit_on_signals(parse_signals(config.checkpoint.signals), announce=lambda: not errors_reported()):
         from torch.distributed.elastic.multiprocessing.errors import record
 
         return record(_worker)(config)  # under a launcher, a failing rank's exception reaches its summary

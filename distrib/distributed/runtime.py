@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from distrib.config import DistConfig
+from distrib.distributed.mesh import mesh_shape
 from distrib.distributed.peers import PeerWatch
 from distrib.errors import CollectiveTimeoutError, PeerLostError, UserError
 from distrib.launch.lifeline import die_with_parent
@@ -85,10 +86,21 @@ class Runtime:
     backend: str
     restart_count: int = 0
     peers: PeerWatch | None = None  # the other ranks' heartbeats; None in one process
+    tensor_parallel: int = 1  # ranks of one tensor-parallel group: neighbours, reading the same micro-batches
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def data_rank(self) -> int:
+        """Which share of each global batch and of the test set this rank reads (its tensor-parallel group's)."""
+        return self.rank // self.tensor_parallel
+
+    @property
+    def data_world_size(self) -> int:
+        """How many shares the data is cut into: the data-parallel ranks."""
+        return self.world_size // self.tensor_parallel
 
     @property
     def ddp_device_ids(self) -> list[int] | None:
@@ -203,13 +215,14 @@ def open_runtime(config: DistConfig, env: LaunchEnv | None = None) -> Iterator[R
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before any CUDA work, or every rank allocates on GPU 0
     backend = "nccl" if device.type == "cuda" else "gloo"
+    tensor_parallel = mesh_shape(config, env.world_size, env.local_world_size).tensor_parallel  # tiles, or refused
     timeout = timedelta(seconds=config.timeout_s)
     _init_process_group(env, device, backend, timeout)
     ok, peers = False, None
     try:
         peers = _peer_watch(env, timeout).start() if env.launched and env.world_size > 1 else None
         yield Runtime(env.rank, env.local_rank, env.world_size, env.local_world_size, device, backend,
-                      env.restart_count, peers)
+                      env.restart_count, peers, tensor_parallel)
         ok = True
     finally:
         if peers is not None:

@@ -16,10 +16,11 @@ import torch.nn as nn
 
 from distrib.checkpoint import BestCheckpoints, Checkpointer
 from distrib.config import TrainConfig
-from distrib.data import BatchPlan, epoch_steps
+from distrib.data import Batch, BatchPlan, epoch_steps
 from distrib.data.samples import named
 from distrib.distributed.agreement import RankAgreement
 from distrib.distributed.parallel import (
+    clip_grad_norm,
     explain_device_errors,
     grad_sync,
     load_training_state,
@@ -162,7 +163,7 @@ class Trainer:
     on_step_end: Callable[[int], None] | None = None  # called with the step after each step's bookkeeping
     last_eval: tuple[int, dict] | None = field(default=None, init=False)  # (step, metrics) of the latest evaluation
 
-    def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def step(self, micro_batches: list[Batch]) -> torch.Tensor:
         """One optimizer step, top to bottom: forward and backward per micro-batch (gradients synced in the last),
         the finite check, the rank agreement on sync steps, the update. Returns the loss averaged over the global
         batch (the same on every rank) on sync steps (log steps among them), and this rank's share on the others."""
@@ -203,7 +204,7 @@ class Trainer:
         state = self.state
         if self.config.grad_clip:
             state.scaler.unscale_(state.optimizer)  # clip the true gradients, not the scaled ones
-            nn.utils.clip_grad_norm_(state.model.parameters(), self.config.grad_clip)
+            clip_grad_norm(state.model.parameters(), self.config.grad_clip)
         state.scaler.step(state.optimizer)
         state.scaler.update()
         state.optimizer.zero_grad(set_to_none=True)

@@ -6,7 +6,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tests.helpers.processes import LAUNCH_VARS, Done, Launches, clean_env, listening_addresses, run_one  # noqa: F401 - the one runner, re-exported
+from tests.helpers.processes import (  # noqa: F401 - the one runner, re-exported
+    LAUNCH_VARS,
+    Done,
+    Launches,
+    clean_env,
+    listening_addresses,
+    run_one,
+)
 from tests.helpers.support import REPO, load_weights, max_relative_diff
 
 PROBE = REPO / "tests" / "helpers" / "probe_env.py"

@@ -54,7 +54,7 @@ SMALL = ["data.name=synthetic", "data.synthetic_train_size=256", "data.synthetic
 @pytest.mark.timeout(120)
 def test_checkpoint_time_is_not_step_time(tmp_path, monkeypatch):
     """A virtual clock: each reading moves it 1 ms, and every save 100 s. Steps stay milliseconds long."""
-    from distrib.checkpoint import format as checkpoint
+    from distrib.checkpoint import policy
     from distrib.config import load_config
     from distrib.training import throughput
     from distrib.worker import run_training
@@ -65,14 +65,14 @@ def test_checkpoint_time_is_not_step_time(tmp_path, monkeypatch):
         clock[0] += 1e-3
         return clock[0]
 
-    real_save = checkpoint.Checkpointer.save
+    real_save = policy.Checkpoints.save
 
-    def slow_save(self, step):
+    def slow_save(self, step, **kwargs):
         clock[0] += 100.0
-        return real_save(self, step)
+        return real_save(self, step, **kwargs)
 
     monkeypatch.setattr(throughput.time, "perf_counter", perf_counter)
-    monkeypatch.setattr(checkpoint.Checkpointer, "save", slow_save)
+    monkeypatch.setattr(policy.Checkpoints, "save", slow_save)
     summary = run_training(load_config(None, [*SMALL, f"run.dir={tmp_path}", "train.max_steps=12",
                                               "checkpoint.every_steps=2", "metrics.timing_skip_steps=0",
                                               "train.log_every=3"]))

@@ -94,8 +94,9 @@ def test_non_final_micro_steps_make_no_all_reduce(tmp_path):
             model.register_comm_hook(None, lambda state, bucket: calls.append(1) or
                                      default_hooks.allreduce_hook(None, bucket))
             plan = BatchPlan(len(train), 16, accum, 0, 1, 0)
-            trainer = Trainer(new_state(model, config.train, 4, runtime.device), cross_entropy(), config.train,
-                              runtime.device, plan, 4, evaluate=None, recorder=Recorder(tmp_path, enabled=False),
+            trainer = Trainer(state=new_state(model, config.train, 4, runtime.device), loss=cross_entropy(),
+                              config=config.train, device=runtime.device, plan=plan, total_steps=4, evaluate=None,
+                              recorder=Recorder(tmp_path, enabled=False),
                               meter=Throughput(16, 1), agreement=RankAgreement(StopFlag(), runtime.device, 1),
                               checkpointer=None)
             micro = list(source.batches(plan.micro_batches(plan.order(0), 0)))

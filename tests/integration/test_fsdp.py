@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from distrib.checkpoint.sharded import _choose, list_sharded
+from distrib.checkpoint.policy import choose
+from distrib.checkpoint.sharded import list_sharded
 from distrib.config import load_config
 from distrib.worker import run_training
 from tests.helpers.processes import wait_for, worker_pid
@@ -156,7 +157,7 @@ def test_a_kill_during_an_async_write_is_never_resumed_from(tmp_path):
     assert partial, "no write was in flight when the loop was killed"
     newest = list_sharded(directory)[0]
     assert newest.name < partial[0].name[1:]  # the partial one is the newer step, and is not listed
-    path, state = _choose("auto", directory, torch.device("cpu"), print)
+    path, state = choose("auto", directory, torch.device("cpu"), print)
     assert path == newest and f"step_{state['progress']['step']:08d}" == newest.name
     shards = {"model": {"weight": torch.zeros(2048, 2048), "bias": torch.zeros(2048)}}
     dcp.load(shards, checkpoint_id=path)

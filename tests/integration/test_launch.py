@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from distrib.errors import EXIT_HUNG, UserError
 from distrib.launch import launcher
@@ -28,7 +29,7 @@ from tests.helpers.launch_support import (
     runs_relative_diff,
     train_reference,
 )
-from tests.helpers.support import free_port
+from tests.helpers.support import free_port, load_weights
 
 SAME_IN_BOTH = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                 "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT",
@@ -149,20 +150,57 @@ def reference(tmp_path_factory) -> Path:
     return train_reference(tmp / "run", tmp)
 
 
-@pytest.mark.timeout(240)
-def test_two_nodes_over_loopback_train_like_one_process(tmp_path, reference):
-    endpoint, run_dir = f"127.0.0.1:{free_port()}", tmp_path / "run"
-    node = ["launch", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", endpoint, "--rdzv-id", f"loopback-{os.getpid()}"]
+def _two_nodes(tmp_path: Path, run_dir: Path, *train: str, restarts: int = 0, env=None) -> None:
+    """Two launchers on this machine as two nodes of 2 workers (c10d over loopback), running distrib train."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    node = ["launch", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            endpoint, "--rdzv-id", f"loopback-{os.getpid()}-{run_dir.name}", f"--max-restarts={restarts}"]
     with Launches(tmp_path) as launches:
         for _ in range(2):
             launches.start(distrib_cmd(*node, "-m", "distrib", "train", "--config", CLUSTER_CONFIG, *SMALL,
-                                       "--set", f"run.dir={run_dir}"))
-        results = launches.wait(timeout=180)
+                                       "--set", f"run.dir={run_dir}", *train), env)
+        results = launches.wait(timeout=240)
     for done in results:
         assert done.returncode == 0, done.text()
     assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 4
-    assert runs_relative_diff(run_dir, reference) < 1e-5
+
+
+HSDP_NODES = ["--set", "dist.strategy=hsdp", "--set", "checkpoint.every_steps=5",
+              "--set", "model.factory=probe_env:network_dying_once"]
+
+
+@pytest.fixture(scope="module")
+def hsdp_nodes(tmp_path_factory) -> Path:
+    """hsdp over 2 launchers x 2 workers: shard groups of LOCAL_WORLD_SIZE = 2 (one node each), replicated across
+    the nodes; checkpoints every 5 of the 20 steps; the factory's rank 3 never dies (no marker)."""
+    tmp = tmp_path_factory.mktemp("hsdp_nodes")
+    _two_nodes(tmp, tmp / "run", *HSDP_NODES, env=clean_env(PYTHONPATH=str(PROBE.parent)))
+    return tmp / "run"
+
+
+@pytest.mark.timeout(300)
+def test_two_nodes_over_loopback_train_like_one_process(tmp_path, reference):
+    _two_nodes(tmp_path, tmp_path / "run")
+    assert runs_relative_diff(tmp_path / "run", reference) < 1e-5
+
+
+@pytest.mark.timeout(300)
+def test_two_nodes_under_hsdp_train_like_one_process(reference, hsdp_nodes):
+    assert json.loads((hsdp_nodes / "summary.json").read_text())["state_bytes_per_rank"] > 0
+    assert runs_relative_diff(hsdp_nodes, reference) < 1e-5
+
+
+@pytest.mark.timeout(400)
+def test_two_nodes_under_hsdp_resume_bitwise_after_a_killed_worker(tmp_path, hsdp_nodes):
+    """Rank 3 is SIGKILLed in step 12 (after the step-10 checkpoint); both launchers restart their workers, which
+    resume from the sharded checkpoint and end bitwise equal to the uninterrupted run."""
+    marker, run_dir = tmp_path / "died", tmp_path / "run"
+    _two_nodes(tmp_path, run_dir, *HSDP_NODES, "--set", f"model.kwargs={{marker='{marker}', at_forward=12}}",
+               restarts=1, env=clean_env(PYTHONPATH=str(PROBE.parent)))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert marker.exists() and summary["restart_count"] == 1 and summary["resumed_from_step"] == 10
+    killed, whole = load_weights(run_dir), load_weights(hsdp_nodes)
+    assert all(torch.equal(killed[key], whole[key]) for key in whole)
 
 
 @pytest.mark.timeout(200)

@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import assert_ok, load_weights, max_relative_diff, torchrun_train
 
 from distrib.checkpoint import CheckpointError, policy
 from distrib.checkpoint.folder import listing, read_stored, stored_run_id
 from distrib.checkpoint.format import hold
-from distrib.checkpoint.sharded import WRITER, _swap
+from distrib.checkpoint.sharded import WRITER
 from distrib.config import load_config
 from distrib.distributed.runtime import open_runtime
 from distrib.launch.rundir import LOCK_NAME
 from distrib.worker import run_training, train_on
+from tests.helpers.support import assert_ok, load_weights, max_relative_diff, torchrun_train
 
 BASE = ["data.name=synthetic", "data.synthetic_train_size=256", "data.synthetic_test_size=64", "run.progress=false",
         "train.global_batch_size=32", "train.schedule=constant", "train.warmup_steps=2", "train.log_every=2",
@@ -121,16 +121,6 @@ def test_keep_last_1_never_leaves_the_folder_without_a_good_checkpoint(tmp_path,
     assert _names(tmp_path / "checkpoints") == [f"step_00000006{suffix}"]
     resumed = _train(tmp_path, strategy, "train.max_steps=8", "checkpoint.every_steps=2", "checkpoint.keep_last=1")
     assert resumed["resumed_from_step"] == 6 and _names(tmp_path / "checkpoints") == [f"step_00000008{suffix}"]
-
-
-def test_a_re_saved_checkpoint_directory_is_exchanged_never_missing(tmp_path):
-    final, tmp = tmp_path / "step_00000004", tmp_path / ".step_00000004.tmp"
-    final.mkdir()
-    (final / "old").write_text("old")
-    tmp.mkdir()
-    (tmp / "new").write_text("new")
-    _swap(tmp, final)
-    assert [p.name for p in final.iterdir()] == ["new"] and not tmp.exists()
 
 
 def _temps(folder: Path) -> tuple[list[str], list[str], list[int]]:

@@ -60,6 +60,16 @@ class Unexpected(TokenDicts):
         return {**super().__getitem__(index), "token_type_ids": torch.zeros_like(self.ids[index])}
 
 
+class Unlabelled(TokenDicts):
+    def __getitem__(self, index):
+        return {"input_ids": self.ids[index]}
+
+
+def dict_lm_no_labels():
+    train, test = dict_lm()
+    return Unlabelled(train.ids), Unlabelled(test.ids)
+
+
 def dict_lm_extra_key():
     train, test = dict_lm()
     return Unexpected(train.ids), Unexpected(test.ids)
@@ -176,6 +186,15 @@ def segmenter(in_channels, num_classes):
 
 def tagger(in_features, labels=5):
     return nn.Sequential(nn.Linear(in_features, 16), nn.ReLU(), nn.Linear(16, labels))
+
+
+def gpt2(vocab_size=256, seq_len=16):
+    """A Hugging Face GPT-2 from a tiny config: nothing downloaded, no dropout (world sizes must agree)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=vocab_size, n_positions=seq_len, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config)
 
 
 def ten_outputs(seq_len):

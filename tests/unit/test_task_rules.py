@@ -119,3 +119,23 @@ def test_early_stopping_and_best_k_must_watch_a_metric_the_task_reports():
     regression.check_watched("train.early_stop_metric", "test_loss_ema")
     with pytest.raises(UserError, match="train.early_stop_metric = 'test_accuracy': this run reports no test_accuracy"):
         regression.check_watched("train.early_stop_metric", "test_accuracy")
+
+
+class _Source:
+    """A batch source of one dict batch, whose attention mask was left on another device."""
+
+    num_samples = 2
+
+    def batches(self, index_lists, epoch=None):
+        ids = torch.zeros(2, 4, dtype=torch.long)
+        yield {"input_ids": ids, "attention_mask": torch.ones(2, 4, device="meta"), "labels": ids}, ids
+
+
+def test_the_dry_batch_names_a_misplaced_tensor_of_a_dict_sample():
+    from distrib.data import DataInfo
+    from distrib.errors import DeviceMismatchError
+    from distrib.training.preflight import dry_batch
+
+    info = DataInfo("dicts", (), 4, (), (), ())
+    with pytest.raises(DeviceMismatchError, match="batch tensor inputs.attention_mask is on meta"):
+        dry_batch(_Net(), _Source(), info, torch.device("cpu"), build_loss(_train()))
