@@ -1,4 +1,5 @@
-"""fsdp + bf16 trains a BatchNorm model (its norm layers kept in fp32) like ddp + bf16 does."""
+"""fsdp + bf16 trains a BatchNorm model (its norm layers kept in fp32) like ddp + bf16 does. In-process, but two
+bf16 trainings on the CPU take seconds: this lane."""
 
 import pytest
 import torch
