@@ -116,8 +116,9 @@ def _finished_summary(config: Config, runtime: Runtime, state: TrainState, total
     if summary is not None and runtime.is_main:
         done = early_stop.reason() if stopped_early else f"{step} of {total_steps} steps done"
         extend = "" if stopped_early else "; to extend it, raise train.max_steps or train.epochs"
+        # Not resume=never in the same folders: the checkpoint contract refuses to start afresh beside another run's.
         say(f"distrib: {config.run.dir}: the run is finished ({done}), nothing to train; its summary.json is left as "
-            f"it was. To retrain, give a new run.dir or --set checkpoint.resume=never{extend}")
+            f"it was. To train afresh, give a new --set run.dir (or move {checkpoint_dir(config)} away){extend}")
     return summary
 
 

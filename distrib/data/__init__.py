@@ -1,8 +1,10 @@
 """Data for training: datasets by name or factory, read once and described by a DataInfo (load.py, idx.py, named.py,
-factory.py, assemble.py); the world-size-invariant batch plan and the two batch sources (batching.py); batched
-augmentation on the device (augment.py). The worker calls load_data; distrib.fit calls data_from_datasets."""
+factory.py, assemble.py); what a sample may be (samples.py: tensors of any dtype and shape, or dicts of them); the
+world-size-invariant batch plan and the two batch sources (batching.py); batched augmentation on the device
+(augment.py); a folder of images for predict (folder_inputs.py); language-model windows of a text or token stream,
+their own batch source (text.py). The worker calls load_data; distrib.fit calls data_from_datasets."""
 
-from distrib.data.assemble import Data, load_inputs
+from distrib.data.assemble import Data
 from distrib.data.augment import Augment
 from distrib.data.batching import (
     Batch,
@@ -14,6 +16,7 @@ from distrib.data.batching import (
     eval_batches,
     make_plan,
 )
+from distrib.data.folder_inputs import load_inputs
 from distrib.data.load import data_from_datasets, load_data, load_splits
 from distrib.data.tensors import DataInfo, Normalizer, Split, normalize
 

@@ -21,7 +21,6 @@ from distrib.distributed.mesh import mesh_shape
 from distrib.distributed.peers import PeerWatch
 from distrib.errors import CollectiveTimeoutError, PeerLostError, UserError
 from distrib.launch.lifeline import die_with_parent
-from distrib.launch.reporting import launched_by_distrib
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +35,6 @@ class LaunchEnv:
     master_port: int = 0
     restart_count: int = 0
     elastic: bool = False  # started by torch's elastic agent (torchrun, distrib launch): it dies with the agent
-    errors_reported: bool = False  # distrib launch's last attempt: the launcher prints this worker's error (error file)
 
     @property
     def launched(self) -> bool:
@@ -73,10 +71,8 @@ def read_launch_env(environ: Mapping[str, str] = os.environ) -> LaunchEnv:
         raise UserError(f"LOCAL_RANK={local_rank} with LOCAL_WORLD_SIZE={local_world_size}, WORLD_SIZE={world_size}: "
                         "need 0 <= LOCAL_RANK < LOCAL_WORLD_SIZE <= WORLD_SIZE; fix the launcher")
     restarts = _int_var(environ, "TORCHELASTIC_RESTART_COUNT", 0)
-    reported = (launched_by_distrib(environ) and "TORCHELASTIC_ERROR_FILE" in environ
-                and restarts >= _int_var(environ, "TORCHELASTIC_MAX_RESTARTS", 0))
     return LaunchEnv(rank, local_rank, world_size, local_world_size, master_addr, master_port, restarts,
-                     "TORCHELASTIC_RUN_ID" in environ, reported)
+                     "TORCHELASTIC_RUN_ID" in environ)
 
 
 @dataclass(frozen=True, slots=True)

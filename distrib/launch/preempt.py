@@ -5,8 +5,11 @@ training a signal ends the worker with EXIT_PREEMPTED at once."""
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
-from typing import Iterator
+from typing import Callable, Iterator
+
+from distrib.errors import EXIT_PREEMPTED, say
 
 
 class Preempted(Exception):
@@ -15,16 +18,6 @@ class Preempted(Exception):
     def __init__(self, step: int, path):
         super().__init__(f"preempted at step {step}; checkpoint {path}")
         self.step, self.path = step, path
-
-
-class StoppedEarly(BaseException):
-    """A stop signal outside the training steps: while the worker starts, or after its final checkpoint
-    (BaseException: no `except Exception` on the way may swallow it)."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"stopped by {signal.Signals(signum).name} outside the training steps (starting up, or "
-                         "after the final checkpoint), so nothing was lost")
-        self.signum = signum
 
 
 class StopFlag:
@@ -65,10 +58,19 @@ def stop_on_signals(signals: list[signal.Signals]) -> Iterator[StopFlag]:
 
 
 @contextlib.contextmanager
-def exit_on_signals(signals: list[signal.Signals]) -> Iterator[None]:
-    """Outside the training steps (where stop_on_signals takes the signals over), a stop signal raises StoppedEarly:
-    the worker ends with EXIT_PREEMPTED at once, as nothing since the last checkpoint can be lost there."""
-    def handler(signum, frame):
-        raise StoppedEarly(signum)
-    with signal_handlers(signals, handler):
+def exit_on_signals(signals: list[signal.Signals], announce: Callable[[], bool] = lambda: True) -> Iterator[None]:
+    """Outside the training steps (where stop_on_signals takes the signals over), a stop signal ends the worker with
+    EXIT_PREEMPTED at once, as nothing since the last checkpoint can be lost there; with a line on stderr if
+    announce() says so. Not by raising: the signal often lands inside an import (torch imports parts of numpy
+    lazily), where C code may swallow the exception and leave a module half-initialised, and the worker went on and
+    failed later with exit 1 (a RecursionError in numpy's __getattr__), or trained on."""
+    def exit_early(signum, frame) -> None:
+        try:
+            if announce():
+                say(f"distrib: stopped by {signal.Signals(signum).name} outside the training steps (starting up, or "
+                    f"after the final checkpoint), so nothing was lost; exit code {EXIT_PREEMPTED}: requeue the job "
+                    "and it starts (or resumes) there")
+        finally:  # also when announce() or a reentrant write to stderr raised
+            os._exit(EXIT_PREEMPTED)
+    with signal_handlers(signals, exit_early):
         yield

@@ -43,10 +43,15 @@ def model_card(config: Config, info: DataInfo) -> dict:
     return {"format": CARD_FORMAT, "version": CARD_VERSION, "distrib_version": _distrib_version(),
             "weights": "model.pt", "model": model,
             "data": info.to_dict(),
-            "inputs": "float32 (N, C, H, W) shaped like data.input_shape: images as pixels / 255 (float data as "
-                      "it is), then (x - mean) / std per channel; outputs: logits (N, num_classes), in "
-                      "class_names' order",
+            "inputs": _card_inputs(info),
             "precision": config.train.precision}
+
+
+def _card_inputs(info: DataInfo) -> str:
+    if not info.mean:  # not images: the model took the data's inputs as they were
+        return f"per sample {info.inputs}, as the data gave them; targets per sample {info.targets}"
+    return ("float32 (N, C, H, W) shaped like data.input_shape: images as pixels / 255 (float data as it is), then "
+            "(x - mean) / std per channel; outputs: logits (N, num_classes), in class_names' order")
 
 
 def write_model_card(path: Path, config: Config, info: DataInfo) -> Path:

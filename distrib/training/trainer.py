@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from distrib.checkpoint import BestCheckpoints, Checkpointer
 from distrib.config import TrainConfig
-from distrib.data import BatchPlan, epoch_steps
+from distrib.data import Batch, BatchPlan, epoch_steps
 from distrib.data.samples import named
 from distrib.distributed.agreement import RankAgreement
 from distrib.distributed.parallel import (
@@ -163,7 +163,7 @@ class Trainer:
     on_step_end: Callable[[int], None] | None = None  # called with the step after each step's bookkeeping
     last_eval: tuple[int, dict] | None = field(default=None, init=False)  # (step, metrics) of the latest evaluation
 
-    def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def step(self, micro_batches: list[Batch]) -> torch.Tensor:
         """One optimizer step, top to bottom: forward and backward per micro-batch (gradients synced in the last),
         the finite check, the rank agreement on sync steps, the update. Returns the loss averaged over the global
         batch (the same on every rank) on sync steps (log steps among them), and this rank's share on the others."""

@@ -9,16 +9,16 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from support import assert_ok, distrib, kill_tree, max_relative_diff, sets, torchrun_train
 
 from distrib.config import load_config
 from distrib.worker import run_training
+from tests.helpers.processes import wait_for, worker_pid
+from tests.helpers.support import assert_ok, distrib, kill_tree, max_relative_diff, sets, torchrun_train
 
 # Debian's base-files package (Essential: on every Debian system) ships it; a fixed 35 kB of English prose.
 TEXT = Path("/usr/share/common-licenses/GPL-3")
@@ -71,28 +71,6 @@ def _write_tokens(root: Path) -> None:
     stream[10_000:].astype(np.uint16).tofile(root / "val.bin")
 
 
-def _wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def _worker_pid(marker: str, local_rank: int) -> int | None:
-    for entry in Path("/proc").iterdir():
-        try:
-            cmdline = (entry / "cmdline").read_bytes().decode()
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, ValueError):
-            continue
-        if marker in cmdline and f"LOCAL_RANK={local_rank}".encode() in environ:
-            return int(entry.name)
-    return None
-
-
 @pytest.mark.timeout(600)
 def test_tokens_under_fsdp_agree_with_one_process_and_resume_bitwise_after_a_kill(tmp_path):
     data = tmp_path / "data"
@@ -115,8 +93,8 @@ def test_tokens_under_fsdp_agree_with_one_process_and_resume_bitwise_after_a_kil
            "train", *sets(*run, marker)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        _wait_for((tmp_path / "killed" / "checkpoints" / "step_00000040").exists, 240, "a checkpoint")
-        os.kill(_wait_for(lambda: _worker_pid(marker, 1), 30, "worker 1"), signal.SIGKILL)
+        wait_for((tmp_path / "killed" / "checkpoints" / "step_00000040").exists, 240, "a checkpoint")
+        os.kill(wait_for(lambda: worker_pid(marker, 1), 30, "worker 1"), signal.SIGKILL)
         out, _ = proc.communicate(timeout=300)
     finally:
         kill_tree(proc)

@@ -1,0 +1,31 @@
+"""Saves a 32 MB sharded checkpoint asynchronously (checkpoint.async_save) over and over until killed, each step's
+weights all equal to the step (for the test that a kill during an asynchronous write is never resumed from).
+
+argv: DIR"""
+
+import sys
+
+import torch
+import torch.nn as nn
+
+from distrib.checkpoint import Checkpoints, ShardedStorage
+from distrib.config import DistConfig
+from distrib.distributed.fsdp import shard
+from distrib.distributed.parallel import training_state
+from distrib.distributed.runtime import open_runtime
+
+if __name__ == "__main__":
+    with open_runtime(DistConfig(device="cpu")) as runtime:
+        model = shard(nn.Linear(2048, 2048), runtime, DistConfig(strategy="fsdp"), "fp32")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        progress = {"step": 0}
+        checkpointer = Checkpoints(ShardedStorage(runtime, async_save=True), sys.argv[1], runtime,
+                                   lambda: {**training_state(model, optimizer), "progress": dict(progress)},
+                                   every_steps=1, keep_last=2)
+        while True:
+            progress["step"] += 1
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.fill_(float(progress["step"]))
+            checkpointer.save(progress["step"])
+            print(progress["step"], flush=True)

@@ -1,0 +1,80 @@
+"""The speed scripts, run small: scripts/bench.py's table and JSON, and scripts/gpu_check.py's non-CUDA parts on gloo.
+Shape only: what they measure on a shared CPU says nothing here."""
+
+import json
+import sys
+
+import pytest
+
+from tests.helpers.support import REPO, assert_ok, run
+
+
+@pytest.mark.timeout(150)
+def test_bench_prints_the_table_and_writes_the_json(tmp_path):
+    out = tmp_path / "bench.json"
+    result = run([sys.executable, str(REPO / "scripts" / "bench.py"), "--steps", "5", "--skip", "2", "--repeats", "1",
+                  "--warmup-runs", "0", "--train-size", "1024",
+                  "--variants", "hand,trainer,lockstep,dataloader,bucket_view", "--json", str(out)], timeout=140)
+    assert_ok(result)
+    data = json.loads(out.read_text())
+    assert set(data) == {"machine", "settings", "clocks", "runs", "median", "ratios", "target", "targets_met"}
+    assert set(data["runs"]) == {"1", "2"} and data["clocks"] == ["wall", "p50", "cpu"]
+    for ws in ("1", "2"):
+        assert list(data["runs"][ws]) == ["hand", "trainer", "trainer (lockstep)", "hand (lockstep)", "dataloader",
+                                          "bucket_view"]
+        assert all(len(runs) == 1 and min(runs[0][c] for c in ("wall", "p50", "cpu")) > 0
+                   for runs in data["runs"][ws].values())
+        assert set(data["ratios"][ws]) == {"trainer / hand", "trainer / hand (lockstep)", "device / dataloader",
+                                           "dataloader / trainer", "bucket_view / trainer"}
+        ratio, median = data["ratios"][ws]["trainer / hand"], data["median"][ws]
+        assert ratio["wall"] == pytest.approx(median["trainer"]["wall"] / median["hand"]["wall"])
+        assert set(ratio) == {"wall", "p50", "cpu", "paired_wall", "paired_p50", "paired_cpu"}
+        assert set(data["targets_met"][ws]) == {"trainer / hand (lockstep)", "device / dataloader"}
+        assert set(data["targets_met"][ws]["trainer / hand (lockstep)"]) == {"wall", "p50", "cpu"}
+        # identical work: the hand loop and the trainer take the same steps from the same weights
+        assert data["median"][ws]["hand"]["final_loss"] == pytest.approx(data["median"][ws]["trainer"]["final_loss"])
+        lockstep = [data["median"][ws][f"{name} (lockstep)"]["final_loss"] for name in ("hand", "trainer")]
+        assert lockstep[0] == pytest.approx(lockstep[1]) == pytest.approx(data["median"][ws]["hand"]["final_loss"])
+    lines = result.stdout.splitlines()
+    assert lines[0].split()[:3] == ["world", "size", "variant"]
+    assert any(line.split()[:4] == ["2", "trainer", "/", "hand"] and len(line.split()) == 10 for line in lines)
+    verdict = "target trainer / hand (lockstep) >= 0.97 at world size 2 (paired): wall "
+    assert any(line.startswith(verdict) for line in lines)
+    assert lines[-1] == f"written to {out}"
+
+
+@pytest.mark.timeout(150)
+def test_bench_times_the_gpt_against_the_nanogpt_style_loop_on_identical_work(tmp_path):
+    out = tmp_path / "bench.json"
+    result = run([sys.executable, str(REPO / "scripts" / "bench.py"), "--model", "gpt", "--world-sizes", "1",
+                  "--steps", "6", "--skip", "2", "--repeats", "1", "--warmup-runs", "0", "--json", str(out)],
+                 timeout=140)
+    assert_ok(result)
+    data = json.loads(out.read_text())
+    assert list(data["runs"]["1"]) == ["hand", "trainer", "trainer (lockstep)", "hand (lockstep)", "fsdp"]
+    assert set(data["ratios"]["1"]) == {"trainer / hand", "trainer / hand (lockstep)", "fsdp / trainer"}
+    median = data["median"]["1"]
+    # the same GPT, windows, AdamW and steps: the trainer and the hand loop end on the same loss
+    assert median["hand"]["final_loss"] == pytest.approx(median["trainer"]["final_loss"], rel=1e-5)
+    assert median["hand (lockstep)"]["final_loss"] == pytest.approx(median["fsdp"]["final_loss"], rel=1e-5)
+    assert data["target"] == 0.95 and result.stdout.splitlines()[0].split()[3] == "tokens/s:"
+
+
+@pytest.mark.timeout(160)
+def test_gpu_check_runs_its_checks_and_table_on_the_cpu(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    result = run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--device", "cpu", "--quick",
+                  "--json", str(out)], timeout=150)
+    assert_ok(result)
+    data = json.loads(out.read_text())
+    assert [c["ok"] for c in data["checks"]] == [True, True, True, True], data["checks"]
+    assert data["checks"][0]["detail"] == "bitwise equal"
+    assert data["checks"][3]["check"].startswith("FSDP2 (gloo, world size 1) = DDP")
+    assert [(r["batch"], r["mode"]) for r in data["rows"]] == [
+        (64, "fp32"), (128, "fp32"), (64, "bf16"), (128, "bf16"), (64, "bf16 dataloader"), (128, "bf16 dataloader"),
+        (64, "fsdp bf16"), (128, "fsdp bf16")]
+    assert all(r["samples_per_second"] > 0 and r["mfu"] > 0 for r in data["rows"])
+    assert [r["mode"] for r in data["gpt"]] == ["gpt bf16", "gpt fsdp bf16"]
+    assert all(r["tokens_per_second"] > 0 and r["mfu"] > 0 and r["test_loss"] > 0 for r in data["gpt"])
+    assert "tokens/s" in result.stdout
+    assert "PASS" in result.stdout and "FAIL" not in result.stdout and "samples/s" in result.stdout

@@ -1,0 +1,258 @@
+"""distrib launch against torchrun: the same worker environment, better defaults (private local rendezvous, GPU
+count, CPU threads, SLURM), failures that end the run fast and name the rank, and multi-node training over loopback."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from distrib.errors import EXIT_HUNG, UserError
+from distrib.launch import launcher
+from tests.helpers.launch_support import (
+    CLUSTER_CONFIG,
+    PROBE,
+    REPO,
+    SMALL,
+    Launches,
+    clean_env,
+    distrib_cmd,
+    listening_addresses,
+    run_one,
+    runs_relative_diff,
+    train_reference,
+)
+from tests.helpers.support import free_port, load_weights
+
+SAME_IN_BOTH = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT",
+                "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE")
+PER_RUN = ("MASTER_PORT", "TORCHELASTIC_RUN_ID")  # the same on every rank of a run, different between runs
+
+
+# ---------------------------------------------------------------- defaults, without starting anything
+
+
+@pytest.fixture
+def no_launch_env(monkeypatch):
+    for key in list(os.environ):
+        if key.startswith(("PET_", "SLURM_")):
+            monkeypatch.delenv(key)
+    monkeypatch.setattr(launcher, "visible_gpu_count", lambda: 0)
+
+
+def _slurm_env(**extra) -> dict[str, str]:
+    return {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "gpu[7-8]", "SLURM_STEP_ID": "0",
+            "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "2", **extra}
+
+
+@pytest.fixture
+def fake_scontrol(tmp_path, monkeypatch):
+    """An scontrol on PATH that expands only the node list the tests use."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "scontrol"
+    script.write_text('#!/bin/sh\n[ "$*" = "show hostnames gpu[7-8]" ] && printf "gpu7\\ngpu8\\n" && exit 0\n'
+                      'echo "unexpected: $*" >&2; exit 1\n')
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    return script
+
+
+def _resolved(argv, environ=None):
+    return launcher.apply_defaults(launcher.parse_args([*argv, "train.py"]), environ or {})
+
+
+def test_slurm_gives_nodes_first_host_job_id_and_port(no_launch_env, fake_scontrol):
+    args = _resolved(["--nproc-per-node", "2"], _slurm_env())
+    assert (args.nnodes, args.rdzv_backend, args.rdzv_id) == ("2", "c10d", "4242")
+    assert args.rdzv_endpoint == f"gpu7:{launcher.SLURM_PORT_BASE + 4242}"
+    assert not args.standalone
+
+
+def test_slurm_without_scontrol_is_an_error_not_localhost(no_launch_env, monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(UserError, match=r"scontrol is not on PATH.*--rdzv-endpoint"):
+        _resolved([], _slurm_env())
+
+
+# ---------------------------------------------------------------- real launches (2 CPU workers each)
+
+
+def _probe_records(out: Path, world_size: int) -> list[dict]:
+    records = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world_size)]
+    assert all(r["all_reduce"] == world_size for r in records)
+    return records
+
+
+@pytest.mark.timeout(150)
+def test_workers_see_the_same_variables_as_under_torchrun(tmp_path):
+    outs = {name: tmp_path / name for name in ("torchrun", "distrib")}
+    for out in outs.values():
+        out.mkdir()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    with Launches(tmp_path) as launches:
+        launches.start(list(map(str, [*torchrun, PROBE, outs["torchrun"]])))
+        launches.start(distrib_cmd("launch", "--nproc-per-node", "2", PROBE, outs["distrib"]))
+        for name, done in zip(outs, launches.wait(timeout=90)):
+            assert done.returncode == 0, f"{name}: {done.text()}"
+    theirs, ours = _probe_records(outs["torchrun"], 2), _probe_records(outs["distrib"], 2)
+    for rank, (t, o) in enumerate(zip(theirs, ours)):
+        assert set(t) == set(o), f"rank {rank}: only torchrun {set(t) - set(o)}, only ours {set(o) - set(t)}"
+        assert {k: t[k] for k in SAME_IN_BOTH} == {k: o[k] for k in SAME_IN_BOTH}
+        assert o["RANK"] == o["LOCAL_RANK"] == str(rank) and o["WORLD_SIZE"] == "2"
+    for records in (theirs, ours):
+        assert len({tuple(r[k] for k in PER_RUN) for r in records}) == 1  # one run, one port, one run id
+    assert ours[0]["OMP_NUM_THREADS"] == str(max(1, len(os.sched_getaffinity(0)) // 2))
+    assert ours[0]["MASTER_ADDR"] == "127.0.0.1"  # the one store, on loopback (torchrun names this host)
+
+
+@pytest.mark.timeout(150)
+def test_two_launches_started_together_both_succeed(tmp_path):
+    outs = [tmp_path / "a", tmp_path / "b"]
+    with Launches(tmp_path) as launches:
+        for out, extra in zip(outs, ({}, {"PET_NPROC_PER_NODE": "2"})):  # the flag, and its PET_* form
+            out.mkdir()
+            flag = [] if extra else ["--nproc-per-node", "2"]
+            launches.start(distrib_cmd("launch", *flag, PROBE, out), clean_env(**extra))
+        results = launches.wait(timeout=90)
+    for done in results:
+        assert done.returncode == 0, done.text()
+    ports = {_probe_records(out, 2)[0]["MASTER_PORT"] for out in outs}
+    assert len(ports) == 2, "both runs used one port"
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("how, code, ending", [("exit", 3, "exited with code 3"),
+                                               ("kill", 128 + 9, "was killed by signal 9 (SIGKILL)")],
+                         ids=["exits", "killed"])
+def test_a_dead_worker_ends_the_whole_run_and_is_named(tmp_path, how, code, ending):
+    done = run_one(distrib_cmd("launch", "--nproc-per-node", "2", PROBE, tmp_path, how, "1"), tmp_path, timeout=90)
+    assert done.seconds < 60, done.text()
+    assert done.returncode == code, done.text()
+    assert "distrib launch: rank 1 (local rank 1, pid " in done.stderr and f"{ending} [first failure]" in done.stderr
+    assert "Traceback" not in done.stderr.split("distrib launch: rank")[-1]  # no traceback from the launcher
+
+
+# ---------------------------------------------------------------- training: the weights of one process
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("reference")
+    return train_reference(tmp / "run", tmp)
+
+
+def _two_nodes(tmp_path: Path, run_dir: Path, *train: str, restarts: int = 0, env=None) -> None:
+    """Two launchers on this machine as two nodes of 2 workers (c10d over loopback), running distrib train."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    node = ["launch", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            endpoint, "--rdzv-id", f"loopback-{os.getpid()}-{run_dir.name}", f"--max-restarts={restarts}"]
+    with Launches(tmp_path) as launches:
+        for _ in range(2):
+            launches.start(distrib_cmd(*node, "-m", "distrib", "train", "--config", CLUSTER_CONFIG, *SMALL,
+                                       "--set", f"run.dir={run_dir}", *train), env)
+        results = launches.wait(timeout=240)
+    for done in results:
+        assert done.returncode == 0, done.text()
+    assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 4
+
+
+HSDP_NODES = ["--set", "dist.strategy=hsdp", "--set", "checkpoint.every_steps=5",
+              "--set", "model.factory=probe_env:network_dying_once"]
+
+
+@pytest.fixture(scope="module")
+def hsdp_nodes(tmp_path_factory) -> Path:
+    """hsdp over 2 launchers x 2 workers: shard groups of LOCAL_WORLD_SIZE = 2 (one node each), replicated across
+    the nodes; checkpoints every 5 of the 20 steps; the factory's rank 3 never dies (no marker)."""
+    tmp = tmp_path_factory.mktemp("hsdp_nodes")
+    _two_nodes(tmp, tmp / "run", *HSDP_NODES, env=clean_env(PYTHONPATH=str(PROBE.parent)))
+    return tmp / "run"
+
+
+@pytest.mark.timeout(300)
+def test_two_nodes_over_loopback_train_like_one_process(tmp_path, reference):
+    _two_nodes(tmp_path, tmp_path / "run")
+    assert runs_relative_diff(tmp_path / "run", reference) < 1e-5
+
+
+@pytest.mark.timeout(300)
+def test_two_nodes_under_hsdp_train_like_one_process(reference, hsdp_nodes):
+    assert json.loads((hsdp_nodes / "summary.json").read_text())["state_bytes_per_rank"] > 0
+    assert runs_relative_diff(hsdp_nodes, reference) < 1e-5
+
+
+@pytest.mark.timeout(400)
+def test_two_nodes_under_hsdp_resume_bitwise_after_a_killed_worker(tmp_path, hsdp_nodes):
+    """Rank 3 is SIGKILLed in step 12 (after the step-10 checkpoint); both launchers restart their workers, which
+    resume from the sharded checkpoint and end bitwise equal to the uninterrupted run."""
+    marker, run_dir = tmp_path / "died", tmp_path / "run"
+    _two_nodes(tmp_path, run_dir, *HSDP_NODES, "--set", f"model.kwargs={{marker='{marker}', at_forward=12}}",
+               restarts=1, env=clean_env(PYTHONPATH=str(PROBE.parent)))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert marker.exists() and summary["restart_count"] == 1 and summary["resumed_from_step"] == 10
+    killed, whole = load_weights(run_dir), load_weights(hsdp_nodes)
+    assert all(torch.equal(killed[key], whole[key]) for key in whole)
+
+
+@pytest.mark.timeout(200)
+def test_a_single_node_run_listens_on_loopback_only(tmp_path):
+    """c10d stores have no authentication: during a 2-worker run no process of it (launcher, lifelines, workers)
+    listens on an address another machine could reach; the store and each worker's gloo listen on loopback."""
+    log = tmp_path / "proc0.err"
+    with Launches(tmp_path) as launches:
+        launches.start(distrib_cmd("train", "--nproc-per-node", "2", "--config", CLUSTER_CONFIG,
+                                   "--set", "train.max_steps=100000", "--set", "train.log_every=5",
+                                   "--set", f"run.dir={tmp_path}/run"))
+        deadline = time.monotonic() + 150
+        while "[distrib] step 5 " not in (log.read_text() if log.exists() else ""):
+            assert time.monotonic() < deadline and launches.procs[0][0].poll() is None, log.read_text()
+            time.sleep(0.1)
+        listening = listening_addresses(launches.procs[0][0].pid)
+    addresses = [address for pairs in listening.values() for address, _ in pairs]
+    assert len(listening) >= 3, listening  # the launcher's store and both workers' gloo
+    assert all(ipaddress.ip_address(address).is_loopback for address in addresses), listening
+
+
+@pytest.mark.timeout(200)
+def test_train_nproc_per_node_trains_like_one_process(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    done = run_one(distrib_cmd("train", "--nproc-per-node", "2", "--config", CLUSTER_CONFIG, *SMALL,
+                               "--set", f"run.dir={run_dir}"), tmp_path, timeout=150)
+    assert done.returncode == 0, done.text()
+    assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 2
+    assert runs_relative_diff(run_dir, reference) < 1e-5
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("factory, code, ending", [
+    ("stalling_network", EXIT_HUNG, r"exited with code 69: CollectiveTimeoutError: after step \d+: a collective "
+                                    r"waited longer than dist\.timeout_s = 3 s .*did not arrive: rank 1 \(host "),
+    ("dying_network", 128 + 9, r"was killed by signal 9 \(SIGKILL\)"),
+], ids=["stalls", "dies"])
+def test_trainer_rank_that_stalls_or_dies_ends_the_run_with_its_step_or_rank(tmp_path, factory, code, ending):
+    """The trainer's own workers (which catch SIGTERM to checkpoint) still end the run fast; a stalled collective
+    names the step and the rank that did not arrive instead of hanging; the survivors of a dead rank say in one line
+    which peer they lost, with no traceback; no two lines are glued together."""
+    done = run_one(distrib_cmd("train", "--nproc-per-node", "2", "--config", CLUSTER_CONFIG, *SMALL,
+                               "--set", f"model.factory=tests.helpers.probe_env:{factory}", "--set", "dist.timeout_s=3",
+                               "--set", f"run.dir={tmp_path}/run"),
+                   tmp_path, timeout=150, env=clean_env(PYTHONPATH=str(REPO)))
+    assert done.returncode == code, done.text()
+    assert done.seconds < 60, done.text()
+    first = next(line for line in done.stderr.splitlines() if line.endswith("[first failure]"))
+    assert re.search(r"distrib launch: rank \d \(local rank \d, pid \d+\) " + ending, first), done.text()
+    assert "Traceback" not in done.stderr, done.text()
+    assert all(line.startswith(("distrib", "[distrib]", "W", "E", "I")) for line in done.stderr.splitlines()), \
+        done.text()  # lines of the ranks never glued: each starts with its writer's prefix (or torch's log level)
+    if factory == "dying_network":
+        assert re.search(r"^distrib: error: after step \d+: lost rank 1 \(host \S+, pid \d+, .*no heartbeat",
+                         done.stderr, re.M), done.text()

@@ -1,0 +1,231 @@
+"""A run's life and death: workers end with their launcher (SIGKILL included) on every launch path, a stopped or hung
+rank is named within dist.timeout_s with its own exit code, a stop signal at any moment ends in the preemption code
+only when nothing is lost, and every line of a failing run is whole."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from distrib.errors import EXIT_HUNG, EXIT_PREEMPTED
+from distrib.launch.lifeline import Status, read_statuses, write_status
+from tests.helpers.launch_support import CLUSTER_CONFIG, PROBE, REPO, SMALL, Launches, clean_env, distrib_cmd, run_one
+from tests.helpers.processes import descendants
+
+LONG = [*SMALL, "--set", "train.max_steps=100000", "--set", "train.log_every=1"]  # runs until stopped
+
+def probe_env(**extra: str) -> dict[str, str]:
+    """The environment with the repository root on PYTHONPATH, for probe_env's model factories."""
+    return clean_env(PYTHONPATH=os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))),
+                     **extra)
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with contextlib.suppress(OSError):
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+        return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+    return {}
+
+
+def _cmdline(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    return ""
+
+
+def _alive(pid: int) -> bool:
+    """Running or stopped, not a zombie (an orphan's zombie waits for init to reap it)."""
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    return False
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether the process has a handler for signum (SigCgt in /proc/PID/status): its Python code has started."""
+    with contextlib.suppress(OSError, StopIteration):
+        line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("SigCgt:"))
+        return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
+
+
+def _workers(launcher_pid: int) -> dict[int, int]:
+    """rank -> pid of the launcher's worker processes (not their lifelines)."""
+    found = {}
+    for pid in descendants(launcher_pid):
+        rank = _environ(pid).get("RANK")
+        if rank is not None and "distrib.launch.lifeline" not in _cmdline(pid):
+            found[int(rank)] = pid
+    return found
+
+
+def _wait_until(condition, timeout: float, what: str, launches: Launches):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.2)
+    launches.close()
+    raise AssertionError(f"no {what} after {timeout}s:\n{_stderr(launches, 0)[-4000:]}")
+
+
+def _stderr(launches: Launches, index: int) -> str:
+    return Path(f"{launches.procs[index][1]}.err").read_text()
+
+
+def _proc(launches: Launches, index: int = 0) -> subprocess.Popen:
+    return launches.procs[index][0]
+
+
+def test_lifeline_records_and_passes_on_how_its_worker_ended(tmp_path):
+    for code, script in ((7, "raise SystemExit(7)"), (-signal.SIGKILL, "import os; os.kill(os.getpid(), 9)")):
+        status = tmp_path / f"status{code}"
+        status.mkdir()
+        done = subprocess.run([sys.executable, "-m", "distrib.launch.lifeline", "--parent", str(os.getpid()),
+                               "--status", str(status), sys.executable, "-c", script], timeout=60, env=clean_env())
+        assert done.returncode == code
+        [worker] = read_statuses(status)
+        assert worker.code == code and worker.worker_pid != worker.pid
+    write_status(tmp_path, "0", Status(10, 11, 1))
+    write_status(tmp_path, "1", Status(12, 13, None))
+    assert read_statuses(tmp_path) == [Status(12, 13, None)]  # the latest attempt only
+
+
+# ---------------------------------------------------------------- real launches (2 CPU workers each)
+
+
+def _kill_cases():
+    train = ["train", "--config", CLUSTER_CONFIG, *LONG]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    return {
+        "train": lambda out: distrib_cmd(*train[:1], "--nproc-per-node", "2", *train[1:], "--set", f"run.dir={out}"),
+        "torchrun": lambda out: [*torchrun, "-m", "distrib", *map(str, train), "--set", f"run.dir={out}"],
+        "launch-script": lambda out: distrib_cmd("launch", "--nproc-per-node", "2", PROBE, out, "sleep"),
+    }
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("path", ["train", "torchrun", "launch-script"])
+def test_workers_end_with_their_launcher_even_on_sigkill(tmp_path, path):
+    out = tmp_path / "out"
+    out.mkdir()
+    with Launches(tmp_path) as launches:
+        launches.start(_kill_cases()[path](out))
+        workers = _wait_until(lambda: len(_workers(_proc(launches).pid)) == 2 and _workers(_proc(launches).pid),
+                              150, "2 workers", launches)
+        time.sleep(3)  # past their start: the tie must hold while they work, not only while they start
+        tree = descendants(_proc(launches).pid)
+        os.kill(_proc(launches).pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(map(_alive, tree)):
+            time.sleep(0.2)
+        left = [f"{pid}: {_cmdline(pid)[:120]}" for pid in tree if _alive(pid)]
+        assert not left, f"10 s after the launcher's SIGKILL ({path}), still running: {left}; workers {workers}"
+
+
+@pytest.mark.timeout(240)
+def test_a_stopped_rank_ends_the_run_within_the_timeout_and_is_named(tmp_path):
+    """SIGSTOP of rank 1 at dist.timeout_s = 20: the run ends within 40 s with EXIT_HUNG, its last line naming
+    rank 1, its host and its last step."""
+    cmd = distrib_cmd("train", "--nproc-per-node", "2", "--config", CLUSTER_CONFIG, *LONG,
+                      "--set", "dist.timeout_s=20", "--set", f"run.dir={tmp_path}/run")
+    with Launches(tmp_path) as launches:
+        launches.start(cmd)
+        _wait_until(lambda: "[distrib] step 3 " in _stderr(launches, 0), 150, "training", launches)
+        workers = _workers(_proc(launches).pid)
+        os.kill(workers[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        [done] = launches.wait(timeout=120)
+        seconds = time.monotonic() - stopped
+    assert done.returncode == EXIT_HUNG, done.text()
+    assert seconds < 40, f"ended {seconds:.1f}s after the SIGSTOP\n{done.text()}"
+    last = done.stderr.strip().splitlines()[-1]
+    assert "did not arrive: rank 1 (host " in last and f"pid {workers[1]}, after step " in last, done.text()
+    assert "no heartbeat since" in last and last.endswith("[first failure]"), done.text()
+    # Rank 0 waited in the step after its last; rank 1 had taken part in that one's all-reduce, so it stopped in
+    # or just after it: its heartbeat names (nearly) the same step, not one from up to a beat interval before.
+    rank0, rank1 = (int(step) for step in re.findall(r"after step (\d+)", last.split("did not arrive:")[0])[-1:]
+                    + re.findall(r"pid \d+, after step (\d+)", last))
+    assert rank0 - 3 <= rank1 <= rank0, f"rank 0 after step {rank0}, rank 1's heartbeat: after step {rank1}\n{last}"
+    print(f"stopped rank named after {seconds:.1f}s, at step {rank1} (rank 0: {rank0})")
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_while_a_rank_hangs_is_no_preemption(tmp_path):
+    """A hung rank cannot checkpoint, so a preemption signal then must not answer 'requeue me' (75)."""
+    cmd = distrib_cmd("train", "--nproc-per-node", "2", "--config", CLUSTER_CONFIG, *LONG,
+                      "--set", "model.factory=tests.helpers.probe_env:hanging_network", "--set", "dist.timeout_s=3",
+                      "--set", f"run.dir={tmp_path}/run")
+    with Launches(tmp_path) as launches:
+        launches.start(cmd, probe_env(TORCH_ELASTIC_SHUTDOWN_TIMEOUT="12"))
+        _wait_until(lambda: "probe: rank 1 hangs" in _stderr(launches, 0), 150, "a hung rank", launches)
+        os.kill(_proc(launches).pid, signal.SIGTERM)
+        [done] = launches.wait(timeout=120)
+    assert done.returncode == EXIT_HUNG, done.text()
+    assert "distrib launch: stopped by SIGTERM" in done.stderr, done.text()
+    assert "not every worker ended with 75, so this is no preemption exit; exit 69" in done.stderr, done.text()
+    assert "did not arrive: rank 1 (host " in done.stderr, done.text()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_a_stop_signal_before_the_workers_exist_is_a_preemption(tmp_path, signum):
+    with Launches(tmp_path) as launches:
+        launches.start(distrib_cmd("launch", "--nproc-per-node", "2", PROBE, tmp_path, "sleep"))
+        started = time.monotonic()
+        # 0.5 s after the start, or once the interpreter has started (a loaded machine may take longer for that).
+        _wait_until(lambda: _catches(_proc(launches).pid, signum), 30, "signal handler", launches)
+        time.sleep(max(0.0, started + 0.5 - time.monotonic()))
+        os.kill(_proc(launches).pid, signum)
+        [done] = launches.wait(timeout=60)
+    assert done.returncode == EXIT_PREEMPTED, done.text()
+    assert f"stopped by {signum.name} before any worker started; exit 75" in done.stderr, done.text()
+
+
+@pytest.mark.timeout(200)
+def test_a_stop_signal_while_the_trainers_start_is_a_preemption(tmp_path):
+    """SIGTERM once the workers exist but before they train (importing torch, joining the process group)."""
+    cmd = distrib_cmd("train", "--nproc-per-node", "2", "--config", CLUSTER_CONFIG, *LONG,
+                      "--set", f"run.dir={tmp_path}/run")
+    with Launches(tmp_path) as launches:
+        launches.start(cmd)
+        _wait_until(lambda: len(_workers(_proc(launches).pid)) == 2, 150, "2 workers", launches)
+        os.kill(_proc(launches).pid, signal.SIGTERM)
+        [done] = launches.wait(timeout=120)
+    assert done.returncode == EXIT_PREEMPTED, done.text()
+    assert "every worker ended with 75" in done.stderr and "outside the training steps" in done.stderr, done.text()
+    assert not (tmp_path / "run" / "summary.json").exists()
+    print(json.dumps(done.stderr.splitlines()[-3:]))
+
+
+# A stop signal that lands where every exception is swallowed, as C code inside an import does (torch imports parts
+# of numpy lazily, and a StoppedEarly raised there was lost: the worker went on and failed with exit 1).
+_SWALLOWED = """
+import os, signal, sys
+from distrib.launch.preempt import exit_on_signals
+with exit_on_signals([signal.SIGTERM]):
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        sum(range(1000))
+    except BaseException:
+        pass
+    print("went on after the stop signal", flush=True)
+sys.exit(3)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_stop_signal_while_a_worker_starts_ends_it_with_75_even_where_exceptions_are_swallowed(tmp_path):
+    done = run_one([sys.executable, "-c", _SWALLOWED], tmp_path, timeout=90)
+    assert done.returncode == EXIT_PREEMPTED, done.text()
+    assert "went on" not in done.stdout, done.text()
+    assert "stopped by SIGTERM outside the training steps" in done.stderr and "exit code 75" in done.stderr, done.text()

@@ -1,0 +1,194 @@
+"""Exact resume against an uninterrupted reference: stop and resume, a killed worker restarted by the launcher,
+SIGTERM, and a checkpoint moved to another world size."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from distrib.config import load_config
+from distrib.worker import run_training
+from tests.helpers.processes import wait_for, worker_pid
+from tests.helpers.support import assert_ok, kill_tree, max_relative_diff, torchrun_train
+from tests.helpers.support import run as run_cmd
+
+BASE = ["data.name=synthetic", "data.synthetic_train_size=1536", "data.synthetic_test_size=200", "run.progress=false",
+        "train.global_batch_size=32", "train.schedule=constant", "train.warmup_steps=5", "train.log_every=10",
+        "checkpoint.every_steps=0", "dist.device=cpu"]
+
+
+def _sets(run_dir, *overrides):
+    return [a for o in [*BASE, f"run.dir={run_dir}", *overrides] for a in ("--set", o)]
+
+
+def _final(run_dir: Path) -> dict:
+    """The newest checkpoint of a finished run: model, optimizer, scheduler and progress."""
+    newest = sorted((Path(run_dir) / "checkpoints").glob("step_*.pt"))[-1]
+    return torch.load(newest, weights_only=True)
+
+
+def _summary(run_dir: Path) -> dict:
+    return json.loads((Path(run_dir) / "summary.json").read_text())
+
+
+def _assert_bitwise(a: dict, b: dict) -> None:
+    assert a["progress"] == b["progress"]
+    for part in ("model", "optimizer", "scheduler"):
+        flat_a, flat_b = _flatten(a[part]), _flatten(b[part])
+        assert flat_a.keys() == flat_b.keys(), part
+        for key in flat_a:
+            if isinstance(flat_a[key], torch.Tensor):
+                assert torch.equal(flat_a[key], flat_b[key]), (part, key)
+            else:
+                assert flat_a[key] == flat_b[key], (part, key)
+
+
+def _flatten(tree, prefix=""):
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _flatten(sub, f"{prefix}{key}/").items()}
+    if isinstance(tree, list):
+        return {k: v for i, sub in enumerate(tree) for k, v in _flatten(sub, f"{prefix}{i}/").items()}
+    return {prefix: tree}
+
+
+@pytest.mark.timeout(180)
+def test_stop_and_resume_is_bitwise_at_world_size_1(tmp_path):
+    # 25 is mid-epoch (48 steps per epoch) and the rest crosses an epoch boundary.
+    run_training(load_config(None, [*BASE, f"run.dir={tmp_path}/whole", "train.max_steps=60"]))
+    run_training(load_config(None, [*BASE, f"run.dir={tmp_path}/parts", "train.max_steps=25"]))
+    resumed = run_training(load_config(None, [*BASE, f"run.dir={tmp_path}/parts", "train.max_steps=60"]))
+    assert resumed["resumed_from_step"] == 25 and resumed["steps"] == 60
+    _assert_bitwise(_final(tmp_path / "parts"), _final(tmp_path / "whole"))
+    assert _final(tmp_path / "whole")["progress"]["step"] == 60
+
+
+@pytest.mark.timeout(420)
+def test_stop_and_resume_at_world_size_2_and_move_the_checkpoint_to_world_size_1(tmp_path):
+    assert_ok(torchrun_train(2, *_sets(tmp_path / "whole", "train.max_steps=60")))
+    assert_ok(torchrun_train(2, *_sets(tmp_path / "parts", "train.max_steps=25")))
+    (tmp_path / "moved" / "checkpoints").mkdir(parents=True)
+    shutil.copy(tmp_path / "parts" / "checkpoints" / "step_00000025.pt", tmp_path / "moved" / "checkpoints")
+    assert_ok(torchrun_train(2, *_sets(tmp_path / "parts", "train.max_steps=60")))
+    assert _summary(tmp_path / "parts")["resumed_from_step"] == 25
+    _assert_bitwise(_final(tmp_path / "parts"), _final(tmp_path / "whole"))
+
+    moved = run_training(load_config(None, [*BASE, f"run.dir={tmp_path}/moved", "train.max_steps=60"]))
+    assert moved["world_size"] == 1 and moved["resumed_from_step"] == 25
+    assert max_relative_diff(_final(tmp_path / "moved")["model"], _final(tmp_path / "whole")["model"]) < 1e-5
+
+
+@pytest.mark.timeout(120)
+def test_a_changed_global_batch_is_refused_unless_allowed(tmp_path):
+    from distrib.checkpoint.format import CheckpointError
+
+    run_training(load_config(None, [*BASE, f"run.dir={tmp_path}", "train.max_steps=12"]))
+    with pytest.raises(CheckpointError, match=r"train.global_batch_size: 32 -> 64.*allow_config_change=true"):
+        run_training(load_config(None, [*BASE, f"run.dir={tmp_path}", "train.max_steps=20",
+                                        "train.global_batch_size=64"]))
+    allowed = run_training(load_config(None, [*BASE, f"run.dir={tmp_path}", "train.max_steps=20",
+                                              "train.global_batch_size=64", "checkpoint.allow_config_change=true"]))
+    assert allowed["resumed_from_step"] == 12 and allowed["steps"] == 20
+    # 12 steps x 32 samples = 384 samples into epoch 0 = step 6 of 64 samples: the same data position.
+    assert _final(tmp_path)["progress"] == {"step": 20, "epoch": 0, "step_in_epoch": 14, "samples_in_epoch": 896}
+
+
+LONG = ["train.max_steps=400", "train.schedule=cosine", "checkpoint.every_steps=20"]
+
+
+@pytest.fixture(scope="module")
+def long_reference(tmp_path_factory) -> dict:
+    """The uninterrupted 2-worker run that interrupted ones must reproduce bitwise."""
+    run_dir = tmp_path_factory.mktemp("whole")
+    assert_ok(torchrun_train(2, *_sets(run_dir, *LONG), timeout=300))
+    return _final(run_dir)
+
+
+LAUNCHERS = {"torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone"],
+             "distrib launch": [sys.executable, "-m", "distrib", "launch"]}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_killed_worker_is_restarted_and_resumes_bitwise(tmp_path, long_reference, launcher):
+    marker = f"run.dir={tmp_path}/killed"
+    cmd = [*LAUNCHERS[launcher], "--nproc-per-node=2", "--max-restarts=1", "-m", "distrib", "train",
+           *_sets(tmp_path / "killed", *LONG)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        wait_for(lambda: (tmp_path / "killed" / "checkpoints" / "step_00000040.pt").exists(), 180, "a checkpoint")
+        os.kill(wait_for(lambda: worker_pid(marker, 1), 30, "worker 1"), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        kill_tree(proc)
+    assert proc.returncode == 0, out[-4000:]
+    summary = _summary(tmp_path / "killed")
+    assert summary["restart_count"] == 1 and summary["resumed_from_step"] >= 40, summary
+    _assert_bitwise(_final(tmp_path / "killed"), long_reference)
+
+
+def _stop_with_sigterm(cmd: list[str], checkpoint: Path) -> str:
+    """Starts cmd, waits for its first checkpoint, sends SIGTERM; it must be gone with exit 75 within 30 s."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        wait_for(checkpoint.exists, 180, "a checkpoint")
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+        assert time.monotonic() - sent < 30
+    finally:
+        kill_tree(proc)
+    assert proc.returncode == 75, out[-3000:]
+    assert "preempted at step" in out
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_sigterm_to_the_launcher_checkpoints_exits_75_and_the_next_run_resumes(tmp_path, long_reference):
+    cmd = [sys.executable, "-m", "distrib", "train", "--nproc-per-node", "2", *_sets(tmp_path, *LONG)]
+    _stop_with_sigterm(cmd, tmp_path / "checkpoints" / "step_00000020.pt")
+    stopped_at = _final(tmp_path)["progress"]["step"]
+    assert 20 <= stopped_at < 400
+    assert_ok(run_cmd(cmd, timeout=300))
+    assert _summary(tmp_path)["resumed_from_step"] == stopped_at
+    _assert_bitwise(_final(tmp_path), long_reference)
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_to_one_process_checkpoints_exits_75_and_the_next_run_resumes(tmp_path):
+    steps = ["train.max_steps=300", "train.schedule=cosine", "checkpoint.every_steps=20"]
+    run_training(load_config(None, [*BASE, f"run.dir={tmp_path}/whole", *steps]))
+    cmd = [sys.executable, "-m", "distrib", "train", *_sets(tmp_path / "stopped", *steps)]
+    _stop_with_sigterm(cmd, tmp_path / "stopped" / "checkpoints" / "step_00000020.pt")
+    stopped_at = _final(tmp_path / "stopped")["progress"]["step"]
+    assert 20 <= stopped_at < 300
+    resumed = run_training(load_config(None, [*BASE, f"run.dir={tmp_path}/stopped", *steps]))
+    assert resumed["resumed_from_step"] == stopped_at
+    _assert_bitwise(_final(tmp_path / "stopped"), _final(tmp_path / "whole"))
+
+
+def _lrs(run_dir: Path) -> dict[int, float]:
+    lines = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {line["step"]: line["lr"] for line in lines if "lr" in line}
+
+
+@pytest.mark.timeout(240)
+def test_extending_a_run_keeps_its_schedule_only_with_schedule_steps(tmp_path):
+    """train.schedule_steps fixes the cosine's length: stopping at 12 and extending to 24 is bitwise the 24-step run.
+    Without it, the extension recomputes the schedule: the learning rate jumps from 0 back up."""
+    cosine = ["train.schedule=cosine", "train.warmup_steps=2", "train.log_every=1", "train.lr=0.05"]
+    run_training(load_config(None, [*BASE, *cosine, f"run.dir={tmp_path}/whole", "train.max_steps=24"]))
+    for name, fixed in (("fixed", ["train.schedule_steps=24"]), ("recomputed", [])):
+        for steps in (12, 24):
+            run_training(load_config(None, [*BASE, *cosine, *fixed, f"run.dir={tmp_path}/{name}",
+                                            f"train.max_steps={steps}"]))
+    _assert_bitwise(_final(tmp_path / "fixed"), _final(tmp_path / "whole"))
+    assert _lrs(tmp_path / "fixed") == _lrs(tmp_path / "whole")
+    recomputed = _lrs(tmp_path / "recomputed")
+    assert recomputed[12] == 0.0 and recomputed[13] == pytest.approx(0.5 * 0.05)  # from 0 back to half the peak

@@ -1,0 +1,53 @@
+"""The Python API: `from distrib import fit` with a module or a function, datasets or tensors, a Config or a TOML
+path, dict overrides and a loss function; `import distrib` stays light; the docstring example and the complete
+scripts in scripts/examples run."""
+
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from distrib import Config, fit, load_config
+from distrib.errors import ConfigError
+from tests.helpers.support import load_weights
+
+OVERRIDES = {"train.max_steps": 12, "train.epochs": 0, "train.global_batch_size": 32, "train.warmup_steps": 2,
+             "run.progress": False, "dist.device": "cpu", "checkpoint.every_steps": 0}
+
+
+def _tensors(n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, 3, (n,), generator=g)
+    return torch.randn(n, 2, 6, 6, generator=g) + labels[:, None, None, None], labels
+
+
+def _model(in_channels: int, num_classes: int, image_size: int) -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(in_channels * image_size ** 2, 16), nn.ReLU(),
+                         nn.Linear(16, num_classes))
+
+
+@pytest.mark.timeout(120)
+def test_module_or_function_config_or_overrides_give_the_same_training(tmp_path):
+    train, test = _tensors(256, 1), _tensors(64, 2)
+    by_function = fit(_model, train, test, overrides={**OVERRIDES, "run.dir": str(tmp_path / "a")})
+    config = load_config(None, [f"{key}={value}".replace("False", "false") for key, value in OVERRIDES.items()])
+    assert isinstance(config, Config)
+    torch.manual_seed(config.train.seed)  # the seed fit() uses before calling a model function
+    module = _model(2, 3, 6)
+    by_module = fit(module, torch.utils.data.TensorDataset(*train), test, config=config,
+                    loss_fn=lambda out, target: F.cross_entropy(out, target),
+                    overrides={"run.dir": str(tmp_path / "b")})
+    a, b = load_weights(tmp_path / "a"), load_weights(tmp_path / "b")
+    assert all(torch.equal(a[name], b[name]) for name in a)
+    assert by_function["steps"] == by_module["steps"] == 12 and by_function["test_count"] == 64
+    assert by_module["test_accuracy"] == by_function["test_accuracy"] > 0.5
+    assert (tmp_path / "a" / "summary.json").is_file() and (tmp_path / "a" / "config.toml").is_file()
+
+
+def test_bad_arguments_are_one_line_errors(tmp_path):
+    train = _tensors(64, 1)
+    with pytest.raises(ConfigError, match=r"^--set 'train.lrr=0.1': unknown key|^train.lrr: unknown key"):
+        fit(_model, train, train, overrides={"train.lrr": 0.1})
+    with pytest.raises(ConfigError, match=r"^fit\(config=int\): give a TOML path, a distrib.Config or None"):
+        fit(_model, train, train, config=42)

@@ -1,0 +1,172 @@
+"""Checkpoint files: complete, atomic, verified, safely loaded; broken ones give a clear error or a fall-back."""
+
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from distrib.checkpoint.format import (
+    FORMAT,
+    VERSION,
+    CheckpointError,
+    checkpoint_path,
+    digest,
+    list_checkpoints,
+    read_checkpoint,
+    save_atomic,
+)
+from distrib.checkpoint.policy import _newest_good
+
+CPU = torch.device("cpu")
+
+
+def _write(directory: Path, step: int) -> Path:
+    state = {"format": FORMAT, "version": VERSION, "progress": {"step": step}, "model": {"w": torch.arange(1000.0)}}
+    state["checksum"] = digest(state)
+    return save_atomic(state, checkpoint_path(directory, step))
+
+
+def test_round_trip_and_newest_first(tmp_path):
+    for step in (5, 100, 20):
+        _write(tmp_path, step)
+    (tmp_path / ".step_00000200.pt.123.tmp").write_bytes(b"half a file")  # a dead writer's leftover
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000100.pt", "step_00000020.pt", "step_00000005.pt"]
+    state = read_checkpoint(tmp_path / "step_00000100.pt", CPU)
+    assert state["progress"]["step"] == 100 and torch.equal(state["model"]["w"], torch.arange(1000.0))
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _flip(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # inside the tensor data: only the checksum can notice
+    path.write_bytes(bytes(data))
+
+
+def _empty(path):
+    path.write_bytes(b"")
+
+
+def _foreign(path):
+    torch.save({"conv1.weight": torch.zeros(3)}, path)  # a plain state_dict, not ours
+
+
+@pytest.mark.parametrize("damage, reason", [(_truncate, "unreadable"), (_flip, "checksum mismatch"),
+                                            (_empty, "empty file"), (_foreign, "not a distrib checkpoint")])
+def test_broken_checkpoints_name_the_file_and_the_reason(tmp_path, damage, reason):
+    path = _write(tmp_path, 7)
+    damage(path)
+    with pytest.raises(CheckpointError) as info:
+        read_checkpoint(path, CPU)
+    assert str(path) in str(info.value) and reason in str(info.value)
+
+
+def test_auto_resume_falls_back_past_broken_checkpoints(tmp_path):
+    _write(tmp_path, 10)
+    _flip(_write(tmp_path, 20))
+    _truncate(_write(tmp_path, 30))
+    said = []
+    path, state = _newest_good(tmp_path, CPU, said.append)
+    assert path.name == "step_00000010.pt" and state["progress"]["step"] == 10
+    assert len(said) == 2 and "step_00000030.pt" in said[0] and "falling back" in said[0]
+
+
+class _Payload:
+    """A pickle that would create a file when loaded unsafely."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.target),))
+
+
+def test_malicious_pickle_is_refused_and_never_runs(tmp_path):
+    target = tmp_path / "pwned"
+    path = checkpoint_path(tmp_path, 1)
+    torch.save({"format": FORMAT, "version": VERSION, "evil": _Payload(target)}, path)
+    for why in ("unsafe: the weights-only unpickler refused it (Unsupported global", "unreadable"):
+        with pytest.raises(CheckpointError) as info:
+            read_checkpoint(path, CPU)
+        message = str(info.value)  # whole, one line: the refusal and its reason, never torch's hint to retry unsafely
+        assert why in message and "\n" not in message and "weights_only=False" not in message, message
+        with open(path, "wb") as f:  # a bare pickle, not even a zip archive: refused before any global is read
+            pickle.dump(_Payload(target), f)
+    assert not target.exists()
+    path.write_bytes(b"garbage" * 10)
+    with pytest.raises(CheckpointError, match="unreadable"):
+        read_checkpoint(path, CPU)
+
+
+SMALL = ["data.name=synthetic", "data.synthetic_train_size=256", "data.synthetic_test_size=64", "run.progress=false",
+         "train.global_batch_size=32", "train.schedule=constant", "train.warmup_steps=2", "train.eval_every_epochs=0",
+         "dist.device=cpu"]
+
+
+@pytest.mark.timeout(120)
+def test_a_preempted_run_closes_its_recorder(tmp_path, monkeypatch):
+    """The CLI ends with os._exit, which skips finalisers: the recorder (metrics.jsonl, TensorBoard's writer and its
+    queue) is closed on the way out of a run that stops early."""
+    import os
+    import signal
+
+    from distrib.config import load_config
+    from distrib.launch.preempt import Preempted
+    from distrib.metrics import Recorder
+    from distrib.training.trainer import Trainer
+    from distrib.worker import run_training
+
+    real_step, real_close, closed = Trainer.step, Recorder.close, []
+
+    def step(self, micro_batches):
+        if self.state.progress.step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # the run's handler only sets its flag
+        return real_step(self, micro_batches)
+
+    def close(self, status="finished"):
+        closed.append((status, [logger.name for logger in self._trackers]))
+        real_close(self, status)
+
+    monkeypatch.setattr(Trainer, "step", step)
+    monkeypatch.setattr(Recorder, "close", close)
+    with pytest.raises(Preempted, match="preempted at step 2"):
+        run_training(load_config(None, [*SMALL, f"run.dir={tmp_path}", "train.max_steps=50", "train.log_every=2",
+                               "metrics.tensorboard=true"]))
+    assert closed == [("preempted", ["tensorboard"])]
+
+
+def test_a_re_saved_checkpoint_directory_is_exchanged_never_missing(tmp_path):
+    from distrib.checkpoint.sharded import _swap
+
+    final, tmp = tmp_path / "step_00000004", tmp_path / ".step_00000004.tmp"
+    final.mkdir()
+    (final / "old").write_text("old")
+    tmp.mkdir()
+    (tmp / "new").write_text("new")
+    _swap(tmp, final)
+    assert [p.name for p in final.iterdir()] == ["new"] and not tmp.exists()
+
+
+def test_only_temporary_files_that_no_live_writer_holds_are_removed(tmp_path):
+    import os
+
+    from distrib.checkpoint.folder import remove_dead_temps
+    from distrib.checkpoint.format import hold
+    from distrib.checkpoint.sharded import WRITER
+
+    _write(tmp_path, 2)
+    (tmp_path / ".step_00000004.pt.0123456789ab.4242.tmp").write_bytes(b"half")  # its writer was killed
+    (tmp_path / ".step_00000006.tmp").mkdir()  # a sharded one whose rank 0 died
+    (tmp_path / ".step_00000006.tmp" / WRITER).write_bytes(b"")
+    fd = hold(tmp_path / ".step_00000008.pt.feedfeedfeed.1.tmp")  # a live writer
+    try:
+        removed = remove_dead_temps(tmp_path)
+        assert removed == [".step_00000004.pt.0123456789ab.4242.tmp", ".step_00000006.tmp"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".step_00000008.pt.feedfeedfeed.1.tmp",
+                                                             "step_00000002.pt"]
+    finally:
+        os.close(fd)
+    assert remove_dead_temps(tmp_path) == [".step_00000008.pt.feedfeedfeed.1.tmp"]  # once its writer let go

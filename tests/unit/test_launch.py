@@ -1,0 +1,143 @@
+"""distrib launch against torchrun: the same worker environment, better defaults (private local rendezvous, GPU
+count, CPU threads, SLURM), failures that end the run fast and name the rank, and multi-node training over loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from distrib.distributed.runtime import collective_timeouts
+from distrib.errors import EXIT_HUNG, EXIT_PREEMPTED, CollectiveTimeoutError, PeerLostError, UserError
+from distrib.launch import launcher
+
+# ---------------------------------------------------------------- defaults, without starting anything
+
+
+@pytest.fixture
+def no_launch_env(monkeypatch):
+    for key in list(os.environ):
+        if key.startswith(("PET_", "SLURM_")):
+            monkeypatch.delenv(key)
+    monkeypatch.setattr(launcher, "visible_gpu_count", lambda: 0)
+
+
+def _slurm_env(**extra) -> dict[str, str]:
+    return {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "gpu[7-8]", "SLURM_STEP_ID": "0",
+            "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "2", **extra}
+
+
+@pytest.fixture
+def fake_scontrol(tmp_path, monkeypatch):
+    """An scontrol on PATH that expands only the node list the tests use."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "scontrol"
+    script.write_text('#!/bin/sh\n[ "$*" = "show hostnames gpu[7-8]" ] && printf "gpu7\\ngpu8\\n" && exit 0\n'
+                      'echo "unexpected: $*" >&2; exit 1\n')
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    return script
+
+
+def _resolved(argv, environ=None):
+    return launcher.apply_defaults(launcher.parse_args([*argv, "train.py"]), environ or {})
+
+
+def test_single_node_gets_a_private_local_rendezvous_and_one_cpu_worker(no_launch_env):
+    args = _resolved([])
+    assert (args.standalone, args.nproc_per_node, args.nnodes) == (True, "1", "1:1")
+
+
+def test_workers_default_to_the_visible_gpus(no_launch_env, monkeypatch):
+    monkeypatch.setattr(launcher, "visible_gpu_count", lambda: 4)
+    assert _resolved([]).nproc_per_node == "4"
+
+
+def test_explicit_rendezvous_and_pet_variables_are_kept(no_launch_env, monkeypatch):
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "3")
+    args = _resolved(["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:5", "--rdzv-id", "x"])
+    assert (args.standalone, args.nproc_per_node, args.nnodes) == (False, "3", "2")
+    assert (args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id) == ("c10d", "h:5", "x")
+    monkeypatch.setenv("PET_STANDALONE", "1")
+    assert _resolved([]).standalone
+
+
+def test_slurm_flags_given_by_the_user_win(no_launch_env, fake_scontrol, monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")  # scontrol is not needed when the endpoint is given
+    args = _resolved(["--nnodes", "3", "--rdzv-endpoint", "head:29400", "--rdzv-id", "mine"], _slurm_env())
+    assert (args.nnodes, args.rdzv_endpoint, args.rdzv_id, args.rdzv_backend) == ("3", "head:29400", "mine", "c10d")
+
+
+def test_slurm_batch_shell_without_srun_is_an_error(no_launch_env, fake_scontrol):
+    env = _slurm_env()
+    del env["SLURM_STEP_ID"]
+    with pytest.raises(UserError, match="srun --ntasks-per-node=1"):
+        _resolved([], env)
+
+
+def test_slurm_more_tasks_than_nodes_is_an_error(no_launch_env, fake_scontrol):
+    with pytest.raises(UserError, match="8 tasks on 2 nodes"):
+        _resolved([], _slurm_env(SLURM_STEP_NUM_TASKS="8"))
+
+
+def test_slurm_single_node_job_uses_the_local_rendezvous(no_launch_env, monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    args = _resolved([], _slurm_env(SLURM_NNODES="1", SLURM_JOB_NODELIST="gpu7"))
+    assert args.standalone and args.nnodes == "1:1"
+
+
+def test_cpu_workers_share_the_cores_unless_the_user_chose():
+    cores = len(os.sched_getaffinity(0))
+    assert launcher.cpu_threads({}, 2, num_gpus=0) == str(max(1, cores // 2))
+    assert launcher.cpu_threads({}, 10 * cores, num_gpus=0) == "1"
+    assert launcher.cpu_threads({"OMP_NUM_THREADS": "7"}, 2, num_gpus=0) is None
+    assert launcher.cpu_threads({}, 2, num_gpus=2) is None  # GPU workers: torchrun's default
+
+
+def test_a_failure_every_rank_shares_is_one_line(tmp_path):
+    error_file = tmp_path / "error.json"
+    error_file.write_text(json.dumps({"message": {"message": "ConfigError: train.global_batch_size = 63: ...",
+                                                  "extraInfo": {"py_callstack": "Traceback ...", "timestamp": "5"}}}))
+    failures = {rank: ProcessFailure(rank, 100 + rank, 2, str(error_file)) for rank in range(3)}
+    failures[3] = ProcessFailure(3, 103, EXIT_PREEMPTED, "/nonexistent")  # stopped by the agent while starting
+    lines = launcher.failure_lines(ChildFailedError("train", failures))
+    assert lines == ["distrib launch: rank 3 (local rank 3, pid 103) was stopped by the launcher when the first "
+                     "failure ended the run",
+                     "distrib launch: ranks 0, 1, 2 (pids 100, 101, 102) exited with code 2: ConfigError: "
+                     "train.global_batch_size = 63: ... [first failure]"]
+
+
+def test_failure_summary_is_one_line_per_rank_first_failure_last(tmp_path):
+    error_file = tmp_path / "error.json"
+    error_file.write_text(json.dumps({"message": {"message": "ValueError: bad batch\nmore",
+                                                  "extraInfo": {"py_callstack": "Traceback ...", "timestamp": "5"}}}))
+    failures = {0: ProcessFailure(0, 100, -signal.SIGTERM, "/nonexistent"),
+                3: ProcessFailure(1, 101, 3, str(error_file))}
+    error = ChildFailedError("train", failures)
+    lines = launcher.failure_lines(error, {101: 201})  # lifeline pid 101 ran worker pid 201
+    assert lines[1] == "distrib launch: rank 3 (local rank 1, pid 201) exited with code 3: ValueError: bad batch " \
+                       "[first failure]"
+    assert lines[0] == "distrib launch: rank 0 (local rank 0, pid 100) was stopped by the launcher when the first " \
+                       "failure ended the run"  # SIGTERMed by the agent: no failure of its own
+    assert launcher.exit_code(error) == 3
+    assert launcher.exit_code(ChildFailedError("train", {0: failures[0]})) == 128 + signal.SIGTERM  # no checkpoint
+    assert launcher.signal_exit_code(signal.SIGTERM) == EXIT_PREEMPTED
+    assert launcher.signal_exit_code(signal.SIGKILL) == 128 + 9
+
+
+def test_a_collective_timeout_or_lost_peer_names_the_step_and_other_errors_pass_through():
+    with pytest.raises(CollectiveTimeoutError, match=r"^after step 7: a collective waited longer than "
+                                                      r"dist.timeout_s = 3 s \(Timed out waiting 3000ms") as caught:
+        with collective_timeouts(3.0, lambda: "after step 7"):
+            raise RuntimeError("[/src/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv")
+    assert caught.value.exit_code == EXIT_HUNG
+    with pytest.raises(PeerLostError, match=r"^after step 7: lost a peer \(Connection closed by peer \[h\]:1\.\)"):
+        with collective_timeouts(3.0, lambda: "after step 7"):
+            raise RuntimeError("[pair.cc:1] Connection closed by peer [h]:1. This is typically caused by ...")
+    with pytest.raises(RuntimeError, match="mat1 and mat2 shapes"):
+        with collective_timeouts(3.0, lambda: "after step 7"):
+            raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
