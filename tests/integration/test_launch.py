@@ -171,7 +171,7 @@ def _two_nodes(tmp_path: Path, run_dir: Path, *train: str, restarts: int = 0, en
 
 
 HSDP_NODES = ["--set", "dist.strategy=hsdp", "--set", "checkpoint.every_steps=5",
-              "--set", "model.factory=probe_env:network_dying_once"]
+              "--set", "model.factory=tests.helpers.probe_env:network_dying_once"]
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +179,7 @@ def hsdp_nodes(tmp_path_factory) -> Path:
     """hsdp over 2 launchers x 2 workers: shard groups of LOCAL_WORLD_SIZE = 2 (one node each), replicated across
     the nodes; checkpoints every 5 of the 20 steps; the factory's rank 3 never dies (no marker)."""
     tmp = tmp_path_factory.mktemp("hsdp_nodes")
-    _two_nodes(tmp, tmp / "run", *HSDP_NODES, env=clean_env(PYTHONPATH=str(PROBE.parent)))
+    _two_nodes(tmp, tmp / "run", *HSDP_NODES, env=clean_env(PYTHONPATH=str(REPO)))
     return tmp / "run"
 
 
@@ -201,7 +201,7 @@ def test_two_nodes_under_hsdp_resume_bitwise_after_a_killed_worker(tmp_path, hsd
     resume from the sharded checkpoint and end bitwise equal to the uninterrupted run."""
     marker, run_dir = tmp_path / "died", tmp_path / "run"
     _two_nodes(tmp_path, run_dir, *HSDP_NODES, "--set", f"model.kwargs={{marker='{marker}', at_forward=12}}",
-               restarts=1, env=clean_env(PYTHONPATH=str(PROBE.parent)))
+               restarts=1, env=clean_env(PYTHONPATH=str(REPO)))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert marker.exists() and summary["restart_count"] == 1 and summary["resumed_from_step"] == 10
     killed, whole = load_weights(run_dir), load_weights(hsdp_nodes)
