@@ -156,6 +156,7 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
     """Trains inside an open process group; returns the run's summary. Everything that can fail on the user's input
     (data, model, the dry batch, the checkpoint to resume) runs before anything is written to run.dir, so a run that
     fails leaves an earlier run's files there as they were. on_step_end(step) runs after each step's bookkeeping."""
+    runtime = runtime.for_training(config.dist)  # the ranks of a tensor-parallel group read the same data
     start, notes = time.perf_counter(), []
     data = data or load_data(config.data, runtime, config.train.seed)
     plan = make_plan(data.train.num_samples, config.train, runtime)

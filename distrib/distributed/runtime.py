@@ -5,6 +5,7 @@ cuda is named only to count GPUs (doctor, launcher) or as a dist.device value (c
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import platform
 import re
@@ -91,6 +92,11 @@ class Runtime:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def for_training(self, config: DistConfig) -> "Runtime":
+        """This runtime with the tensor-parallel groups of the run's mesh (a ConfigError if it does not tile)."""
+        shape = mesh_shape(config, self.world_size, self.local_world_size)
+        return dataclasses.replace(self, tensor_parallel=shape.tensor_parallel)
 
     @property
     def data_rank(self) -> int:
@@ -215,14 +221,13 @@ def open_runtime(config: DistConfig, env: LaunchEnv | None = None) -> Iterator[R
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before any CUDA work, or every rank allocates on GPU 0
     backend = "nccl" if device.type == "cuda" else "gloo"
-    tensor_parallel = mesh_shape(config, env.world_size, env.local_world_size).tensor_parallel  # tiles, or refused
     timeout = timedelta(seconds=config.timeout_s)
     _init_process_group(env, device, backend, timeout)
     ok, peers = False, None
     try:
         peers = _peer_watch(env, timeout).start() if env.launched and env.world_size > 1 else None
         yield Runtime(env.rank, env.local_rank, env.world_size, env.local_world_size, device, backend,
-                      env.restart_count, peers, tensor_parallel)
+                      env.restart_count, peers)
         ok = True
     finally:
         if peers is not None:

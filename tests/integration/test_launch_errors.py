@@ -6,18 +6,19 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.launch_support import CLUSTER_CONFIG, SMALL, distrib_cmd, run_one
+from tests.helpers.processes import EVENT_S
 from tests.helpers.support import REPO
 
 FIT_FAILING = REPO / "tests" / "helpers" / "fit_failing.py"
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(900)
 def test_a_mistake_every_worker_makes_is_one_line(tmp_path):
     """Through `distrib launch -m distrib train` the parent cannot read the config: every worker fails alike, writes
     its error to torch's error file, and the launcher prints it once (no worker line, no torch log line)."""
     done = run_one(distrib_cmd("launch", "--nproc-per-node", "2", "-m", "distrib", "train", "--config", CLUSTER_CONFIG,
                                *SMALL, "--set", "train.global_batch_size=63", "--set", f"run.dir={tmp_path}/run"),
-                   tmp_path, timeout=120)
+                   tmp_path, timeout=EVENT_S)
     assert done.returncode == 2, done.text()
     lines = [line for line in done.stderr.splitlines() if not line.startswith("[distrib]")]  # info lines
     assert lines[-1].startswith(("distrib launch: ranks 0, 1 (pids ", "distrib launch: rank 0")), done.text()
@@ -28,10 +29,10 @@ def test_a_mistake_every_worker_makes_is_one_line(tmp_path):
     assert len(lines) == 1 or (len(lines) == 2 and "was stopped by the launcher" in lines[0]), done.text()
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(900)
 def test_a_failing_fit_script_is_named_in_the_launchers_last_line(tmp_path):
     done = run_one(distrib_cmd("launch", "--nproc-per-node", "2", FIT_FAILING, tmp_path / "run"), tmp_path,
-                   timeout=120)
+                   timeout=EVENT_S)
     assert done.returncode == 1, done.text()
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("distrib launch: rank 1 (local rank 1, pid ") and last.endswith(" [first failure]"), last

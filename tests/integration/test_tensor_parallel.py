@@ -1,24 +1,18 @@
 """Tensor parallel 2 x fsdp 2 (world size 4, gloo) on the built-in GPT against ddp at world size 4: the same weights
 after 12 steps, the same exact evaluation, half the parameters of fsdp at world size 2 on each rank (distrib plan
-predicts the run's bytes exactly), and its checkpoint resumed without tensor parallel; a model without a plan and
-the data of one tensor-parallel group."""
+predicts the run's bytes exactly), and its checkpoint resumed without tensor parallel. (Refusals and the data of one
+tensor-parallel group: tests/unit/test_tensor_parallel.py.)"""
 
 import json
 import shutil
 from pathlib import Path
 
 import pytest
-import torch
-from support import assert_ok, load_weights, max_relative_diff, sets, torchrun_train
 
-from distrib.config import TrainConfig, load_config
-from distrib.data.batching import make_plan
-from distrib.distributed.runtime import Runtime
-from distrib.distributed.tensor_parallel import tensor_parallel_plan
-from distrib.errors import ConfigError
-from distrib.models.network import Network
+from distrib.config import load_config
 from distrib.plan import Machine, plan_run
 from distrib.worker import run_training
+from tests.helpers.support import assert_ok, load_weights, max_relative_diff, sets, torchrun_train
 
 TEXT = Path("/usr/share/common-licenses/GPL-3")  # Debian's base-files ships it: 35 kB of English prose
 GPT = ["model.name=gpt", "model.kwargs={n_layers = 4, n_heads = 4, dim = 64}", "data.name=text",
@@ -62,32 +56,3 @@ def test_tp_checkpoint_resumes_without_tensor_parallel(tmp_path, tp_run):
     one = run_training(load_config(None, [*GPT, f"run.dir={tmp_path}/one"]))  # ddp in one process: TP 1
     assert one["resumed_from_step"] == 6 and one["steps"] == 12
     assert max_relative_diff(load_weights(tmp_path / "one"), load_weights(tp_run)) < 1e-5
-
-
-def test_a_model_without_a_plan_is_refused_in_one_line(capsys):
-    with pytest.raises(ConfigError, match=r"dist.tensor_parallel = 2: the model \(Network\) declares no "):
-        tensor_parallel_plan(Network(), 2)
-    from distrib.cli import main
-
-    assert main(["plan", "--set", "data.name=synthetic", "--set", "dist.strategy=fsdp", "--set",
-                 "dist.tensor_parallel=2", "--world-size", "4"]) == 2  # the run's own sharding code refuses it
-    err = capsys.readouterr().err
-    assert "declares no tensor-parallel plan" in err and err.count("\n") == 1
-
-
-def test_a_plan_that_does_not_divide_is_refused():
-    from distrib.models.gpt import GPT as Model
-
-    with pytest.raises(ConfigError, match="cannot be split 3 ways"):
-        tensor_parallel_plan(Model(n_heads=4, dim=64), 3)
-
-
-def test_the_ranks_of_one_tensor_parallel_group_read_the_same_micro_batches():
-    train = TrainConfig(global_batch_size=16, grad_accum_steps=2)
-    plans = [make_plan(64, train, Runtime(rank, rank, 4, 4, torch.device("cpu"), "gloo", tensor_parallel=2))
-             for rank in range(4)]
-    order = plans[0].order(0)
-    batches = [torch.cat(plan.micro_batches(order, 1)) for plan in plans]
-    assert torch.equal(batches[0], batches[1]) and torch.equal(batches[2], batches[3])
-    assert not set(batches[0].tolist()) & set(batches[2].tolist())
-    assert sorted(torch.cat([batches[0], batches[2]]).tolist()) == sorted(order[16:32].tolist())
