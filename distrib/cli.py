@@ -36,11 +36,13 @@ def _train(args: argparse.Namespace) -> int:
 
         return launch_trainer(args.nproc_per_node, args.argv, _before_workers(config, args.nproc_per_node))
     from distrib.launch.preempt import exit_on_signals, parse_signals
+    from distrib.launch.reporting import errors_reported
 
     # A stop request outside the training steps (importing torch, waiting for the other ranks, after the final
     # checkpoint) ends this worker with EXIT_PREEMPTED at once: nothing is lost. The training steps take the
     # signals over (checkpoint at the next step boundary, then EXIT_PREEMPTED).
-    with exit_on_signals(parse_signals(config.checkpoint.signals)):
+    # distrib launch says how its workers were stopped, and why: its workers stay quiet.
+    with exit_on_signals(parse_signals(config.checkpoint.signals), announce=lambda: not errors_reported()):
         from torch.distributed.elastic.multiprocessing.errors import record
 
         return record(_worker)(config)  # under a launcher, a failing rank's exception reaches its summary
@@ -261,25 +263,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return getattr(e, "exit_code", EXIT_USER_ERROR)  # 2; EnvironmentFault: EXIT_ENVIRONMENT (74)
 
 
-def _reported_by_launcher(error: BaseException, record: bool = True) -> bool:
-    """A worker of distrib launch on its last attempt writes its error to torch's error file instead of stderr: the
-    launcher's last line names it, once for all the ranks that share it. Elsewhere (one process, torchrun, a restart
-    still to come) the worker prints it."""
-    from distrib.launch.reporting import launched_by_distrib
+def _reported_by_launcher(error: UserError) -> bool:
+    """A mistake in the input (exit 2), which every rank usually makes alike: a worker of distrib launch on its last
+    attempt writes it to torch's error file instead of stderr, and the launcher's last line names it once for all the
+    ranks that share it. Elsewhere (one process, torchrun, a restart still to come), and for a hung or lost peer
+    (each rank's own story), the worker prints it."""
+    from distrib.launch.reporting import errors_reported
 
-    if not launched_by_distrib():
+    if getattr(error, "exit_code", EXIT_USER_ERROR) != EXIT_USER_ERROR or not errors_reported():
         return False
-    from distrib.distributed.runtime import read_launch_env
-
     try:
-        reported = read_launch_env().errors_reported
-    except UserError:
-        return False
-    if reported and record:
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
         ErrorHandler().record_exception(error)  # as @record does; also for errors raised outside its wrapper
-    return reported
+    except Exception:  # noqa: BLE001 - no error file written: then the worker says it itself
+        return False
+    return True
 
 
 def hard_exit(code: int) -> NoReturn:

@@ -141,21 +141,36 @@ def _group_split(size: int, inner: int, per_node: int, nbytes: float, rounds: in
 
 
 def collective_bytes(shape: MeshShape, per_node: int, local_params: int, compute_bytes: int, grad_accum: int,
-                     reshard_after_forward: bool) -> tuple[float, float]:
+                     reshard_after_forward: bool, tp_activation_bytes: float = 0) -> tuple[float, float]:
     """(intra-node, inter-node) bytes each rank sends per optimizer step for the gradients and parameters:
     ddp all-reduces fp32 gradients once; fsdp/hsdp all-gather parameters in every forward (and backward, when
     resharded) of every micro-step and reduce-scatter fp32 gradients once; hsdp then all-reduces its gradient
-    shards across the replicas."""
+    shards across the replicas. Tensor parallel all-reduces tp_activation_bytes per micro-step in its group."""
     tp = shape.tensor_parallel
+    activations = _group_split(tp, 1, per_node, tp_activation_bytes * grad_accum, 2) if tp > 1 else (0, 0)
     if shape.strategy == "ddp":
         return _group_split(shape.replicate, tp, per_node, local_params * 4, 2)
+    parts = [activations]
     gathered = local_params * shape.shard
     gathers = grad_accum * (2 if reshard_after_forward else 1)
-    parts = [_group_split(shape.shard, tp, per_node, gathered * compute_bytes, gathers),
-             _group_split(shape.shard, tp, per_node, gathered * 4, 1)]
+    parts += [_group_split(shape.shard, tp, per_node, gathered * compute_bytes, gathers),
+              _group_split(shape.shard, tp, per_node, gathered * 4, 1)]
     if shape.replicate > 1:
         parts.append(_group_split(shape.replicate, shape.shard * tp, per_node, local_params * 4, 2))
     return sum(p[0] for p in parts), sum(p[1] for p in parts)
+
+
+def _tp_activations(model: nn.Module, shape: MeshShape, inputs: torch.Tensor) -> int:
+    """Elements tensor parallel all-reduces per micro-step: each row-wise layer's output in forward and the input
+    gradient of the column-wise layers before it in backward (the same size: the residual stream)."""
+    if shape.tensor_parallel == 1:
+        return 0
+    from fnmatch import fnmatch
+
+    plan = getattr(model, "_tp_plan", {})
+    rowwise = [m for n, m in model.named_modules() if any(fnmatch(n, p) for p, s in plan.items() if s == "rowwise")]
+    positions = inputs.numel() if inputs.dim() == 2 else len(inputs)  # tokens of a micro-batch, or samples
+    return 2 * sum(positions * m.out_features for m in rowwise)
 
 
 def plan_run(config: Config, machine: Machine) -> dict:
@@ -173,7 +188,8 @@ def plan_run(config: Config, machine: Machine) -> dict:
     whole, recomputed = activation_bytes(model, inputs, targets, fsdp.find_blocks(model, config.dist.shard_modules))
     compute_bytes = 2 if config.train.precision == "bf16" else 4
     intra, inter = collective_bytes(shape, machine.nproc_per_node, local_params, compute_bytes,
-                                    config.train.grad_accum_steps, config.dist.reshard_after_forward)
+                                    config.train.grad_accum_steps, config.dist.reshard_after_forward,
+                                    _tp_activations(model, shape, inputs) * compute_bytes)
     state = sum(parts.values())
     activations = recomputed if config.speed.activation_checkpointing == "blocks" else whole
     needed = state + activations

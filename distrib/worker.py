@@ -49,10 +49,10 @@ def run_training(config: Config, env: LaunchEnv | None = None) -> dict:
 
 
 def peers_lost(config: Config, runtime: Runtime):
-    """Before (and after) the training steps too, a peer that died or hangs is one line naming it (PeerLostError,
-    CollectiveTimeoutError), not gloo's traceback: e.g. rank 0 waiting in the run.dir lock's broadcast while rank 1
-    failed on its input."""
-    return collective_timeouts(config.dist.timeout_s, lambda: "before training", runtime.peers)
+    """Before and after the training steps too (which say their step themselves), a peer that died or hangs is one
+    line naming it (PeerLostError, CollectiveTimeoutError), not gloo's traceback: e.g. rank 0 waiting in the run.dir
+    lock's broadcast while rank 1 failed on its input."""
+    return collective_timeouts(config.dist.timeout_s, lambda: "outside the training steps", runtime.peers)
 
 
 def _total_steps(config: Config, steps_per_epoch: int) -> int:
@@ -116,8 +116,9 @@ def _finished_summary(config: Config, runtime: Runtime, state: TrainState, total
     if summary is not None and runtime.is_main:
         done = early_stop.reason() if stopped_early else f"{step} of {total_steps} steps done"
         extend = "" if stopped_early else "; to extend it, raise train.max_steps or train.epochs"
+        # Not resume=never in the same folders: the checkpoint contract refuses to start afresh beside another run's.
         say(f"distrib: {config.run.dir}: the run is finished ({done}), nothing to train; its summary.json is left as "
-            f"it was. To retrain, give a new run.dir or --set checkpoint.resume=never{extend}")
+            f"it was. To train afresh, give a new --set run.dir (or move {checkpoint_dir(config)} away){extend}")
     return summary
 
 
@@ -155,6 +156,7 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
     """Trains inside an open process group; returns the run's summary. Everything that can fail on the user's input
     (data, model, the dry batch, the checkpoint to resume) runs before anything is written to run.dir, so a run that
     fails leaves an earlier run's files there as they were. on_step_end(step) runs after each step's bookkeeping."""
+    runtime = runtime.for_training(config.dist)  # the ranks of a tensor-parallel group read the same data
     start, notes = time.perf_counter(), []
     data = data or load_data(config.data, runtime, config.train.seed)
     plan = make_plan(data.train.num_samples, config.train, runtime)

@@ -1,7 +1,7 @@
 """The GPU check behind scripts/gpu_check.sh: DDP equivalence at world size 1 against a plain model (NCCL on a GPU),
 FSDP2 against DDP, the device-mismatch listing, the seed Network's throughput at several global batches (DDP, and
-FSDP2 with the bf16 mixed-precision policy), and a byte-level GPT in bf16 (tokens/s, MFU, peak memory); prints one
-table.
+FSDP2 with the bf16 mixed-precision policy), and a byte-level GPT in bf16 under ddp, fsdp, hsdp and tensor parallel
+2 (tokens/s, MFU, peak memory); prints one table. Under a launcher (--gpt-only) the GPT rows run on every GPU.
 
     python scripts/gpu_check.py --device cuda [--json gpu_check.json]      (what gpu_check.sh runs)
     python scripts/gpu_check.py --device cpu --quick                        (a smoke test of the same code on gloo)
@@ -174,7 +174,11 @@ def measure(runtime, batch: int, mode: str, args, run_dir: Path) -> dict:
     return {"batch": batch, "mode": mode, **{k: summary[k] for k in keys}}
 
 
-GPT_MODES = {"gpt bf16": ["train.precision=bf16"], "gpt fsdp bf16": ["train.precision=bf16", "dist.strategy=fsdp"]}
+GPT_MODES = {"gpt bf16": ["train.precision=bf16"], "gpt fsdp bf16": ["train.precision=bf16", "dist.strategy=fsdp"],
+             # hsdp: a 1 x N mesh on one node (shard groups of the node's N GPUs, one replica)
+             "gpt hsdp bf16": ["train.precision=bf16", "dist.strategy=hsdp"],
+             # tensor parallel 2 (the GPT's 6 heads and 1024 hidden units divide by 2) x fsdp over the rest
+             "gpt tp2 bf16": ["train.precision=bf16", "dist.strategy=fsdp", "dist.tensor_parallel=2"]}
 GPT_SIZE = {"n_layers": 6, "n_heads": 6, "dim": 384}  # nanoGPT's Shakespeare-char model, context 256
 GPT_QUICK = {"n_layers": 2, "n_heads": 2, "dim": 32}
 
@@ -185,6 +189,9 @@ def measure_gpt(runtime, mode: str, args, run_dir: Path) -> dict:
     from distrib.config import load_config
     from distrib.worker import train_on
 
+    if "dist.tensor_parallel=2" in GPT_MODES[mode] and runtime.world_size % 2:
+        return {"mode": mode, "skipped": f"tensor parallel 2 needs an even world size, not {runtime.world_size}: "
+                                         "gpu_check.sh runs it under distrib launch on 2+ GPUs"}
     size = GPT_QUICK if args.quick else GPT_SIZE
     kwargs = ", ".join(f"{key} = {value}" for key, value in size.items())
     overrides = ["data.name=text", f"data.root={Path(__file__).resolve().parents[1] / 'README.md'}",
@@ -197,7 +204,22 @@ def measure_gpt(runtime, mode: str, args, run_dir: Path) -> dict:
     with contextlib.redirect_stderr(io.StringIO()):
         summary = train_on(load_config(None, overrides), runtime)
     keys = ("tokens_per_second", "step_time_p50_s", "mfu", "peak_memory_bytes", "test_loss")
-    return {"mode": mode, "batch": args.gpt_batch, "seq_len": args.gpt_seq_len, **{k: summary.get(k) for k in keys}}
+    return {"mode": mode, "world_size": runtime.world_size, "batch": args.gpt_batch, "seq_len": args.gpt_seq_len,
+            **{k: summary.get(k) for k in keys}}
+
+
+@contextlib.contextmanager
+def shared_folder(runtime):
+    """A temporary folder that every rank uses (rank 0's, as a run.dir is one folder for all ranks), removed after."""
+    import torch.distributed as dist
+
+    with tempfile.TemporaryDirectory() as mine:
+        name = [mine]
+        if runtime.world_size > 1:
+            dist.broadcast_object_list(name, src=0)
+        yield name[0]
+        if runtime.world_size > 1:
+            dist.barrier()  # nobody still writes into rank 0's folder when it is removed
 
 
 def run_all(args) -> tuple[list[dict], list[dict]]:
@@ -206,17 +228,17 @@ def run_all(args) -> tuple[list[dict], list[dict]]:
 
     checks, rows = [], []
     deadline = time.monotonic() + args.budget_s
-    with open_runtime(DistConfig(device=args.device, timeout_s=600)) as runtime, \
-            tempfile.TemporaryDirectory() as tmp:
-        checks += [check_equivalence(runtime, args.equivalence_steps), *check_mismatch(runtime),
-                   check_fsdp(runtime, args.equivalence_steps, Path(tmp) / "fsdp_check")]
-        args.device_name = runtime.device_name()
+    with open_runtime(DistConfig(device=args.device, timeout_s=600)) as runtime, shared_folder(runtime) as tmp:
+        args.device_name, args.is_main = runtime.device_name(), runtime.is_main
+        if not args.gpt_only:
+            checks += [check_equivalence(runtime, args.equivalence_steps), *check_mismatch(runtime),
+                       check_fsdp(runtime, args.equivalence_steps, Path(tmp) / "fsdp_check")]
         for mode in GPT_MODES:  # first: the figures no GPU has given yet
             if time.monotonic() > deadline:
                 args.gpt_rows.append({"mode": mode, "skipped": "time budget"})
                 continue
             args.gpt_rows.append(measure_gpt(runtime, mode, args, Path(tmp) / mode.replace(" ", "_")))
-        for mode in args.modes:
+        for mode in [] if args.gpt_only else args.modes:
             for batch in args.batches:
                 if time.monotonic() > deadline:  # stay inside the time the job was given; say what was left out
                     rows.append({"batch": batch, "mode": mode, "skipped": "time budget"})
@@ -229,6 +251,8 @@ def table(args, checks: list[dict], rows: list[dict]) -> str:
     import torch
 
     lines = [f"{args.device_name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M %Z')}", ""]
+    if args.gpt_only:
+        return "\n".join(lines + _gpt_table(args.gpt_rows))
     lines += [f"{'check':<58} {'result':<6} detail"]
     lines += [f"{c['check']:<58} {'PASS' if c['ok'] else 'FAIL':<6} {c['detail']}" for c in checks]
     lines += ["", f"{'global batch':>12}  {'mode':<16} {'samples/s':>12} {'p50 step ms':>11} {'data wait':>9} "
@@ -244,15 +268,16 @@ def table(args, checks: list[dict], rows: list[dict]) -> str:
 
 
 def _gpt_table(rows: list[dict]) -> list[str]:
-    lines = ["", f"{'GPT':<16} {'batch x seq':>11} {'tokens/s':>12} {'p50 step ms':>11} {'MFU':>7} {'peak MiB':>9} "
-                 f"{'test loss':>9}"]
+    lines = ["", f"{'GPT':<16} {'ranks':>5} {'batch x seq':>11} {'tokens/s':>12} {'p50 step ms':>11} {'MFU':>7} "
+                 f"{'peak MiB':>9} {'test loss':>9}"]
     for r in rows:
         if "skipped" in r:
             lines.append(f"{r['mode']:<16} skipped ({r['skipped']})")
             continue
         mfu = f"{100 * r['mfu']:.2f}%" if r["mfu"] is not None else "n/a"
         peak = f"{r['peak_memory_bytes'] / 2**20:,.0f}" if r["peak_memory_bytes"] else "n/a"
-        lines.append(f"{r['mode']:<16} {r['batch']:>5} x {r['seq_len']:<4} {r['tokens_per_second']:>12,.0f} "
+        lines.append(f"{r['mode']:<16} {r['world_size']:>5} {r['batch']:>5} x {r['seq_len']:<4} "
+                     f"{r['tokens_per_second']:>12,.0f} "
                      f"{1e3 * r['step_time_p50_s']:>11.2f} {mfu:>7} {peak:>9} {r['test_loss']:>9.4f}")
     return lines
 
@@ -266,6 +291,8 @@ def parse_args(argv):
     parser.add_argument("--equivalence-steps", type=int, default=20)
     parser.add_argument("--budget-s", type=float, default=240, help="throughput runs stop starting after this")
     parser.add_argument("--json", default=None, help="also write the checks and rows here")
+    parser.add_argument("--gpt-only", action="store_true",
+                        help="only the GPT under every strategy (gpu_check.sh runs it under distrib launch on N GPUs)")
     args = parser.parse_args(argv)
     args.batches, args.modes = (512, 1024, 4096), list(MODES)
     args.gpt_batch, args.gpt_seq_len, args.gpt_rows = 64, 256, []
@@ -282,8 +309,9 @@ def main(argv=None) -> None:
     code = 1
     try:
         checks, rows = run_all(args)
-        print(table(args, checks, rows))
-        if args.json:
+        if args.is_main:  # under a launcher every rank measured; rank 0 prints
+            print(table(args, checks, rows))
+        if args.json and args.is_main:
             result = {"device": args.device_name, "checks": checks, "rows": rows, "gpt": args.gpt_rows}
             Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
         code = 0 if all(c["ok"] for c in checks) else 1

@@ -7,8 +7,9 @@
 #     through the DataLoader (the device-resident data path's gain on this GPU), and fsdp with the bf16
 #     mixed-precision policy (bf16 parameters, fp32 gradient reduction); samples/s, step time, MFU,
 #   - the built-in GPT (6 layers, 6 heads, 384 wide, context 256: nanoGPT's Shakespeare-char size) on the README's
-#     bytes in bf16, under ddp and fsdp: tokens/s, MFU (6 x parameters + 12 x layers x heads x head_dim x seq_len
-#     FLOPs per token), peak device memory.
+#     bytes in bf16, under ddp, fsdp, hsdp (a 1 x N mesh) and tensor parallel 2 x fsdp: tokens/s, MFU (6 x
+#     parameters + 12 x layers x heads x head_dim x seq_len FLOPs per token), peak device memory; on one GPU in
+#     this process (tensor parallel skipped: it needs 2), then with 2+ GPUs again on all of them under distrib launch.
 # From the repository root, installing nothing (torch >= 2.10 is all it needs; the GPU image has 2.11):
 #   bash scripts/gpu_check.sh [--json gpu_check.json] [--budget-s 240]
 set -euo pipefail
@@ -20,5 +21,14 @@ PYTHON="${PYTHON:-python3}"
 if not torch.cuda.is_available():
     sys.exit(f"gpu_check: no CUDA device is visible (torch {torch.__version__}); run this on a GPU machine")'
 
-# The python part stops starting throughput runs after --budget-s; timeout is the backstop for a hang.
-exec timeout --kill-after=10 290 "$PYTHON" scripts/gpu_check.py --device cuda "$@"
+GPUS="$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')"
+# The python part stops starting throughput runs after --budget-s; timeout is the backstop for a hang. With several
+# GPUs the budget is shared: 170 s in one process, then every strategy of the GPT on all GPUs (5 minutes in all).
+if [ "$GPUS" -lt 2 ]; then
+  exec timeout --kill-after=10 290 "$PYTHON" scripts/gpu_check.py --device cuda "$@"
+fi
+rc=0
+timeout --kill-after=10 180 "$PYTHON" scripts/gpu_check.py --device cuda --budget-s 150 "$@" || rc=$?
+timeout --kill-after=10 110 "$PYTHON" -m distrib launch --nproc-per-node "$GPUS" scripts/gpu_check.py --device cuda \
+  --gpt-only --budget-s 80 --steps 60 --skip 10 || rc=$?
+exit "$rc"

@@ -15,7 +15,6 @@ import torch.distributed as dist
 
 from distrib.checkpoint.contract import Storage
 from distrib.checkpoint.folder import (
-    find,
     listing,
     read_owner,
     read_stored,
@@ -206,9 +205,6 @@ class Checkpoints:
         for old in self.owned[:-self.keep_last]:
             remove(old)
         self.owned = self.owned[-self.keep_last:]
-
-    def find(self, name: str) -> Path | None:
-        return find(self.directory, name)
 
     def wait(self) -> None:
         self.storage.wait()

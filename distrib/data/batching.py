@@ -73,8 +73,9 @@ class BatchPlan:
 
 
 def make_plan(num_samples: int, train: TrainConfig, runtime: Runtime) -> BatchPlan:
-    return BatchPlan(num_samples, train.global_batch_size, train.grad_accum_steps, runtime.rank,
-                     runtime.world_size, train.seed)
+    # data_rank, data_world_size: the ranks of one tensor-parallel group read the same micro-batches
+    return BatchPlan(num_samples, train.global_batch_size, train.grad_accum_steps, runtime.data_rank,
+                     runtime.data_world_size, train.seed)
 
 
 def eval_batches(num_samples: int, batch_size: int, rank: int, world_size: int) -> list[torch.Tensor]:

@@ -68,9 +68,9 @@ class TokenWindows:
             if self.check is not None:
                 self.check(windows)
             windows = windows.to(self.device, non_blocking=True)
-            inputs, targets = windows[:, :-1], windows[:, 1:].clone()
-            if beyond.any():
-                targets[torch.from_numpy(beyond[:, 1:]).to(self.device)] = IGNORE_INDEX
+            inputs, targets = windows[:, :-1], windows[:, 1:]
+            if beyond.any():  # only the last test window: its positions past the stream count for nothing
+                targets = targets.masked_fill(torch.from_numpy(beyond[:, 1:]).to(self.device), IGNORE_INDEX)
             yield inputs, targets
 
 

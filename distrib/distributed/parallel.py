@@ -18,6 +18,7 @@ from distrib.config import DistConfig, SpeedConfig
 from distrib.distributed import fsdp
 from distrib.distributed.mesh import build_mesh, mesh_shape
 from distrib.distributed.runtime import Runtime
+from distrib.distributed.tensor_parallel import apply_tensor_parallel
 from distrib.errors import DeviceMismatchError, UserError
 
 _MISMATCH_PHRASES = ("Expected all tensors to be on the same device", "is not on the expected device")
@@ -122,7 +123,10 @@ def shard_on_mesh(model: nn.Module, runtime: Runtime, strategy: DistConfig, prec
     """fsdp and hsdp: the run's mesh (device_type explicit: a CPU run on a GPU host, or distrib plan's fake group),
     then FSDP2 over its data-parallel dimensions. distrib plan calls this too, so it predicts what runs do."""
     shape = mesh_shape(strategy, runtime.world_size, runtime.local_world_size)
-    return fsdp.shard(model, runtime, strategy, precision, build_mesh(shape, device_type))
+    mesh = build_mesh(shape, device_type)
+    if shape.tensor_parallel > 1:  # first, so that FSDP shards the tensor-parallel slices over the other dimensions
+        apply_tensor_parallel(model, mesh["tp"])
+    return fsdp.shard(model, runtime, strategy, precision, mesh)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -154,6 +158,26 @@ def _fsdp_grad_sync(module, enabled: bool) -> Iterator[None]:
         yield
     finally:
         module.set_requires_gradient_sync(True)
+
+
+def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+    """torch's clip_grad_norm_, also for parameters on several device meshes (tensor parallel's layers beside the
+    norms FSDP alone shards), where one stack of norms is refused: one norm per mesh made whole (a collective per
+    mesh, in parameter order, so the same on every rank), combined, then every group scaled by the same factor."""
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    groups: dict = {}  # the gradients' mesh (None: plain tensors) -> parameters
+    for param in parameters:
+        if param.grad is not None:
+            groups.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
+    if len(groups) <= 1:
+        return nn.utils.clip_grad_norm_([p for group in groups.values() for p in group], max_norm)
+    norms = [nn.utils.get_total_norm([p.grad for p in group]) for group in groups.values()]
+    total = torch.linalg.vector_norm(torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]))
+    with implicit_replication():  # the plain total norm scales DTensor gradients as a replicated value
+        for group in groups.values():
+            nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
 
 
 def is_sharded(model: nn.Module) -> bool:

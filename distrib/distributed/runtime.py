@@ -5,6 +5,7 @@ cuda is named only to count GPUs (doctor, launcher) or as a dist.device value (c
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import platform
 import re
@@ -16,10 +17,10 @@ import torch
 import torch.distributed as dist
 
 from distrib.config import DistConfig
+from distrib.distributed.mesh import mesh_shape
 from distrib.distributed.peers import PeerWatch
 from distrib.errors import CollectiveTimeoutError, PeerLostError, UserError
 from distrib.launch.lifeline import die_with_parent
-from distrib.launch.reporting import launched_by_distrib
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +35,6 @@ class LaunchEnv:
     master_port: int = 0
     restart_count: int = 0
     elastic: bool = False  # started by torch's elastic agent (torchrun, distrib launch): it dies with the agent
-    errors_reported: bool = False  # distrib launch's last attempt: the launcher prints this worker's error (error file)
 
     @property
     def launched(self) -> bool:
@@ -71,10 +71,8 @@ def read_launch_env(environ: Mapping[str, str] = os.environ) -> LaunchEnv:
         raise UserError(f"LOCAL_RANK={local_rank} with LOCAL_WORLD_SIZE={local_world_size}, WORLD_SIZE={world_size}: "
                         "need 0 <= LOCAL_RANK < LOCAL_WORLD_SIZE <= WORLD_SIZE; fix the launcher")
     restarts = _int_var(environ, "TORCHELASTIC_RESTART_COUNT", 0)
-    reported = (launched_by_distrib(environ) and "TORCHELASTIC_ERROR_FILE" in environ
-                and restarts >= _int_var(environ, "TORCHELASTIC_MAX_RESTARTS", 0))
     return LaunchEnv(rank, local_rank, world_size, local_world_size, master_addr, master_port, restarts,
-                     "TORCHELASTIC_RUN_ID" in environ, reported)
+                     "TORCHELASTIC_RUN_ID" in environ)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,10 +87,26 @@ class Runtime:
     backend: str
     restart_count: int = 0
     peers: PeerWatch | None = None  # the other ranks' heartbeats; None in one process
+    tensor_parallel: int = 1  # ranks of one tensor-parallel group: neighbours, reading the same micro-batches
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def for_training(self, config: DistConfig) -> "Runtime":
+        """This runtime with the tensor-parallel groups of the run's mesh (a ConfigError if it does not tile)."""
+        shape = mesh_shape(config, self.world_size, self.local_world_size)
+        return dataclasses.replace(self, tensor_parallel=shape.tensor_parallel)
+
+    @property
+    def data_rank(self) -> int:
+        """Which share of each global batch and of the test set this rank reads (its tensor-parallel group's)."""
+        return self.rank // self.tensor_parallel
+
+    @property
+    def data_world_size(self) -> int:
+        """How many shares the data is cut into: the data-parallel ranks."""
+        return self.world_size // self.tensor_parallel
 
     @property
     def ddp_device_ids(self) -> list[int] | None:

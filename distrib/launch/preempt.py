@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from typing import Iterator
+from typing import Callable, Iterator
 
 from distrib.errors import EXIT_PREEMPTED, say
 
@@ -57,21 +57,20 @@ def stop_on_signals(signals: list[signal.Signals]) -> Iterator[StopFlag]:
         yield flag
 
 
-def _exit_early(signum, frame) -> None:
-    """Ends the worker at once with EXIT_PREEMPTED. Not by raising: the signal often lands inside an import (torch
-    imports numpy's parts lazily), where C code may swallow the exception and leave a module half-initialised, and
-    the worker went on and failed later with exit 1 (a RecursionError in numpy's __getattr__), or trained on."""
-    try:
-        say(f"distrib: stopped by {signal.Signals(signum).name} outside the training steps (starting up, or after "
-            f"the final checkpoint), so nothing was lost; exit code {EXIT_PREEMPTED}: requeue the job and it starts "
-            "(or resumes) there")
-    finally:  # also when the signal came in the middle of a write to stderr (a reentrant flush raises)
-        os._exit(EXIT_PREEMPTED)
-
-
 @contextlib.contextmanager
-def exit_on_signals(signals: list[signal.Signals]) -> Iterator[None]:
+def exit_on_signals(signals: list[signal.Signals], announce: Callable[[], bool] = lambda: True) -> Iterator[None]:
     """Outside the training steps (where stop_on_signals takes the signals over), a stop signal ends the worker with
-    EXIT_PREEMPTED at once, as nothing since the last checkpoint can be lost there."""
-    with signal_handlers(signals, _exit_early):
+    EXIT_PREEMPTED at once, as nothing since the last checkpoint can be lost there; with a line on stderr if
+    announce() says so. Not by raising: the signal often lands inside an import (torch imports parts of numpy
+    lazily), where C code may swallow the exception and leave a module half-initialised, and the worker went on and
+    failed later with exit 1 (a RecursionError in numpy's __getattr__), or trained on."""
+    def exit_early(signum, frame) -> None:
+        try:
+            if announce():
+                say(f"distrib: stopped by {signal.Signals(signum).name} outside the training steps (starting up, or "
+                    f"after the final checkpoint), so nothing was lost; exit code {EXIT_PREEMPTED}: requeue the job "
+                    "and it starts (or resumes) there")
+        finally:  # also when announce() or a reentrant write to stderr raised
+            os._exit(EXIT_PREEMPTED)
+    with signal_handlers(signals, exit_early):
         yield

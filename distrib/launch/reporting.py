@@ -15,9 +15,15 @@ from distrib.errors import EXIT_PREEMPTED
 REPORTS_VAR = "DISTRIB_LAUNCH_REPORTS"
 
 
-def launched_by_distrib(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether distrib launch (not torchrun) started this process: the one reader of REPORTS_VAR."""
-    return environ.get(REPORTS_VAR) == "1"
+def errors_reported(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether distrib launch (not torchrun) started this worker, gave it an error file, and has no restart left for
+    it, so its last line will say how the worker ended: the one reader of REPORTS_VAR (no torch import here)."""
+    try:
+        last_attempt = int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")) >= \
+            int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    except ValueError:
+        return False
+    return environ.get(REPORTS_VAR) == "1" and "TORCHELASTIC_ERROR_FILE" in environ and last_attempt
 
 
 def _how(failure) -> str:

@@ -41,12 +41,12 @@ class Attention(nn.Module):
         self.wo = nn.Linear(dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        batch, length, dim = x.shape
-        q, k, v = (w(x).view(batch, length, self.n_heads, self.head_dim).transpose(1, 2)
-                   for w in (self.wq, self.wk, self.wv))
+        batch, length, _ = x.shape
+        # -1 heads: under tensor parallel each rank computes its own n_heads / dist.tensor_parallel of them
+        q, k, v = (w(x).view(batch, length, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(batch, length, dim))
+        return self.wo(out.transpose(1, 2).reshape(batch, length, -1))
 
 
 class FeedForward(nn.Module):
@@ -92,6 +92,12 @@ class GPT(nn.Module):
     # blocks that speed.activation_checkpointing = blocks recomputes); the embedding and output stay in the root,
     # which keeps tied weights in one unit.
     _no_split_modules = ("Block",)
+    # dist.tensor_parallel's plan (distrib.distributed.tensor_parallel): heads and the MLP's hidden units split over
+    # the group, one all-reduce after each output projection; norms, embedding and output whole on every rank.
+    _tp_plan = {"layers.*.attention.wq": "colwise", "layers.*.attention.wk": "colwise",
+                "layers.*.attention.wv": "colwise", "layers.*.attention.wo": "rowwise",
+                "layers.*.feed_forward.w1": "colwise", "layers.*.feed_forward.w3": "colwise",
+                "layers.*.feed_forward.w2": "rowwise"}
 
     def __init__(self, vocab_size: int = 256, seq_len: int = 256, n_layers: int = 4, n_heads: int = 4, dim: int = 128,
                  hidden_dim: int = 0, tie_weights: bool = True, rope_base: float = 10000.0, norm_eps: float = 1e-5):

@@ -1,5 +1,6 @@
 """Training and using a trained model: the Trainer and its TrainState (the step and the loop), losses, exact
-evaluation, EMA, early stopping, throughput, the dry batch before step 1, and eval/predict on a trained run."""
+evaluation, EMA, early stopping, throughput, the dry batch before step 1, eval/predict on a trained run, and generate
+on a text run."""
 
 from distrib.training.evaluation import evaluate
 from distrib.training.trainer import Trainer, TrainState, new_state

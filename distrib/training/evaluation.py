@@ -147,11 +147,11 @@ def evaluate(model: nn.Module, source, num_classes: int, batch_size: int, runtim
                         device=runtime.device)
     was_training = model.training
     model.eval()
-    batches = eval_batches(source.num_samples, batch_size, runtime.rank, runtime.world_size)
+    batches = eval_batches(source.num_samples, batch_size, runtime.data_rank, runtime.data_world_size)
     num_counted = len(batches)
     if is_sharded(model):  # pad with one-sample batches
-        busiest = max(len(eval_batches(source.num_samples, batch_size, r, runtime.world_size))
-                      for r in range(runtime.world_size))
+        busiest = max(len(eval_batches(source.num_samples, batch_size, r, runtime.data_world_size))
+                      for r in range(runtime.data_world_size))
         batches = batches + [torch.arange(1)] * (busiest - num_counted)
     with torch.no_grad(), autocast(precision, runtime.device):
         for batch_index, (inputs, targets) in enumerate(source.batches(batches)):
@@ -160,6 +160,7 @@ def evaluate(model: nn.Module, source, num_classes: int, batch_size: int, runtim
                 stats += _batch_stats(outputs, targets, loss, classes, task, runtime.device)
     model.train(was_training)
     dist.all_reduce(stats)
+    stats //= runtime.tensor_parallel  # each tensor-parallel group's ranks counted the same batches, to the bit
     return _metrics(stats.tolist(), classes, class_names, task)
 
 

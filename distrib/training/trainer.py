@@ -20,6 +20,7 @@ from distrib.data import Batch, BatchPlan, epoch_steps
 from distrib.data.samples import named
 from distrib.distributed.agreement import RankAgreement
 from distrib.distributed.parallel import (
+    clip_grad_norm,
     explain_device_errors,
     grad_sync,
     load_training_state,
@@ -203,7 +204,7 @@ class Trainer:
         state = self.state
         if self.config.grad_clip:
             state.scaler.unscale_(state.optimizer)  # clip the true gradients, not the scaled ones
-            nn.utils.clip_grad_norm_(state.model.parameters(), self.config.grad_clip)
+            clip_grad_norm(state.model.parameters(), self.config.grad_clip)
         state.scaler.step(state.optimizer)
         state.scaler.update()
         state.optimizer.zero_grad(set_to_none=True)

@@ -6,7 +6,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tests.helpers.processes import LAUNCH_VARS, Done, Launches, clean_env, listening_addresses, run_one  # noqa: F401 - the one runner, re-exported
+from tests.helpers.processes import (  # noqa: F401 - the one runner, re-exported
+    EVENT_S,
+    LAUNCH_VARS,
+    Done,
+    Launches,
+    clean_env,
+    listening_addresses,
+    run_one,
+)
 from tests.helpers.support import REPO, load_weights, max_relative_diff
 
 PROBE = REPO / "tests" / "helpers" / "probe_env.py"
@@ -28,6 +36,6 @@ def runs_relative_diff(run_a: Path, run_b: Path) -> float:
 def train_reference(run_dir: Path, log_dir: Path) -> Path:
     """One process, no launcher: what every launch of configs/cluster.toml + SMALL must reproduce."""
     done = run_one(distrib_cmd("train", "--config", CLUSTER_CONFIG, *SMALL, "--set", f"run.dir={run_dir}"),
-                   log_dir, timeout=180)
+                   log_dir, timeout=EVENT_S)
     assert done.returncode == 0, done.text()
     return run_dir

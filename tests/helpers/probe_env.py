@@ -17,7 +17,8 @@ KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "G
 
 
 def _network_that(act_on_rank1) -> "torch.nn.Module":
-    """The seed Network, whose rank 1 calls act_on_rank1() in its third forward (the third training step)."""
+    """The seed Network, whose rank 1 calls act_on_rank1() in its third forward (the third training step), after
+    touching the file DISTRIB_TEST_ACTED names (if set): when it acted, for a test that times what follows."""
     from distrib.models.network import Network
 
     class Probe(Network):
@@ -26,6 +27,8 @@ def _network_that(act_on_rank1) -> "torch.nn.Module":
         def forward(self, x):
             Probe.calls += 1
             if Probe.calls == 3 and dist.get_rank() == 1:
+                if os.environ.get("DISTRIB_TEST_ACTED"):
+                    Path(os.environ["DISTRIB_TEST_ACTED"]).touch()
                 act_on_rank1()
             return super().forward(x)
 
@@ -49,6 +52,25 @@ def hanging_network():
 def dying_network():
     """model.factory: rank 1 is killed mid-training (SIGKILL, as the OOM killer does)."""
     return _network_that(lambda: os.kill(os.getpid(), signal.SIGKILL))
+
+
+def network_dying_once(marker: str = "", at_forward: int = 0):
+    """model.factory: rank 3 is killed (SIGKILL) in its at_forward-th training forward unless `marker` exists, which
+    it creates first: so the run's first attempt dies there and its restart does not. No marker: it never dies."""
+    from distrib.models.network import Network
+
+    class DiesOnce(Network):
+        calls = 0
+
+        def forward(self, x):
+            DiesOnce.calls += self.training
+            if marker and self.training and DiesOnce.calls == at_forward and dist.get_rank() == 3 \
+                    and not os.path.exists(marker):
+                open(marker, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return super().forward(x)
+
+    return DiesOnce()
 
 
 def main() -> None:

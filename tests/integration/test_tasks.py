@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from distrib.config import load_config
 from distrib.worker import run_training
+from tests.helpers.processes import EVENT_S
 from tests.helpers.support import REPO, SMALL, assert_ok, distrib, load_weights, max_relative_diff, run, sets
 from tests.helpers.task_package import write_task_package
 
@@ -70,7 +71,7 @@ def _one_process(run_dir, overrides) -> dict:
     return run_training(load_config(None, [*overrides, f"run.dir={run_dir}"]))
 
 
-def _two_processes(root, run_dir, overrides, timeout=300) -> dict:
+def _two_processes(root, run_dir, overrides, timeout=EVENT_S) -> dict:
     assert_ok(distrib("train", "--nproc-per-node", "2", *sets(*overrides, f"run.dir={run_dir}"), timeout=timeout,
                       env=_env(root)))
     summary = _summary(run_dir)
@@ -83,7 +84,7 @@ def _trained(run_dir, model):
     return model.eval()
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_byte_level_gpt_agrees_at_world_sizes_1_2_and_under_fsdp(task_root, tmp_path):
     from taskpkg.data import bytes_lm
     from taskpkg.models import gpt
@@ -106,7 +107,7 @@ def test_byte_level_gpt_agrees_at_world_sizes_1_2_and_under_fsdp(task_root, tmp_
     assert summaries["ws2"]["train_loss"] < math.log(256)  # it learned something: below a uniform guess
 
 
-@pytest.mark.timeout(500)
+@pytest.mark.timeout(900)
 def test_dict_samples_and_the_models_own_loss_through_fit_and_torchrun(task_root, tmp_path):
     from taskpkg.data import dict_lm
     from taskpkg.metrics import next_token_accuracy
@@ -115,7 +116,7 @@ def test_dict_samples_and_the_models_own_loss_through_fit_and_torchrun(task_root
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(FIT_SCRIPT).lstrip())
     two = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
-               str(tmp_path / "two")], timeout=300, env=_env(task_root))
+               str(tmp_path / "two")], timeout=EVENT_S, env=_env(task_root))
     assert_ok(two)
     assert two.stdout.count("rank done") == 2 and "the model's own outputs.loss" in two.stderr
     from distrib import fit
@@ -137,7 +138,7 @@ def test_dict_samples_and_the_models_own_loss_through_fit_and_torchrun(task_root
         assert "test_token_accuracy" not in summary  # its logits are shifted against its labels: no built-in one
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(900)
 def test_regression_with_mse_and_a_user_metric_at_world_sizes_1_and_2(task_root, tmp_path):
     from taskpkg.data import regression
     from taskpkg.models import regressor
@@ -160,7 +161,7 @@ def test_regression_with_mse_and_a_user_metric_at_world_sizes_1_and_2(task_root,
     assert (evaluated["test_loss"], evaluated["test_mae"]) == (one["test_loss"], one["test_mae"])
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("task", sorted(DENSE))
 def test_dense_and_multi_label_targets_agree_at_world_sizes_1_and_2(task_root, tmp_path, task):
     from taskpkg import data, models
@@ -186,38 +187,6 @@ def test_dense_and_multi_label_targets_agree_at_world_sizes_1_and_2(task_root, t
         assert one["test_token_count"] == two["test_token_count"] == (test_y != -100).sum().item()
 
 
-EARLIER = {"config.toml": b"[run]\ndir = 'earlier'\n", "model.pt": b"earlier weights"}
-
-
-@pytest.mark.parametrize("overrides, expected", [
-    (["data.factory=taskpkg.data:float_tokens", "model.factory=taskpkg.models:gpt", "model.kwargs={seq_len = 16}"],
-     ["embeds integer ids", "float32 [2, 16]", "int64"]),
-    (["data.factory=taskpkg.data:bytes_lm", "model.factory=taskpkg.models:ten_outputs"],
-     ["to [2, 10]", "targets are int64 [2, 16]", "[2, 16, C]"]),
-    (["data.factory=taskpkg.data:dict_lm_extra_key", "model.factory=taskpkg.models:dict_lm"],
-     ["'token_type_ids'", "DictLM.forward(input_ids, attention_mask, labels)"]),
-    (["data.factory=taskpkg.data:dict_lm_no_labels", "model.factory=taskpkg.models:dict_lm"],
-     ["{input_ids: int64 [16]} have no targets", "returned no loss"]),
-    (["data.factory=taskpkg.data:regression", "model.factory=taskpkg.models:tagger", "train.loss=mse"],
-     ["to [2, 5]", "targets are float32 [2]", "needs [2]"]),
-])
-def test_wrong_pairings_are_one_line_naming_both_shapes_and_write_nothing(task_root, tmp_path, capsys, overrides,
-                                                                          expected):
-    from distrib import cli
-
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    for name, content in EARLIER.items():
-        (run_dir / name).write_bytes(content)
-    code = cli.main(["train", *sets(*BASE, *overrides, f"run.dir={run_dir}")])
-    err = capsys.readouterr().err.strip()
-    assert code == 2, err
-    last = err.splitlines()[-1]
-    assert last.startswith("distrib: error: ") and err.count("distrib: error") == 1 and "Traceback" not in err, err
-    for text in expected:
-        assert text in last, last
-    assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == EARLIER
-
 
 RESUMED = {  # dict samples through the DataLoader path; masks with -100 on the device path, two micro-steps each
     "dict": [*BASE, "data.factory=taskpkg.data:dict_lm", "model.factory=taskpkg.models:dict_lm",
@@ -226,7 +195,7 @@ RESUMED = {  # dict samples through the DataLoader path; masks with -100 on the 
 }
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("task", sorted(RESUMED))
 def test_stop_mid_epoch_and_resume_is_bitwise(task_root, tmp_path, task):
     common = [*RESUMED[task], "train.schedule=constant", "train.grad_accum_steps=2"]

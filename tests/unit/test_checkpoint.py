@@ -10,13 +10,13 @@ from distrib.checkpoint.format import (
     FORMAT,
     VERSION,
     CheckpointError,
-    _newest_good,
     checkpoint_path,
     digest,
     list_checkpoints,
     read_checkpoint,
     save_atomic,
 )
+from distrib.checkpoint.policy import _newest_good
 
 CPU = torch.device("cpu")
 
@@ -136,3 +136,37 @@ def test_a_preempted_run_closes_its_recorder(tmp_path, monkeypatch):
         run_training(load_config(None, [*SMALL, f"run.dir={tmp_path}", "train.max_steps=50", "train.log_every=2",
                                "metrics.tensorboard=true"]))
     assert closed == [("preempted", ["tensorboard"])]
+
+
+def test_a_re_saved_checkpoint_directory_is_exchanged_never_missing(tmp_path):
+    from distrib.checkpoint.sharded import _swap
+
+    final, tmp = tmp_path / "step_00000004", tmp_path / ".step_00000004.tmp"
+    final.mkdir()
+    (final / "old").write_text("old")
+    tmp.mkdir()
+    (tmp / "new").write_text("new")
+    _swap(tmp, final)
+    assert [p.name for p in final.iterdir()] == ["new"] and not tmp.exists()
+
+
+def test_only_temporary_files_that_no_live_writer_holds_are_removed(tmp_path):
+    import os
+
+    from distrib.checkpoint.folder import remove_dead_temps
+    from distrib.checkpoint.format import hold
+    from distrib.checkpoint.sharded import WRITER
+
+    _write(tmp_path, 2)
+    (tmp_path / ".step_00000004.pt.0123456789ab.4242.tmp").write_bytes(b"half")  # its writer was killed
+    (tmp_path / ".step_00000006.tmp").mkdir()  # a sharded one whose rank 0 died
+    (tmp_path / ".step_00000006.tmp" / WRITER).write_bytes(b"")
+    fd = hold(tmp_path / ".step_00000008.pt.feedfeedfeed.1.tmp")  # a live writer
+    try:
+        removed = remove_dead_temps(tmp_path)
+        assert removed == [".step_00000004.pt.0123456789ab.4242.tmp", ".step_00000006.tmp"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".step_00000008.pt.feedfeedfeed.1.tmp",
+                                                             "step_00000002.pt"]
+    finally:
+        os.close(fd)
+    assert remove_dead_temps(tmp_path) == [".step_00000008.pt.feedfeedfeed.1.tmp"]  # once its writer let go

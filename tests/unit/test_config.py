@@ -39,7 +39,7 @@ def test_resolved_config_reads_back_unchanged(tmp_path):
     ("model.factory=no-colon", ["model.factory", "no-colon", "package.module:function"]),
     ("train.precision=fp8", ["train.precision", "fp8"]),
     ("train.momentum=1.5", ["train.momentum", "1.5"]),
-    ("checkpoint.keep_last=1", ["checkpoint.keep_last", "1"]),
+    ("checkpoint.keep_last=0", ["checkpoint.keep_last", "0"]),
     ("train.global_batch_size=0", ["train.global_batch_size", "0"]),
     ("dist.device=tpu", ["dist.device", "tpu", "auto, cpu, cuda"]),
     ("lr=0.1", ["lr=0.1", "section.key=value"]),

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from distrib.checkpoint.sharded import _choose
+from distrib.checkpoint.policy import choose, decide
 from distrib.config import load_config
 from distrib.errors import ConfigError
 from tests.helpers.support import REPO
@@ -66,11 +66,12 @@ def test_device_mismatch_listing_works_under_fsdp(capsys, tmp_path, factory, exp
 def test_fsdp_never_starts_over_silently_beside_ddp_checkpoints(tmp_path):
     from distrib.checkpoint.format import CheckpointError
 
+    # A ddp checkpoint is one fsdp resumes now (distrib.checkpoint.policy); one it cannot read is another run's.
     (tmp_path / "step_00000010.pt").write_bytes(b"a ddp checkpoint")
-    with pytest.raises(CheckpointError, match="holds one-file \\(ddp\\) checkpoints and no sharded ones"):
-        _choose("auto", tmp_path, torch.device("cpu"), print)
-    with pytest.raises(CheckpointError, match="a one-file \\(ddp\\) checkpoint, and dist.strategy = 'fsdp'"):
-        _choose(str(tmp_path / "step_00000010.pt"), tmp_path, torch.device("cpu"), print)
+    with pytest.raises(CheckpointError, match="holds 1 checkpoint\\(s\\) of another run \\(newest step_00000010.pt"):
+        decide("auto", "refuse", tmp_path, torch.device("cpu"), print)
+    with pytest.raises(CheckpointError, match="step_00000010.pt: unreadable"):
+        choose(str(tmp_path / "step_00000010.pt"), tmp_path, torch.device("cpu"), print)
     with pytest.raises(CheckpointError, match="no manifest.json, so it was never completed"):
         (tmp_path / "step_00000020").mkdir()
-        _choose(str(tmp_path / "step_00000020"), tmp_path, torch.device("cpu"), print)
+        choose(str(tmp_path / "step_00000020"), tmp_path, torch.device("cpu"), print)

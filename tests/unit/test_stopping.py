@@ -45,7 +45,11 @@ def test_bad_settings_are_one_line_naming_the_key(overrides, message):
 
 
 class _FakeCheckpointer:
-    def save(self, step: int, path: Path) -> Path:
+    def __init__(self, directory: Path):
+        self.directory = directory
+
+    def save(self, step: int, *, best: bool = False) -> Path:
+        path = self.directory / f"{'best' if best else 'step'}_{step:08d}.pt"
         path.write_text(str(step))
         return path
 
@@ -55,7 +59,7 @@ def test_best_set_keeps_the_k_best_and_an_automatic_resume_drops_the_abandoned_f
 
     best = BestCheckpoints(2, "test_accuracy", tmp_path, is_main=True)
     for step, accuracy in ((4, 0.5), (8, 0.7), (12, 0.6), (16, 0.6), (20, 0.4)):
-        best.consider(step, {"test_accuracy": accuracy}, _FakeCheckpointer())
+        best.consider(step, {"test_accuracy": accuracy}, _FakeCheckpointer(tmp_path))
     assert [e["step"] for e in best.entries] == [8, 12]  # 16 ties with 12: the earlier stays
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best_00000008.pt", "best_00000012.pt"]
     saved = best.state_dict()
@@ -63,7 +67,7 @@ def test_best_set_keeps_the_k_best_and_an_automatic_resume_drops_the_abandoned_f
     (tmp_path / "best_00000024.pt").write_text("from the killed attempt, past its last checkpoint")
     restarted = BestCheckpoints(2, "test_accuracy", tmp_path, is_main=True)
     restarted.load_state_dict(saved)
-    restarted.drop_abandoned(resumed_step=20)
+    restarted.drop_abandoned(resumed_step=20, run_id="any")
     assert restarted.entries == best.entries
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best_00000008.pt", "best_00000012.pt"]
 

@@ -3,9 +3,8 @@
 import dataclasses
 import re
 
-from support import REPO
-
 from distrib.config import Config
+from tests.helpers.support import REPO
 
 # A table row's first cell names one or more keys, e.g. `data.factory`, `data.kwargs`.
 _ROW = re.compile(r"^\|([^|]*)\|")

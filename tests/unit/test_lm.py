@@ -204,3 +204,16 @@ def test_tokens_per_second_is_samples_per_second_times_the_sequence_length():
     assert stats["tokens_per_second"] == pytest.approx(stats["samples_per_second"] * 64)
     assert stats["tokens_per_second_per_device"] == pytest.approx(stats["tokens_per_second"] / 2)
     assert "tokens_per_second" not in Throughput(8, 1).summary()  # image runs: no token keys
+
+
+def test_generate_refuses_a_tokens_run_and_bad_sampling_in_one_line(tmp_path):
+    from distrib.training.generate import check_sampling, text_model
+    from distrib.training.inference import Trained
+
+    config = load_config(None, ["data.name=tokens", "data.vocab_size=100", "model.name=gpt"])
+    with pytest.raises(UserError, match=r"trained on data.name = 'tokens', and generate reads and writes bytes"):
+        text_model(Trained(tmp_path, config, {}, None, None))
+    for args, message in (((0, 1.0, 0), r"--max-new-tokens 0: must be at least 1"),
+                          ((5, -1.0, 0), r"--temperature -1.0: must be >= 0"), ((5, 1.0, -2), r"--top-k -2")):
+        with pytest.raises(UserError, match=message):
+            check_sampling(*args)

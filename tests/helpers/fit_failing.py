@@ -1,6 +1,6 @@
 """A fit() script whose model raises on rank 1 only (in the dry batch fit runs first), for the launcher tests.
 
-    distrib launch --nproc-per-node 2 tests/fit_failing.py RUN_DIR"""
+    distrib launch --nproc-per-node 2 tests/helpers/fit_failing.py RUN_DIR"""
 
 import os
 import sys

@@ -1,0 +1,68 @@
+"""distrib plan for real-sized models: GPTs of 1B and 8B parameters at 128 nodes x 8 on the meta device (the process
+never holds their weights) and the table it prints. (Its state_bytes_per_rank against real runs:
+tests/integration/test_hsdp.py; its arithmetic and refusals: tests/unit/test_plan.py.)"""
+
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from distrib.cli import main
+from tests.helpers.support import REPO, run
+
+# Llama-like shapes: 1B (2048 wide, 16 layers) and 8B (4096 wide, 32 layers, SwiGLU 14336), GPT-2's padded vocabulary.
+GPTS = {"1B": "{n_layers=16, n_heads=16, dim=2048, hidden_dim=8192, tie_weights=true}",
+        "8B": "{n_layers=32, n_heads=32, dim=4096, hidden_dim=14336, tie_weights=false}"}
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tokens")
+    np.zeros(1100 * 1024, dtype=np.uint16).tofile(root / "train.bin")  # room for one global batch of 1024 windows
+    np.zeros(4096, dtype=np.uint16).tofile(root / "val.bin")
+    return root
+
+
+def _gpt_plan(tokens, size: str, *extra: str) -> list[str]:
+    sets = ["data.name=tokens", f"data.root={tokens}", "data.vocab_size=50304", "data.seq_len=1024",
+            "model.name=gpt", f"model.kwargs={GPTS[size]}", "train.global_batch_size=1024", "train.precision=bf16",
+            "train.optimizer=adamw", "dist.strategy=hsdp", *extra]
+    return ["plan", *[a for s in sets for a in ("--set", s)]]
+
+
+# The CLI in a child that reports its own peak resident memory (KiB) on its last stderr line.
+PEAK = ("import resource, sys; from distrib.cli import main; code = main(sys.argv[1:]); "
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); sys.exit(code)")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("size, billions", [("1B", 0.9), ("8B", 8.0)])
+def test_a_gpt_at_128_nodes_is_planned_on_the_meta_device(tokens, size, billions):
+    done = run([sys.executable, "-c", PEAK, *_gpt_plan(tokens, size), "--nnodes", "128", "--nproc-per-node", "8",
+                "--json"], timeout=500)
+    assert done.returncode == 0, done.stderr
+    peak_bytes = int(done.stderr.split()[-1]) * 1024
+    figures = json.loads(done.stdout)
+    assert figures["num_parameters"] > billions * 1e9 and figures["world_size"] == 1024
+    assert figures["mesh"] == {"replicate": 128, "shard": 8}
+    # AdamW on fp32 shards of one node's eighth: parameters, gradients, two moments (and no CPU step counters)
+    assert figures["state_bytes_per_rank"] == pytest.approx(16 * figures["num_parameters"] / 8, rel=0.01)
+    assert (figures["micro_batch_size"], figures["grad_accum_steps"], figures["data_parallel_size"]) == (1, 1, 1024)
+    assert figures["collective_bytes_per_step_inter_node"] > 0 and figures["step_seconds_lower_bound"] > 0
+    assert peak_bytes < figures["num_parameters"] * 4 / 2  # never near one fp32 copy of the weights: meta only
+
+
+def test_the_table_names_every_figure(tokens, capsys):
+    assert main([*_gpt_plan(tokens, "1B", "speed.activation_checkpointing=blocks"),
+                 "--nnodes", "2", "--nproc-per-node", "8", "--device-memory", "141"]) == 0
+    out = capsys.readouterr().out
+    for row in ("parameters / rank", "gradients / rank", "optimizer state / rank", "state_bytes_per_rank",
+                "activations / micro-batch", "with activation checkpointing", "grad-accum steps", "intra-node",
+                "inter-node", "fits", "of 141.00 GiB", "step time >="):
+        assert row in out, row
+
+
+def test_plan_is_a_command_of_the_cli():
+    assert "plan" in run([sys.executable, "-m", "distrib", "--help"], timeout=60, cwd=REPO).stdout
+

@@ -1,0 +1,40 @@
+"""hsdp (FSDP2 on a 2 x 2 mesh, gloo) against ddp at world size 4, its memory per rank, and its sharded checkpoint
+resumed as fsdp at world size 2 and as ddp in one process; distrib plan's state_bytes_per_rank against what these
+runs measure (ddp, fsdp, hsdp at world sizes 1, 2, 4); the mesh's refusals."""
+
+
+import pytest
+
+from distrib.config import DistConfig
+from distrib.distributed.mesh import MeshShape, mesh_shape
+from distrib.errors import ConfigError
+
+
+def test_mesh_shapes_tile_the_world():
+    assert mesh_shape(DistConfig(strategy="hsdp"), 16, 8) == MeshShape("hsdp", 2, 8)  # one node per shard group
+    assert mesh_shape(DistConfig(strategy="hsdp", shard_size=4), 16, 8).dims() == (("replicate", 4), ("shard", 4))
+    assert mesh_shape(DistConfig(strategy="fsdp"), 8, 8).dims() == (("shard", 8),)
+    assert mesh_shape(DistConfig(strategy="ddp"), 8, 8) == MeshShape("ddp", 8, 1)
+    tp = mesh_shape(DistConfig(strategy="hsdp", tensor_parallel=2), 32, 8)
+    assert tp.dims() == (("replicate", 4), ("shard", 4), ("tp", 2)) and tp.data_parallel == 16
+    assert [tp.data_rank(rank) for rank in range(4)] == [0, 0, 1, 1]  # one tensor-parallel group, one micro-batch
+
+
+@pytest.mark.parametrize("config, world, message", [
+    (DistConfig(strategy="hsdp", shard_size=3), 4, "dist.shard_size = 3: does not divide the 4 data-parallel ranks"),
+    (DistConfig(strategy="hsdp"), 6, "(dist.shard_size) = 4: does not divide the 6"),
+    (DistConfig(strategy="fsdp", tensor_parallel=3), 4, "dist.tensor_parallel = 3: does not divide world size 4"),
+])
+def test_a_mesh_that_does_not_tile_the_world_is_refused_in_one_line(config, world, message):
+    with pytest.raises(ConfigError, match=None) as caught:
+        mesh_shape(config, world, 4)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"strategy": "fsdp", "shard_size": 2}, "dist.shard_size = 2: sizes hsdp's shard groups"),
+    ({"strategy": "ddp", "tensor_parallel": 2}, "dist.tensor_parallel = 2: composes with fsdp or hsdp"),
+])
+def test_mesh_keys_that_do_not_fit_the_strategy_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        DistConfig(**overrides)

@@ -1,0 +1,38 @@
+"""What the launcher checks once, in the parent, before any worker starts: the global batch's split, the device, the
+script. Each is one line and exit 2, and no worker is started (run_agent is never reached)."""
+
+from __future__ import annotations
+
+import pytest
+
+import distrib.launch.launcher as launcher
+from distrib.cli import main
+
+
+@pytest.fixture
+def no_workers(monkeypatch):
+    monkeypatch.setattr(launcher, "run_agent", lambda args: pytest.fail("a worker was started"))
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["train", "--nproc-per-node", "2", "--set", "train.global_batch_size=63"],
+     "distrib: error: train.global_batch_size = 63: must divide into world_size (2) x train.grad_accum_steps (1) = 2 "
+     "equal micro-batches; use 62 or 64"),
+    (["train", "--nproc-per-node", "2", "--set", "train.global_batch_size=64", "--set", "train.grad_accum_steps=3"],
+     "distrib: error: train.global_batch_size = 64: must divide into world_size (2) x train.grad_accum_steps (3) = 6 "
+     "equal micro-batches; use 60 or 66"),
+    (["train", "--nproc-per-node", "2", "--set", "dist.device=cuda"],
+     "distrib: error: dist.device = 'cuda': CUDA is not available on this machine; use --set dist.device=cpu "
+     "(or auto)"),
+    (["launch", "--nproc-per-node", "2", "nope.py"],
+     "distrib: error: nope.py: no such script; give the path of a Python script, or -m MODULE (e.g. distrib launch "
+     "--nproc-per-node 2 -m distrib train)"),
+], ids=["global-batch", "grad-accum", "no-cuda", "no-script"])
+def test_the_launcher_checks_once_before_any_worker(argv, line, tmp_path, capfd, monkeypatch, no_workers):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without CUDA, also on a GPU host
+    monkeypatch.chdir(tmp_path)
+    assert main([*argv, "--set", f"run.dir={tmp_path}/run"] if argv[0] == "train" else argv) == 2
+    assert capfd.readouterr().err.splitlines() == [line]
+    assert not (tmp_path / "run").exists()

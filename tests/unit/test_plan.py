@@ -1,0 +1,32 @@
+"""distrib plan's arithmetic and refusals, in process: collective bytes split by the mesh, and what train would refuse
+refused in one line."""
+
+import pytest
+
+from distrib.cli import main
+from distrib.distributed.mesh import MeshShape
+from distrib.plan import _group_split, collective_bytes
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--set", "train.global_batch_size=30", "--world-size", "4"], "train.global_batch_size = 30: must divide"),
+    (["--set", "dist.strategy=hsdp", "--set", "dist.shard_size=3", "--world-size", "4"],
+     "dist.shard_size = 3: does not divide the 4 data-parallel ranks"),
+    (["--set", "dist.strategy=fsdp", "--set", "dist.tensor_parallel=3", "--world-size", "4"],
+     "dist.tensor_parallel = 3: does not divide world size 4"),
+    (["--world-size", "6", "--nnodes", "4"], "--world-size 6: is not --nnodes 4 x --nproc-per-node"),
+])
+def test_plan_refuses_what_train_refuses_in_one_line(argv, message, capsys):
+    assert main(["plan", "--set", "data.name=synthetic", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_collective_bytes_split_by_the_mesh():
+    # a ring within a node sends (n-1)/n of the data; across 4 nodes of 8, 1/8 of it crosses (n_nodes-1)/n_nodes
+    assert _group_split(8, 1, 8, 800, 1) == (700, 0)
+    assert _group_split(32, 1, 8, 800, 1) == (700, 75)
+    assert _group_split(4, 8, 8, 800, 2) == (0, 1200)  # hsdp's replicas: one rank per node, all-reduce
+    intra, inter = collective_bytes(MeshShape("hsdp", 4, 8), 8, 100, 2, 1, True)
+    assert intra == 2 * 7 / 8 * 800 * 2 + 7 / 8 * 800 * 4 and inter == 2 * 3 / 4 * 400
+    assert collective_bytes(MeshShape("fsdp", 1, 8), 8, 100, 4, 1, True)[1] == 0  # one node: nothing crosses
