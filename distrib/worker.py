@@ -49,10 +49,10 @@ def run_training(config: Config, env: LaunchEnv | None = None) -> dict:
 
 
 def peers_lost(config: Config, runtime: Runtime):
-    """Before (and after) the training steps too, a peer that died or hangs is one line naming it (PeerLostError,
-    CollectiveTimeoutError), not gloo's traceback: e.g. rank 0 waiting in the run.dir lock's broadcast while rank 1
-    failed on its input."""
-    return collective_timeouts(config.dist.timeout_s, lambda: "before training", runtime.peers)
+    """Before and after the training steps too (which say their step themselves), a peer that died or hangs is one
+    line naming it (PeerLostError, CollectiveTimeoutError), not gloo's traceback: e.g. rank 0 waiting in the run.dir
+    lock's broadcast while rank 1 failed on its input."""
+    return collective_timeouts(config.dist.timeout_s, lambda: "outside the training steps", runtime.peers)
 
 
 def _total_steps(config: Config, steps_per_epoch: int) -> int:

@@ -199,7 +199,8 @@ def _classes(loaded: Loaded, train, test, config: DataConfig, dense: bool) -> tu
             noun = "target" if dense else "label"
             raise UserError(f"data: a {what} {noun} is {bad}, out of range for {num_classes} classes (data.num_classes "
                             f"= {config.num_classes}, 0 = from the data); fix: targets 0..{num_classes - 1}"
-                            + (f" or {IGNORE_INDEX} (not counted)" if dense else "") + ", or set data.num_classes")
+                            + (f" or {IGNORE_INDEX} (not counted)" if dense else "") + ", or set data.num_classes "
+                            "(integer targets are classes: give float targets for a regression)")
     if not names or len(names) != num_classes:
         names = tuple(str(i) for i in range(num_classes))
     return num_classes, tuple(str(n) for n in names)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from distrib.data import samples
@@ -67,6 +68,12 @@ def as_split_or_dataset(value, what: str) -> Split | Dataset:
         if len(value) == 0:
             raise UserError(f"{what}: an empty dataset; fix: give at least one sample")
         first = value[0]
+        if isinstance(first, dict) and first:
+            wrong = next((key for key, item in first.items() if not isinstance(item, torch.Tensor)), None)
+            if wrong is not None:
+                raise UserError(f"{what}: its samples are dicts whose {wrong!r} is a {type(first[wrong]).__name__}, "
+                                "not a tensor; fix: keep only tensor columns (a Hugging Face dataset: "
+                                "set_format('torch', columns=[...]))")
         if samples.as_pair(first) is None:
             raise UserError(f"{what}: its samples are {_describe(first)}; fix: make each one {SAMPLE}")
         return value

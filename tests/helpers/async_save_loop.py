@@ -10,13 +10,12 @@ import torch.nn as nn
 
 from distrib.checkpoint import Checkpoints, ShardedStorage
 from distrib.config import DistConfig
-from distrib.distributed.fsdp import shard
-from distrib.distributed.parallel import training_state
+from distrib.distributed.parallel import shard_on_mesh, training_state
 from distrib.distributed.runtime import open_runtime
 
 if __name__ == "__main__":
     with open_runtime(DistConfig(device="cpu")) as runtime:
-        model = shard(nn.Linear(2048, 2048), runtime, DistConfig(strategy="fsdp"), "fp32")
+        model = shard_on_mesh(nn.Linear(2048, 2048), runtime, DistConfig(strategy="fsdp"), "fp32", "cpu")
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         progress = {"step": 0}
         checkpointer = Checkpoints(ShardedStorage(runtime, async_save=True), sys.argv[1], runtime,

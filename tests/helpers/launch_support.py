@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from tests.helpers.processes import (  # noqa: F401 - the one runner, re-exported
+    EVENT_S,
     LAUNCH_VARS,
     Done,
     Launches,
@@ -35,6 +36,6 @@ def runs_relative_diff(run_a: Path, run_b: Path) -> float:
 def train_reference(run_dir: Path, log_dir: Path) -> Path:
     """One process, no launcher: what every launch of configs/cluster.toml + SMALL must reproduce."""
     done = run_one(distrib_cmd("train", "--config", CLUSTER_CONFIG, *SMALL, "--set", f"run.dir={run_dir}"),
-                   log_dir, timeout=180)
+                   log_dir, timeout=EVENT_S)
     assert done.returncode == 0, done.text()
     return run_dir

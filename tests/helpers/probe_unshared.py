@@ -10,7 +10,7 @@ from distrib.config import DistConfig
 from distrib.distributed.runtime import open_runtime
 
 if __name__ == "__main__":
-    with open_runtime(DistConfig(device="cpu", timeout_s=60)) as runtime:
+    with open_runtime(DistConfig(device="cpu", timeout_s=300)) as runtime:
         os.chdir(Path(sys.argv[1]) / f"node{runtime.rank}")
         try:
             checkpointer = Checkpoints(FileStorage(runtime), Path("ck"), runtime, dict, every_steps=0, keep_last=2)

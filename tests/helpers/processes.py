@@ -14,6 +14,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH_VARS = ("PET_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_", "ROLE_", "MASTER_",
@@ -99,15 +100,24 @@ def worker_pid(marker: str, local_rank: int) -> int | None:
     return None
 
 
-def wait_for(predicate, timeout: float, what: str):
-    """predicate()'s first truthy value, polled every 50 ms; fails the test after timeout seconds."""
+# How long a test waits for an event (a file, a log line, a worker) on a loaded machine: a checkpoint that takes 12 s
+# on a quiet one took over 120 s beside a busy disk. Waits end as soon as the event comes, so only failures pay it.
+EVENT_S = 420.0
+
+
+def wait_for(predicate, timeout: float, what: str, procs: Sequence[subprocess.Popen] = ()):
+    """predicate()'s first truthy value, polled every 50 ms. Fails the test after timeout seconds, or as soon as one
+    of procs has ended: then the event will not come, and waiting out the deadline would only hide why."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while True:
         value = predicate()
         if value:
             return value
+        ended = [f"{' '.join(map(str, p.args))[:200]} (exit {p.returncode})" for p in procs if p.poll() is not None]
+        if ended or time.monotonic() > deadline:
+            why = f"it ended first: {'; '.join(ended)}" if ended else f"timed out after {timeout:.0f}s"
+            raise AssertionError(f"no {what}: {why}")
         time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @dataclass

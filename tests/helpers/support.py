@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tests.helpers.processes import REPO, Done, Launches, kill_tree, run, run_one  # noqa: F401 - the one runner, re-exported
+from tests.helpers.processes import EVENT_S, REPO, Done, Launches, kill_tree, run, run_one  # noqa: F401 - the one runner
 
 # The one small run of the tests: synthetic data, two steps on the CPU, no progress bar, no periodic checkpoints; as
 # section.key=value items. A test appends its own items (later ones win); sets() turns them into --set arguments.
@@ -113,11 +113,11 @@ def make_image_folder(root: Path, classes=("cat", "dog", "owl"), per_class=(8, 4
     return out
 
 
-def distrib(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
+def distrib(*args: str, timeout: float = EVENT_S, **kw) -> subprocess.CompletedProcess:
     return run([sys.executable, "-m", "distrib", *args], timeout, **kw)
 
 
-def torchrun_train(nproc: int, *args: str, timeout: float = 180, **kw) -> subprocess.CompletedProcess:
+def torchrun_train(nproc: int, *args: str, timeout: float = EVENT_S, **kw) -> subprocess.CompletedProcess:
     """`torchrun --standalone` (a free port of its own) running `python -m distrib train` on nproc workers."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "distrib", "train", *args]

@@ -207,6 +207,12 @@ def mae(outputs, targets):
     """Mean absolute error as (sum, count): summed exactly over the whole test set by distrib."""
     errors = (outputs - targets).abs()
     return {"mae": (errors.sum(), errors.numel())}
+
+
+def next_token_accuracy(logits, labels):
+    """A causal LM's own accuracy: logits at t predict labels at t + 1."""
+    right = logits[:, :-1].argmax(-1) == labels[:, 1:]
+    return {"next_token_accuracy": (right.sum(), right.numel())}
 '''
 
 

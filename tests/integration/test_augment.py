@@ -6,6 +6,7 @@ import torch
 from distrib.config import DataConfig
 from distrib.data import BatchPlan, epoch_steps, load_data
 from distrib.distributed.runtime import Runtime
+from tests.helpers.processes import EVENT_S
 from tests.helpers.support import make_image_folder
 
 
@@ -54,7 +55,7 @@ def test_crop_flip_training_agrees_at_world_sizes_1_and_2(tmp_path):
     assert cli.main(["train", *sets(f"run.dir={tmp_path / 'plain'}")]) == 0
     env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     assert_ok(distrib("train", "--nproc-per-node", "2", *sets("data.augment=crop_flip", f"run.dir={tmp_path / 'two'}"),
-                      env=env, timeout=180))
+                      env=env, timeout=EVENT_S))
     one, two = load_weights(tmp_path / "one"), load_weights(tmp_path / "two")
     assert max_relative_diff(two, one) < 1e-5
     assert max_relative_diff(load_weights(tmp_path / "plain"), one) > 1e-3

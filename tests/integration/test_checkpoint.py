@@ -17,6 +17,7 @@ from distrib.checkpoint.format import (
     read_checkpoint,
     save_atomic,
 )
+from tests.helpers.processes import EVENT_S
 from tests.helpers.support import REPO
 
 CPU = torch.device("cpu")
@@ -28,7 +29,7 @@ def _write(directory: Path, step: int) -> Path:
     return save_atomic(state, checkpoint_path(directory, step))
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(900)
 def test_sigkill_during_a_save_never_leaves_a_partial_file(tmp_path):
     path = tmp_path / "step_00000001.pt"
     for delay in (0.01, 0.03, 0.05, 0.08, 0.13, 0.21):
@@ -51,7 +52,7 @@ SMALL = ["data.name=synthetic", "data.synthetic_train_size=256", "data.synthetic
          "dist.device=cpu"]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(900)
 def test_checkpoint_time_is_not_step_time(tmp_path, monkeypatch):
     """A virtual clock: each reading moves it 1 ms, and every save 100 s. Steps stay milliseconds long."""
     from distrib.checkpoint import policy
@@ -79,7 +80,7 @@ def test_checkpoint_time_is_not_step_time(tmp_path, monkeypatch):
     assert summary["timed_steps"] == 12 and summary["step_time_p95_s"] < 1.0, summary
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(900)
 def test_ranks_that_do_not_share_checkpoint_dir_are_told_so_on_every_rank(tmp_path):
     """Before, the ranks compared steps, and a checkpoint's name carries its step: an unshared folder passed. Node 1
     holds another file of the same step, node 2 none at all (its error reaches every rank: nobody waits on it)."""
@@ -91,7 +92,7 @@ def test_ranks_that_do_not_share_checkpoint_dir_are_told_so_on_every_rank(tmp_pa
     save_atomic(state, checkpoint_path(tmp_path / "node1" / "ck", 10))
     (tmp_path / "node2" / "ck").mkdir(parents=True)
     result = run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
-                      str(REPO / "tests" / "helpers" / "probe_unshared.py"), str(tmp_path)], timeout=150)
+                      str(REPO / "tests" / "helpers" / "probe_unshared.py"), str(tmp_path)], timeout=EVENT_S)
     lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
     assert [line[:15] for line in lines] == ["rank 0 error ch", "rank 1 error ch", "rank 2 error ch"], result
     assert len({line[7:] for line in lines}) == 1  # one message, on every rank

@@ -42,7 +42,7 @@ def _names(folder: Path) -> list[str]:
     return sorted(p.name for p in listing(folder))
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_second_run_in_one_checkpoint_dir_is_refused_or_keeps_the_first_runs_checkpoints(tmp_path, strategy):
     """The data-loss case: run A (6 steps, a checkpoint every 2) leaves step 4 and 6; run B starts afresh beside it."""
@@ -82,7 +82,7 @@ def _crash_at(step: int):
     return on_step_end
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(900)
 def test_keep_best_under_fsdp_keeps_the_k_best_through_pruning_and_a_restart(tmp_path):
     # 8 steps per epoch, an evaluation after each of 5 epochs; keep_last = 1 prunes step_* on every save.
     best = ["train.max_steps=40", "train.eval_every_epochs=1", "train.lr=0.3", "checkpoint.every_steps=4",
@@ -103,7 +103,7 @@ def test_keep_best_under_fsdp_keeps_the_k_best_through_pruning_and_a_restart(tmp
     assert _names(folder) == ["step_00000040"]
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_keep_last_1_never_leaves_the_folder_without_a_good_checkpoint(tmp_path, strategy, monkeypatch):
     real_remove, pruned = policy.remove, []
@@ -141,7 +141,7 @@ def _temps(folder: Path) -> tuple[list[str], list[str], list[int]]:
     return dead, live, fds
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_dead_writers_temporary_files_are_removed_by_the_next_owner_and_a_live_ones_are_not(tmp_path, strategy,
                                                                                                capsys):
@@ -160,7 +160,7 @@ def test_a_dead_writers_temporary_files_are_removed_by_the_next_owner_and_a_live
     assert all(f"removed {name}, left by a writer that died" in out.out + out.err for name in dead)
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_ddp_and_fsdp_checkpoints_resume_under_each_other_to_the_uninterrupted_weights(tmp_path):
     """ddp (steps 1-2) -> fsdp (3-4) -> ddp (5-6) on 2 workers, against 6 uninterrupted steps (one process, the same
     global batch): AdamW moments and EMA weights cross both ways, the shards of a 2-rank mesh from and into whole

@@ -19,6 +19,7 @@ from distrib.training.losses import cross_entropy
 from distrib.training.throughput import Throughput
 from distrib.training.trainer import Trainer, lr_factor, new_state
 from distrib.worker import run_training
+from tests.helpers.processes import EVENT_S
 from tests.helpers.support import SMALL, assert_ok, distrib, load_weights, max_relative_diff, sets, torchrun_train
 
 SYNTHETIC = [*SMALL, "data.synthetic_train_size=1536", "data.synthetic_test_size=200", "train.log_every=5",
@@ -55,7 +56,7 @@ def _plain_reference(config) -> dict:
     return model.state_dict()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("accum", [1, 2])
 def test_one_process_ddp_equals_plain_loop_bitwise(tmp_path, accum):
     # 40 steps of 64 cross an epoch boundary (24 steps per epoch), so the reshuffle is covered too.
@@ -69,7 +70,7 @@ def test_one_process_ddp_equals_plain_loop_bitwise(tmp_path, accum):
         assert torch.equal(trained[name], reference[name]), name
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(900)
 def test_accumulation_matches_a_bigger_micro_batch(tmp_path):
     one = run_training(_config(tmp_path / "a", "train.max_steps=20", "train.global_batch_size=8",
                                        "train.grad_accum_steps=1"))
@@ -80,7 +81,7 @@ def test_accumulation_matches_a_bigger_micro_batch(tmp_path):
     assert diff < 1e-6, diff
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(900)
 def test_non_final_micro_steps_make_no_all_reduce(tmp_path):
     config = _config(tmp_path, "train.max_steps=4", "train.global_batch_size=16")
     with open_runtime(DistConfig(device="cpu")) as runtime:
@@ -106,13 +107,13 @@ def test_non_final_micro_steps_make_no_all_reduce(tmp_path):
     assert counts[1] > 0 and counts[4] == counts[1]  # one bucketed all-reduce per step, not one per micro-step
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(900)
 def test_world_sizes_1_2_3_train_the_same_weights(tmp_path):
     args = sets(*SYNTHETIC, "train.max_steps=25", "train.global_batch_size=48")
-    assert_ok(distrib("train", *args, "--set", f"run.dir={tmp_path}/ws1", timeout=120))
+    assert_ok(distrib("train", *args, "--set", f"run.dir={tmp_path}/ws1", timeout=EVENT_S))
     reference = load_weights(tmp_path / "ws1")
     for nproc in (2, 3):
-        assert_ok(torchrun_train(nproc, *args, "--set", f"run.dir={tmp_path}/ws{nproc}", timeout=180))
+        assert_ok(torchrun_train(nproc, *args, "--set", f"run.dir={tmp_path}/ws{nproc}", timeout=EVENT_S))
         summary = json.loads((tmp_path / f"ws{nproc}" / "summary.json").read_text())
         assert summary["world_size"] == nproc and summary["steps"] == 25
         diff = max_relative_diff(load_weights(tmp_path / f"ws{nproc}"), reference)

@@ -18,7 +18,7 @@ from distrib.checkpoint.policy import choose
 from distrib.checkpoint.sharded import list_sharded
 from distrib.config import load_config
 from distrib.worker import run_training
-from tests.helpers.processes import wait_for, worker_pid
+from tests.helpers.processes import EVENT_S, wait_for, worker_pid
 from tests.helpers.support import REPO, assert_ok, free_port, kill_tree, load_weights, max_relative_diff, torchrun_train
 
 # 203 test samples in batches of 50: 5 evaluation batches, 2 and 3 per rank at world size 2, so fsdp pads one.
@@ -68,7 +68,7 @@ def fsdp_whole(tmp_path_factory) -> Path:
     return run_dir
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 def test_fsdp_and_ddp_at_world_size_2_equal_one_process(tmp_path, fsdp_whole):
     one = run_training(load_config(None, [*BASE, f"run.dir={tmp_path}/one"]))
     # ddp with activation checkpointing on named blocks: recomputing changes memory, not the result
@@ -91,7 +91,7 @@ def test_fsdp_and_ddp_at_world_size_2_equal_one_process(tmp_path, fsdp_whole):
     assert fsdp["peak_memory_bytes"] is None  # CUDA only
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 def test_sharded_checkpoint_resumes_at_world_sizes_1_and_3(tmp_path, fsdp_whole, capsys):
     """The step-10 checkpoint of the 2-worker run, resumed at 1 and 3 (float noise; at 2 it is bitwise: the killed
     worker's test); at world size 1 the step-20 one lacks rank 1's shard file, so it is refused and step 10 used
@@ -115,7 +115,7 @@ def test_sharded_checkpoint_resumes_at_world_sizes_1_and_3(tmp_path, fsdp_whole,
     assert max_relative_diff(load_weights(tmp_path / "three"), load_weights(fsdp_whole)) < 1e-5
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 def test_killed_fsdp_worker_is_restarted_and_resumes_bitwise(tmp_path, fsdp_whole):
     """The launcher stops both workers when one dies and starts them again: a stop after 10 or 20 steps and a resume
     from the sharded checkpoint at the same world size, ending bitwise equal to the uninterrupted run."""
@@ -124,9 +124,9 @@ def test_killed_fsdp_worker_is_restarted_and_resumes_bitwise(tmp_path, fsdp_whol
            "train", *_sets(tmp_path / "killed", *FSDP)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        wait_for(lambda: (tmp_path / "killed" / "checkpoints" / "step_00000010").exists(), 180, "a checkpoint")
-        os.kill(wait_for(lambda: worker_pid(marker, 1), 30, "worker 1"), signal.SIGKILL)
-        out, _ = proc.communicate(timeout=200)
+        wait_for((tmp_path / "killed" / "checkpoints" / "step_00000010").exists, EVENT_S, "checkpoint 10", [proc])
+        os.kill(wait_for(lambda: worker_pid(marker, 1), EVENT_S, "worker 1", [proc]), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=EVENT_S)
     finally:
         kill_tree(proc)
     assert proc.returncode == 0, out[-4000:]
@@ -136,7 +136,7 @@ def test_killed_fsdp_worker_is_restarted_and_resumes_bitwise(tmp_path, fsdp_whol
     _assert_bitwise(load_weights(tmp_path / "killed"), load_weights(fsdp_whole))
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(900)
 def test_a_kill_during_an_async_write_is_never_resumed_from(tmp_path):
     import torch.distributed.checkpoint as dcp
 
@@ -147,8 +147,8 @@ def test_a_kill_during_an_async_write_is_never_resumed_from(tmp_path):
         proc = subprocess.Popen([sys.executable, str(script), str(directory)],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            wait_for(lambda: len(list_sharded(directory)) >= 2 and list(directory.glob(".step_*.tmp")), 60,
-                      "a committed checkpoint and a write in flight")
+            wait_for(lambda: len(list_sharded(directory)) >= 2 and list(directory.glob(".step_*.tmp")), EVENT_S,
+                     "a committed checkpoint and a write in flight", [proc])
         finally:
             kill_tree(proc)
         if list(directory.glob(".step_*.tmp")):
@@ -164,7 +164,7 @@ def test_a_kill_during_an_async_write_is_never_resumed_from(tmp_path):
     assert bool((shards["model"]["weight"] == state["progress"]["step"]).all())  # staged whole, not mid-update
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(900)
 def test_a_nan_in_one_ranks_shard_stops_every_rank_at_the_same_step(tmp_path):
     """Two workers started by hand, with no agent to kill the second when the first fails: each must stop on its
     own, with the same error at the same step (rank 0's shard is finite; a rank that went on would time out)."""
@@ -175,7 +175,7 @@ def test_a_nan_in_one_ranks_shard_stops_every_rank_at_the_same_step(tmp_path):
                               stderr=subprocess.STDOUT, text=True, start_new_session=True,
                               env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}) for rank in (0, 1)]
     try:
-        outs = [proc.communicate(timeout=90)[0] for proc in procs]
+        outs = [proc.communicate(timeout=EVENT_S)[0] for proc in procs]
     finally:
         for proc in procs:
             kill_tree(proc)
@@ -186,7 +186,7 @@ def test_a_nan_in_one_ranks_shard_stops_every_rank_at_the_same_step(tmp_path):
                          re.M), (rank, out[-3000:])
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(900)
 def test_ema_shards_are_checkpointed_and_resume_bitwise(tmp_path):
     """Under fsdp the EMA's entries are DTensors: DCP writes them with the model's shards. A run stopped at step 6
     and resumed ends with model_ema.pt (and model.pt) bitwise equal to the uninterrupted run's."""

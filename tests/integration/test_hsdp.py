@@ -11,6 +11,7 @@ import pytest
 from distrib.config import load_config
 from distrib.plan import Machine, plan_run
 from distrib.worker import run_training
+from tests.helpers.processes import EVENT_S
 from tests.helpers.support import SMALL, assert_ok, load_weights, max_relative_diff, sets, small_config, torchrun_train
 
 # 12 steps of 32 samples, checkpoints at 6 and 12: short, so float noise across world sizes stays far below 1e-5.
@@ -20,7 +21,7 @@ HSDP = ("dist.strategy=hsdp", "dist.shard_size=2")
 
 
 def _train(nproc: int, run_dir: Path, *overrides: str) -> dict:
-    assert_ok(torchrun_train(nproc, *sets(*SMALL, *STEPS, f"run.dir={run_dir}", *overrides), timeout=240))
+    assert_ok(torchrun_train(nproc, *sets(*SMALL, *STEPS, f"run.dir={run_dir}", *overrides), timeout=EVENT_S))
     return _summary(run_dir)
 
 
@@ -54,7 +55,7 @@ def resumed(tmp_path_factory, hsdp_whole) -> dict[str, Path]:
     return {"fsdp": tmp / "fsdp", "ddp": tmp / "ddp"}
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(900)
 def test_hsdp_2x2_trains_like_ddp_at_world_size_4_with_half_the_state(hsdp_whole, ddp_four):
     hsdp, ddp = _summary(hsdp_whole), _summary(ddp_four)
     assert hsdp["world_size"] == ddp["world_size"] == 4 and hsdp["steps"] == 12
@@ -64,7 +65,7 @@ def test_hsdp_2x2_trains_like_ddp_at_world_size_4_with_half_the_state(hsdp_whole
     assert 0 < hsdp["state_bytes_per_rank"] <= 0.55 * ddp["state_bytes_per_rank"]
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(900)
 def test_hsdp_checkpoint_resumes_as_fsdp_at_2_and_as_ddp_at_1(hsdp_whole, resumed):
     whole = load_weights(hsdp_whole)
     for run_dir in resumed.values():
@@ -73,7 +74,7 @@ def test_hsdp_checkpoint_resumes_as_fsdp_at_2_and_as_ddp_at_1(hsdp_whole, resume
         assert max_relative_diff(load_weights(run_dir), whole) < 1e-5
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_plan_predicts_the_state_bytes_that_runs_measure(tmp_path, hsdp_whole, ddp_four, resumed):
     """The runs above and short ones of the remaining strategies and world sizes (ddp's state is the same at any
     world size: 1 and 4 stand for 2); distrib plan of the same config must give every figure exactly."""

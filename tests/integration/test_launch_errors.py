@@ -1,24 +1,24 @@
-"""What the launcher says about a failure, in its last line and once: the parent checks what it can before any
-worker starts (the global batch's split, the device, the script), a mistake every rank makes is one line, and a
-failing fit() script's exception type and message end the log."""
+"""What the launcher says about a failure of its workers, once and in its last line: a mistake every rank makes is
+one line, and a failing fit() script's exception type and message end the log."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.helpers.launch_support import CLUSTER_CONFIG, SMALL, distrib_cmd, run_one
+from tests.helpers.processes import EVENT_S
 from tests.helpers.support import REPO
 
 FIT_FAILING = REPO / "tests" / "helpers" / "fit_failing.py"
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(900)
 def test_a_mistake_every_worker_makes_is_one_line(tmp_path):
     """Through `distrib launch -m distrib train` the parent cannot read the config: every worker fails alike, writes
     its error to torch's error file, and the launcher prints it once (no worker line, no torch log line)."""
     done = run_one(distrib_cmd("launch", "--nproc-per-node", "2", "-m", "distrib", "train", "--config", CLUSTER_CONFIG,
                                *SMALL, "--set", "train.global_batch_size=63", "--set", f"run.dir={tmp_path}/run"),
-                   tmp_path, timeout=120)
+                   tmp_path, timeout=EVENT_S)
     assert done.returncode == 2, done.text()
     lines = [line for line in done.stderr.splitlines() if not line.startswith("[distrib]")]  # info lines
     assert lines[-1].startswith(("distrib launch: ranks 0, 1 (pids ", "distrib launch: rank 0")), done.text()
@@ -29,15 +29,16 @@ def test_a_mistake_every_worker_makes_is_one_line(tmp_path):
     assert len(lines) == 1 or (len(lines) == 2 and "was stopped by the launcher" in lines[0]), done.text()
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(900)
 def test_a_failing_fit_script_is_named_in_the_launchers_last_line(tmp_path):
     done = run_one(distrib_cmd("launch", "--nproc-per-node", "2", FIT_FAILING, tmp_path / "run"), tmp_path,
-                   timeout=120)
+                   timeout=EVENT_S)
     assert done.returncode == 1, done.text()
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("distrib launch: rank 1 (local rank 1, pid ") and last.endswith(" [first failure]"), last
     assert "exited with code 1: UserError: the model cannot take the data's inputs: on a batch of " in last, last
     assert "it raised ValueError: my model cannot take this batch on rank 1;" in last, last
-    # fit() raised one exception: one traceback, no chain of causes, no gloo error from the other rank.
-    assert done.stderr.count("Traceback") == 1 and "direct cause" not in done.stderr, done.text()
-    assert "Connection closed by peer" not in done.stderr and "failed (exitcode" not in done.stderr, done.text()
+    # fit() raised one exception on rank 1: one traceback, no chain of causes (rank 0 is stopped by the agent, or
+    # says in one line which peer it lost); torch's own per-worker failure line is left out.
+    assert done.stderr.count("[rank1]: Traceback") == 1 and "direct cause" not in done.stderr, done.text()
+    assert "During handling" not in done.stderr and "failed (exitcode" not in done.stderr, done.text()

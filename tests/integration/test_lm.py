@@ -17,7 +17,7 @@ import torch
 
 from distrib.config import load_config
 from distrib.worker import run_training
-from tests.helpers.processes import wait_for, worker_pid
+from tests.helpers.processes import EVENT_S, wait_for, worker_pid
 from tests.helpers.support import assert_ok, distrib, kill_tree, max_relative_diff, sets, torchrun_train
 
 # Debian's base-files package (Essential: on every Debian system) ships it; a fixed 35 kB of English prose.
@@ -35,7 +35,7 @@ def unigram_loss(train: bytes, test: bytes) -> float:
     return -sum(math.log((counts[b] + 1) / total) for b in test) / len(test)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(900)
 def test_gpt_on_text_beats_the_unigram_model_and_generate_repeats_for_a_seed(tmp_path):
     config = load_config(None, [*COMMON, "data.name=text", f"data.root={TEXT}", "data.seq_len=64", TINY_GPT,
                                 "train.lr=3e-3", "train.warmup_steps=20", "train.max_steps=300",
@@ -51,7 +51,7 @@ def test_gpt_on_text_beats_the_unigram_model_and_generate_repeats_for_a_seed(tmp
 
     prompt = ["generate", str(tmp_path), "--prompt", "This License ", "--max-new-tokens", "60", "--temperature",
               "0.8", "--top-k", "20"]
-    first, second, other = (distrib(*prompt, "--seed", seed, timeout=120) for seed in ("7", "7", "8"))
+    first, second, other = (distrib(*prompt, "--seed", seed, timeout=EVENT_S) for seed in ("7", "7", "8"))
     for result in (first, second, other):
         assert_ok(result)
     assert first.stdout == second.stdout and first.stdout != other.stdout
@@ -71,19 +71,19 @@ def _write_tokens(root: Path) -> None:
     stream[10_000:].astype(np.uint16).tofile(root / "val.bin")
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1200)
 def test_tokens_under_fsdp_agree_with_one_process_and_resume_bitwise_after_a_kill(tmp_path):
     data = tmp_path / "data"
     _write_tokens(data)
     run = [*COMMON, *TOKENS, f"data.root={data}", "train.max_steps=160", "dist.strategy=fsdp",
            "checkpoint.every_steps=20"]
-    assert_ok(torchrun_train(2, *sets(*run, f"run.dir={tmp_path}/whole"), timeout=300))
+    assert_ok(torchrun_train(2, *sets(*run, f"run.dir={tmp_path}/whole"), timeout=EVENT_S))
     whole = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)
 
     # World size 1 (ddp) takes the same global batches: the first 12 steps agree with the 2-rank fsdp run's.
     short = [*COMMON, *TOKENS, f"data.root={data}", "train.max_steps=12", "train.schedule=constant"]
     one = run_training(load_config(None, [*short, f"run.dir={tmp_path}/one"]))
-    assert_ok(torchrun_train(2, *sets(*short, "dist.strategy=fsdp", f"run.dir={tmp_path}/two"), timeout=300))
+    assert_ok(torchrun_train(2, *sets(*short, "dist.strategy=fsdp", f"run.dir={tmp_path}/two"), timeout=EVENT_S))
     two = torch.load(tmp_path / "two" / "model.pt", weights_only=True)
     assert max_relative_diff(torch.load(tmp_path / "one" / "model.pt", weights_only=True), two) < 1e-5
     assert one["test_perplexity"] == pytest.approx(math.exp(one["test_loss"]))
@@ -93,9 +93,9 @@ def test_tokens_under_fsdp_agree_with_one_process_and_resume_bitwise_after_a_kil
            "train", *sets(*run, marker)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        wait_for((tmp_path / "killed" / "checkpoints" / "step_00000040").exists, 240, "a checkpoint")
-        os.kill(wait_for(lambda: worker_pid(marker, 1), 30, "worker 1"), signal.SIGKILL)
-        out, _ = proc.communicate(timeout=300)
+        wait_for((tmp_path / "killed" / "checkpoints" / "step_00000040").exists, EVENT_S, "checkpoint 40", [proc])
+        os.kill(wait_for(lambda: worker_pid(marker, 1), EVENT_S, "worker 1", [proc]), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=EVENT_S)
     finally:
         kill_tree(proc)
     assert proc.returncode == 0, out[-4000:]

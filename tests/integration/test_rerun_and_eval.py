@@ -9,6 +9,7 @@ import torch
 
 from distrib import fit
 from distrib.cli import main
+from tests.helpers.launch_support import distrib_cmd, run_one
 from tests.helpers.support import SMALL
 
 STEPS = {"train.max_steps": 4, "train.epochs": 0, "train.global_batch_size": 32, "train.warmup_steps": 2,
@@ -79,8 +80,6 @@ def test_distrib_eval_refuses_a_fit_run_before_reading_any_data(tmp_path, capfd,
 @pytest.mark.timeout(150)
 def test_a_finished_run_rerun_on_2_workers_exits_0_and_leaves_summary_json(tmp_path):
     """The scheduler's rerun at another world size: every rank learns from rank 0 that the run is finished."""
-    from launch_support import distrib_cmd, run_one
-
     items = [*SMALL, f"run.dir={tmp_path}/run"]
     assert main(["train", *[arg for item in items for arg in ("--set", item)]]) == 0
     summary = (tmp_path / "run" / "summary.json").read_bytes()
@@ -88,4 +87,5 @@ def test_a_finished_run_rerun_on_2_workers_exits_0_and_leaves_summary_json(tmp_p
                    tmp_path, timeout=120)
     assert done.returncode == 0, done.text()
     assert (tmp_path / "run" / "summary.json").read_bytes() == summary
-    assert _the_line(done.stderr).startswith(f"distrib: {tmp_path}/run: the run is finished (2 of 2 steps done)")
+    assert _the_line(done.stderr).startswith(f"distrib: {tmp_path}/run: the run is finished (2 of 2 steps done)"), \
+        done.text()

@@ -14,6 +14,7 @@ from distrib.metrics.plot import make_figure, read_records
 from distrib.training.inference import load_trained
 from distrib.training.trainer import Trainer
 from distrib.worker import run_training
+from tests.helpers.processes import EVENT_S
 from tests.helpers.support import REPO, assert_ok, torchrun_train
 
 BASE = ["data.name=synthetic", "data.synthetic_train_size=128", "data.synthetic_test_size=50", "dist.device=cpu",
@@ -54,9 +55,9 @@ def _assert_equal(a, b, where=""):
         assert a == b, where
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(900)
 def test_early_stop_on_2_workers_and_the_same_run_killed_and_resumed(tmp_path):
-    whole = torchrun_train(2, *_args(tmp_path / "whole"), env=ENV, timeout=180)
+    whole = torchrun_train(2, *_args(tmp_path / "whole"), env=ENV, timeout=EVENT_S)
     assert_ok(whole)
     summary = _summary(tmp_path / "whole")
     assert summary["stop_reason"] == "early_stop" and summary["steps"] == 12, summary
@@ -66,10 +67,10 @@ def test_early_stop_on_2_workers_and_the_same_run_killed_and_resumed(tmp_path):
 
     # Rank 1 dies inside step 11, after step 10 was logged; the newest checkpoint holds step 9, after one evaluation
     # without improvement (so the patience counter is 1 there).
-    killed = torchrun_train(2, *_args(tmp_path / "parts"), env={**ENV, "DISTRIB_TEST_DIE_AT": "11"}, timeout=180)
+    killed = torchrun_train(2, *_args(tmp_path / "parts"), env={**ENV, "DISTRIB_TEST_DIE_AT": "11"}, timeout=EVENT_S)
     assert killed.returncode != 0
     assert _names(tmp_path / "parts", "step_*.pt")[-1] == "step_00000009.pt"
-    assert_ok(torchrun_train(2, *_args(tmp_path / "parts"), env=ENV, timeout=180))
+    assert_ok(torchrun_train(2, *_args(tmp_path / "parts"), env=ENV, timeout=EVENT_S))
     resumed = _summary(tmp_path / "parts")
     assert resumed["resumed_from_step"] == 9 and resumed["steps"] == 12 and resumed["stop_reason"] == "early_stop"
 
@@ -115,7 +116,7 @@ def _assert_best_kept(run_dir: Path) -> None:
     assert [entry["step"] for entry in _summary(run_dir)["best_checkpoints"]] == best
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(900)
 def test_ema_weights_match_a_reference_from_every_steps_weights(tmp_path, monkeypatch):
     weights = []  # the model's weights before the first step and after each step
     real_step = Trainer.step

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from distrib.config import load_config
 from distrib.worker import run_training
+from tests.helpers.processes import EVENT_S
 from tests.helpers.support import REPO, SMALL, assert_ok, distrib, load_weights, max_relative_diff, run, sets
 from tests.helpers.task_package import write_task_package
 
@@ -38,12 +39,14 @@ FIT_SCRIPT = f'''
 import sys
 
 from taskpkg.data import dict_lm
+from taskpkg.metrics import next_token_accuracy
 from taskpkg.models import DictLM
 
 from distrib import fit
 
 train, test = dict_lm()
-summary = fit(DictLM, train, test, overrides={{"run.dir": sys.argv[1], **{FIT_OVERRIDES!r}}})
+summary = fit(DictLM, train, test, overrides={{"run.dir": sys.argv[1], **{FIT_OVERRIDES!r}}},
+              metrics=[next_token_accuracy])
 print(f"rank done: test loss {{summary['test_loss']:.4f}}")
 '''
 
@@ -68,7 +71,7 @@ def _one_process(run_dir, overrides) -> dict:
     return run_training(load_config(None, [*overrides, f"run.dir={run_dir}"]))
 
 
-def _two_processes(root, run_dir, overrides, timeout=300) -> dict:
+def _two_processes(root, run_dir, overrides, timeout=EVENT_S) -> dict:
     assert_ok(distrib("train", "--nproc-per-node", "2", *sets(*overrides, f"run.dir={run_dir}"), timeout=timeout,
                       env=_env(root)))
     summary = _summary(run_dir)
@@ -81,7 +84,7 @@ def _trained(run_dir, model):
     return model.eval()
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_byte_level_gpt_agrees_at_world_sizes_1_2_and_under_fsdp(task_root, tmp_path):
     from taskpkg.data import bytes_lm
     from taskpkg.models import gpt
@@ -104,34 +107,38 @@ def test_byte_level_gpt_agrees_at_world_sizes_1_2_and_under_fsdp(task_root, tmp_
     assert summaries["ws2"]["train_loss"] < math.log(256)  # it learned something: below a uniform guess
 
 
-@pytest.mark.timeout(500)
-def test_dict_samples_and_the_models_own_loss_through_fit_and_torchrun(task_root, tmp_path, capsys):
+@pytest.mark.timeout(900)
+def test_dict_samples_and_the_models_own_loss_through_fit_and_torchrun(task_root, tmp_path):
     from taskpkg.data import dict_lm
+    from taskpkg.metrics import next_token_accuracy
     from taskpkg.models import DictLM
 
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(FIT_SCRIPT).lstrip())
     two = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
-               str(tmp_path / "two")], timeout=300, env=_env(task_root))
+               str(tmp_path / "two")], timeout=EVENT_S, env=_env(task_root))
     assert_ok(two)
     assert two.stdout.count("rank done") == 2 and "the model's own outputs.loss" in two.stderr
     from distrib import fit
 
     train, test = dict_lm()
-    fit(DictLM, train, test, overrides={"run.dir": str(tmp_path / "one"), **FIT_OVERRIDES})  # as one process
+    fit(DictLM, train, test, overrides={"run.dir": str(tmp_path / "one"), **FIT_OVERRIDES},  # as one process
+        metrics=[next_token_accuracy])
     one, both = _summary(tmp_path / "one"), _summary(tmp_path / "two")
     assert one["world_size"] == 1 and both["world_size"] == 2
     assert max_relative_diff(load_weights(tmp_path / "two"), load_weights(tmp_path / "one")) < 1e-5
-    with torch.no_grad():  # one evaluation batch holds the whole test set: its loss is the model's own on all of it
-        batch = {key: torch.stack([test[i][key] for i in range(len(test))]) for key in test[0]}
-        expected = _trained(tmp_path / "one", DictLM())(**batch).loss.item()
-    for summary in (one, both):
-        assert summary["test_loss"] == pytest.approx(expected, rel=1e-5)
+    batch = {key: torch.stack([test[i][key] for i in range(len(test))]) for key in test[0]}
+    for name, summary in (("one", one), ("two", both)):
+        with torch.no_grad():  # one evaluation batch holds the whole test set: its loss is the model's own on all of it
+            outputs = _trained(tmp_path / name, DictLM())(**batch)
+        right = outputs.logits[:, :-1].argmax(-1) == batch["labels"][:, 1:]
+        assert summary["test_loss"] == pytest.approx(outputs.loss.item(), rel=1e-5)
+        assert summary["test_next_token_accuracy"] == right.sum().item() / right.numel()  # fit(metrics=[...])
         assert summary["test_count"] == len(test) and "test_perplexity" in summary
-        assert not [key for key in summary if "accuracy" in key]
+        assert "test_token_accuracy" not in summary  # its logits are shifted against its labels: no built-in one
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(900)
 def test_regression_with_mse_and_a_user_metric_at_world_sizes_1_and_2(task_root, tmp_path):
     from taskpkg.data import regression
     from taskpkg.models import regressor
@@ -154,7 +161,7 @@ def test_regression_with_mse_and_a_user_metric_at_world_sizes_1_and_2(task_root,
     assert (evaluated["test_loss"], evaluated["test_mae"]) == (one["test_loss"], one["test_mae"])
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("task", sorted(DENSE))
 def test_dense_and_multi_label_targets_agree_at_world_sizes_1_and_2(task_root, tmp_path, task):
     from taskpkg import data, models
@@ -188,7 +195,7 @@ RESUMED = {  # dict samples through the DataLoader path; masks with -100 on the 
 }
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("task", sorted(RESUMED))
 def test_stop_mid_epoch_and_resume_is_bitwise(task_root, tmp_path, task):
     common = [*RESUMED[task], "train.schedule=constant", "train.grad_accum_steps=2"]

@@ -9,6 +9,7 @@ import pytest
 
 from distrib import cli
 from distrib.metrics.jsonl import last_attempt
+from tests.helpers.processes import EVENT_S
 from tests.helpers.support import REPO, assert_ok, distrib, free_port, torchrun_train
 from tests.helpers.wandb_records import read_run
 
@@ -68,13 +69,13 @@ def _assert_same(expected: dict, stored: dict, rel: float = 0.0) -> None:
         assert [v for _, v in stored[key]] == pytest.approx([v for _, v in expected[key]], rel=rel, abs=0), key
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 def test_every_tracker_stores_what_metrics_jsonl_holds_once_and_a_resumed_run_continues_it(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # for this test's reader; the run sets it for a file: URI
     run_dir, uri = tmp_path / "run", f"file:{tmp_path}/mlruns"
     env = {"WANDB_MODE": "offline", "PYTHONPATH": str(REPO)}
     assert_ok(torchrun_train(2, *_args(f"run.dir={run_dir}", ALL, f"metrics.mlflow_uri={uri}", "train.max_steps=8"),
-                             env=env, timeout=240))
+                             env=env, timeout=EVENT_S))
     expected = _jsonl(run_dir)
     assert {"loss", "lr", "test_loss", "test_accuracy", "samples_per_second"} <= expected.keys()
     assert [s for s, _ in expected["loss"]] == [2, 4, 6, 8] and [s for s, _ in expected["test_loss"]] == [4, 8]
@@ -100,7 +101,7 @@ def test_every_tracker_stores_what_metrics_jsonl_holds_once_and_a_resumed_run_co
 
     # Extended on one worker: the same W&B run id and the same MLflow run, continued past step 8.
     assert_ok(distrib("train", *_args(f"run.dir={run_dir}", ALL, f"metrics.mlflow_uri={uri}", "train.max_steps=12"),
-                      env=env, timeout=180))
+                      env=env, timeout=EVENT_S))
     expected = _jsonl(run_dir)
     assert [s for s, _ in expected["loss"]] == [2, 4, 6, 8, 10, 12]
     files = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
@@ -117,13 +118,13 @@ def test_a_missing_tracker_package_stops_the_launch_before_any_worker(tmp_path, 
     shim.mkdir()
     (shim / f"{package}.py").write_text(f'raise ImportError("No module named {package}")\n')  # as if not installed
     result = distrib("train", "--nproc-per-node", "2", *_args(f"run.dir={tmp_path}/run", f'metrics.loggers=["{name}"]'),
-                     env={"PYTHONPATH": f"{shim}{os.pathsep}{REPO}"}, timeout=60)
+                     env={"PYTHONPATH": f"{shim}{os.pathsep}{REPO}"}, timeout=EVENT_S)
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert result.stderr.startswith("distrib: error: ") and f"pip install 'distrib[{name}]'" in result.stderr
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(900)
 def test_no_wandb_login_fails_at_start_or_warns_and_trains_on(tmp_path, capsys, monkeypatch):
     for key in ("WANDB_MODE", "WANDB_API_KEY"):
         monkeypatch.delenv(key, raising=False)
@@ -142,7 +143,7 @@ def test_no_wandb_login_fails_at_start_or_warns_and_trains_on(tmp_path, capsys, 
     assert summary["steps"] == 4 and summary["resumed_from_step"] is None
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(900)
 def test_an_unreachable_mlflow_server_is_one_line_and_exit_2_before_training(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # MLflow's own retries would take minutes
     uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there

@@ -9,6 +9,7 @@ import textwrap
 
 import pytest
 
+from tests.helpers.processes import EVENT_S
 from tests.helpers.support import REPO, SMALL, assert_ok, distrib, load_weights, max_relative_diff, run, sets
 from tests.helpers.user_package import write_user_package
 
@@ -54,7 +55,7 @@ def _summary(run_dir) -> dict:
 @pytest.fixture(scope="module")
 def one_process_run(user_root, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("ws1")
-    assert_ok(distrib("train", *sets(*USER_RUN, f"run.dir={run_dir}"), timeout=240, env=_env(user_root)))
+    assert_ok(distrib("train", *sets(*USER_RUN, f"run.dir={run_dir}"), timeout=EVENT_S, env=_env(user_root)))
     return run_dir
 
 
@@ -69,27 +70,27 @@ def _assert_same_training(run_dir, reference) -> None:
     assert got["test_loss"] == pytest.approx(want["test_loss"], rel=1e-5)
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(900)
 def test_user_data_and_model_through_distrib_train_at_world_sizes_1_and_2(user_root, one_process_run, tmp_path):
     summary = _summary(one_process_run)
     assert summary["data"]["input_shape"] == [3, 32, 32] and summary["data"]["num_classes"] == 100
     assert len(summary["test_per_class_accuracy"]) == 100
-    assert_ok(distrib("train", "--nproc-per-node", "2", *sets(*USER_RUN, f"run.dir={tmp_path}"), timeout=300,
+    assert_ok(distrib("train", "--nproc-per-node", "2", *sets(*USER_RUN, f"run.dir={tmp_path}"), timeout=EVENT_S,
                       env=_env(user_root)))
     assert _summary(tmp_path)["world_size"] == 2
     _assert_same_training(tmp_path, one_process_run)
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(900)
 def test_user_script_with_fit_as_one_process_and_under_torchrun(user_root, one_process_run, tmp_path):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(FIT_SCRIPT).lstrip())
     assert len(script.read_text().splitlines()) <= 20
-    one = run([sys.executable, str(script), str(tmp_path / "one")], timeout=240, env=_env(user_root))
+    one = run([sys.executable, str(script), str(tmp_path / "one")], timeout=EVENT_S, env=_env(user_root))
     assert_ok(one)
     assert "rank done: test accuracy" in one.stdout
     two = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
-               str(tmp_path / "two")], timeout=300, env=_env(user_root))
+               str(tmp_path / "two")], timeout=EVENT_S, env=_env(user_root))
     assert_ok(two)
     assert two.stdout.count("rank done") == 2 and _summary(tmp_path / "two")["world_size"] == 2
     _assert_same_training(tmp_path / "one", one_process_run)

@@ -1,6 +1,5 @@
-"""What the launcher says about a failure, in its last line and once: the parent checks what it can before any
-worker starts (the global batch's split, the device, the script), a mistake every rank makes is one line, and a
-failing fit() script's exception type and message end the log."""
+"""What the launcher checks once, in the parent, before any worker starts: the global batch's split, the device, the
+script. Each is one line and exit 2, and no worker is started (run_agent is never reached)."""
 
 from __future__ import annotations
 

@@ -139,3 +139,15 @@ def test_the_dry_batch_names_a_misplaced_tensor_of_a_dict_sample():
     info = DataInfo("dicts", (), 4, (), (), ())
     with pytest.raises(DeviceMismatchError, match="batch tensor inputs.attention_mask is on meta"):
         dry_batch(_Net(), _Source(), info, torch.device("cpu"), build_loss(_train()))
+
+
+def test_a_dict_sample_with_a_column_that_is_not_a_tensor_is_one_line_naming_it():
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, index):
+            return {"input_ids": torch.zeros(4, dtype=torch.long), "text": "hello"}
+
+    with pytest.raises(UserError, match="dicts whose 'text' is a str, not a tensor"):
+        as_split_or_dataset(Rows(), "train data")
