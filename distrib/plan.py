@@ -128,7 +128,9 @@ def _sharded_state(config: Config, info, machine: Machine, device: torch.device)
         param.grad = torch.zeros_like(param) if param.requires_grad else None
     optimizer.step()  # creates the optimizer's state (momenta, moments, step counts) on meta, as a first step would
     local = sum(local_tensor(p).numel() for p in model.parameters())
-    return state_parts(model, optimizer, device, planned=True), local
+    # dist.cpu_offload on an accelerator: the shards live in host memory, and the device holds none of them
+    offloaded = config.dist.sharded and config.dist.cpu_offload and device.type != "cpu"
+    return state_parts(model, optimizer, device, planned=not offloaded), local
 
 
 def _group_split(size: int, inner: int, per_node: int, nbytes: float, rounds: int) -> tuple[float, float]:

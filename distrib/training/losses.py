@@ -105,7 +105,9 @@ class Loss:
 
 def global_count_scale(loss: Loss, targets: list, world_size: int) -> torch.Tensor | None:
     """world_size / (positions counted in the whole global batch), for losses whose counts vary; None otherwise.
-    One all-reduce on every rank of every step where it applies (all ranks hold the same kind of targets)."""
+    One all-reduce on every rank of every step where it applies (all ranks hold the same kind of targets). Under
+    tensor parallelism each group's ranks add the same count, so the sum and world_size are both tp times the
+    data-parallel ones, and the ratio is the data-parallel size over the global count, as the gradient mean needs."""
     if not loss.counts_vary(targets[0]):
         return None
     total = torch.stack([loss.count(t) for t in targets]).sum()

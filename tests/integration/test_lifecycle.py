@@ -207,7 +207,9 @@ def test_a_stop_signal_while_the_trainers_start_is_a_preemption(tmp_path):
         os.kill(_proc(launches).pid, signal.SIGTERM)
         [done] = launches.wait(timeout=EVENT_S)
     assert done.returncode == EXIT_PREEMPTED, done.text()
-    assert "every worker ended with 75" in done.stderr and "outside the training steps" in done.stderr, done.text()
+    # The launcher says it once; its workers, whose stop it reports, stay quiet (errors_reported()).
+    assert "every worker ended with 75" in done.stderr and "outside the training steps" not in done.stderr, \
+        done.text()
     assert not (tmp_path / "run" / "summary.json").exists()
     print(json.dumps(done.stderr.splitlines()[-3:]))
 

@@ -141,3 +141,18 @@ def test_a_collective_timeout_or_lost_peer_names_the_step_and_other_errors_pass_
     with pytest.raises(RuntimeError, match="mat1 and mat2 shapes"):
         with collective_timeouts(3.0, lambda: "after step 7"):
             raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+
+def test_the_rendezvous_store_binds_only_the_endpoint_address():
+    """distrib launch's store socket: bound to the address named (never *), None for another machine's address (a
+    client then) or for a port another launcher on this machine already serves."""
+    from distrib.launch.rendezvous import _bound_listener
+
+    listener = _bound_listener("127.0.0.1", 0)
+    try:
+        host, port = listener.getsockname()
+        assert host == "127.0.0.1" and port > 0
+        assert _bound_listener("127.0.0.1", port) is None  # served already: this launcher is a client
+    finally:
+        listener.close()
+    assert _bound_listener("192.0.2.1", 29400) is None  # TEST-NET-1: not an address of this machine

@@ -30,3 +30,13 @@ def test_collective_bytes_split_by_the_mesh():
     intra, inter = collective_bytes(MeshShape("hsdp", 4, 8), 8, 100, 2, 1, True)
     assert intra == 2 * 7 / 8 * 800 * 2 + 7 / 8 * 800 * 4 and inter == 2 * 3 / 4 * 400
     assert collective_bytes(MeshShape("fsdp", 1, 8), 8, 100, 4, 1, True)[1] == 0  # one node: nothing crosses
+
+
+def test_offloaded_shards_are_not_on_the_device():
+    from distrib.config import load_config
+    from distrib.plan import Machine, plan_run
+
+    base = ["data.name=synthetic", "data.synthetic_train_size=256", "dist.strategy=fsdp", "dist.cpu_offload=true"]
+    on_gpu = plan_run(load_config(None, [*base, "dist.device=cuda"]), Machine(1, 2))
+    on_cpu = plan_run(load_config(None, [*base, "dist.device=cpu"]), Machine(1, 2))
+    assert on_gpu["state_bytes_per_rank"] == 0 < on_cpu["state_bytes_per_rank"]  # host memory is the CPU's device
