@@ -9,8 +9,7 @@ import torch.nn as nn
 from distrib.data.text import BYTE_VOCAB, token_info
 from distrib.distributed.runtime import select_device
 from distrib.errors import UserError
-from distrib.models.build import build_model
-from distrib.training.inference import Trained, load_trained
+from distrib.training.inference import Trained, load_trained, rebuilt_model
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int) -> None:
@@ -54,15 +53,7 @@ def text_model(trained: Trained) -> nn.Module:
     if config.data.name != "text" or config.data.factory:
         raise UserError(f"{trained.source}: trained on data.name = {config.data.name!r}, and generate reads and "
                         "writes bytes, so it needs a run trained on data.name = text (byte-level tokens)")
-    info = token_info("text", config.data.seq_len, BYTE_VOCAB)
-    torch.manual_seed(config.train.seed)
-    model = build_model(config.model, info)
-    try:
-        model.load_state_dict(trained.weights)
-    except RuntimeError as e:
-        first = str(e).strip().splitlines()[0]
-        raise UserError(f"{trained.source}: its weights do not fit the model that the config builds ({first[:200]}); "
-                        "give the config it was trained with (--config FILE, --set model.*)") from None
+    model = rebuilt_model(trained, token_info("text", config.data.seq_len, BYTE_VOCAB))
     return model.to(select_device(config.dist.device, 0)).eval()
 
 

@@ -137,9 +137,8 @@ def _read_weights(path: Path) -> dict:
     return weights
 
 
-def placed_model(trained: Trained, info: DataInfo, runtime: Runtime) -> nn.Module:
-    """The trained model placed and wrapped exactly as training did (channels_last and all), so that its logits,
-    and the metrics computed from them, are the same bits as at the end of training."""
+def rebuilt_model(trained: Trained, info: DataInfo) -> nn.Module:
+    """The trained model, rebuilt from its config on the CPU and given its weights."""
     torch.manual_seed(trained.config.train.seed)  # as in training: non-persistent buffers (not in model.pt) match
     model = build_model(trained.config.model, info)
     try:
@@ -148,7 +147,13 @@ def placed_model(trained: Trained, info: DataInfo, runtime: Runtime) -> nn.Modul
         first = str(e).strip().splitlines()[0]
         raise UserError(f"{trained.source}: its weights do not fit the model that the config builds ({first[:200]}); "
                         "give the config it was trained with (--config FILE, --set model.*)") from None
-    return parallelize(place_model(model, runtime.device), runtime, trained.config.speed)
+    return model
+
+
+def placed_model(trained: Trained, info: DataInfo, runtime: Runtime) -> nn.Module:
+    """The trained model placed and wrapped exactly as training did (channels_last and all), so that its logits,
+    and the metrics computed from them, are the same bits as at the end of training."""
+    return parallelize(place_model(rebuilt_model(trained, info), runtime.device), runtime, trained.config.speed)
 
 
 def check_rebuildable(trained: Trained, input_arg: str | None = None) -> None:

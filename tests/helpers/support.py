@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from distrib.training.trainer import Trainer
 from tests.helpers.processes import EVENT_S, REPO, Done, Launches, kill_tree, run, run_one  # noqa: F401 - the one runner
 
 # The one small run of the tests: synthetic data, two steps on the CPU, no progress bar, no periodic checkpoints; as
@@ -143,3 +144,24 @@ def snapshot(folder: Path) -> dict[str, bytes]:
 
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(Path(folder).rglob("*"))
             if p.is_file() and p.name != LOCK_NAME}
+
+
+def count_host_reads(monkeypatch) -> list[tuple[int, str]]:
+    """The (step, method) of every host read made inside Trainer.step, filled in as the run goes. On an accelerator
+    each one would stall the device's queue of work; the CPU takes the same path, so the CPU tests prove it."""
+    reads, current = [], []
+    for name in ("item", "tolist", "__bool__", "__float__"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda t, *a, _real=real, _name=name:
+                            (current and reads.append((current[-1], _name))) or _real(t, *a))
+    real_step = Trainer.step
+
+    def step(self, micro_batches):
+        current.append(self.state.progress.step + 1)
+        try:
+            return real_step(self, micro_batches)
+        finally:
+            current.pop()
+
+    monkeypatch.setattr(Trainer, "step", step)
+    return reads

@@ -4,13 +4,12 @@ finite check on the reduced gradients, the sync cadence, and TensorBoard."""
 import json
 
 import pytest
-import torch
 
 from distrib.config import load_config
 from distrib.training.trainer import Trainer
 from distrib.worker import run_training
 from tests.helpers.processes import EVENT_S
-from tests.helpers.support import SMALL, assert_ok, sets, torchrun_train
+from tests.helpers.support import SMALL, assert_ok, count_host_reads, sets, torchrun_train
 
 RUN = [*SMALL, "data.synthetic_train_size=1024", "data.synthetic_test_size=200", "train.max_steps=24", "train.epochs=0",
        "train.global_batch_size=64", "train.log_every=8", "train.warmup_steps=3", "metrics.timing_skip_steps=4",
@@ -61,30 +60,9 @@ def test_speed_options_train_to_the_same_weights(tmp_path):
     assert fast["test_loss"] == pytest.approx(base["test_loss"], rel=1e-4)
 
 
-def _count_host_reads(monkeypatch) -> list[tuple[int, str]]:
-    """The (step, method) of every host read made inside Trainer.step, filled in as the run goes. On an accelerator
-    each one would stall the device's queue of work; the CPU takes the same path, so the CPU tests prove it."""
-    reads, current = [], []
-    for name in ("item", "tolist", "__bool__", "__float__"):
-        real = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda t, *a, _real=real, _name=name:
-                            (current and reads.append((current[-1], _name))) or _real(t, *a))
-    real_step = Trainer.step
-
-    def step(self, micro_batches):
-        current.append(self.state.progress.step + 1)
-        try:
-            return real_step(self, micro_batches)
-        finally:
-            current.pop()
-
-    monkeypatch.setattr(Trainer, "step", step)
-    return reads
-
-
 @pytest.mark.timeout(900)
 def test_nothing_is_read_on_the_host_between_sync_steps(tmp_path, monkeypatch):
-    reads = _count_host_reads(monkeypatch)
+    reads = count_host_reads(monkeypatch)
     summary = run_training(load_config(None, [*RUN, f"run.dir={tmp_path}", "train.sync_every=5"]))
     assert summary["steps"] == 24 and reads
     assert {step for step, _ in reads} == {5, 8, 10, 15, 16, 20, 24}  # every 5th step and the log steps

@@ -15,8 +15,7 @@ from distrib.metrics import Recorder
 from distrib.models.network import Network
 from distrib.training import throughput
 from distrib.training.throughput import Throughput, count_flops_per_sample, peak_flops
-from distrib.training.trainer import Trainer
-from tests.helpers.support import SMALL, sets
+from tests.helpers.support import SMALL, count_host_reads, sets
 
 RUN = [*SMALL, "data.synthetic_train_size=1024", "data.synthetic_test_size=200", "train.max_steps=24", "train.epochs=0",
        "train.global_batch_size=64", "train.log_every=8", "train.warmup_steps=3", "metrics.timing_skip_steps=4",
@@ -112,30 +111,9 @@ def test_divergence_is_one_line_and_saves_no_weights(tmp_path, capsys):
     assert "lower train.lr" in err and not (tmp_path / "model.pt").exists()
 
 
-def _count_host_reads(monkeypatch) -> list[tuple[int, str]]:
-    """The (step, method) of every host read made inside Trainer.step, filled in as the run goes. On an accelerator
-    each one would stall the device's queue of work; the CPU takes the same path, so the CPU tests prove it."""
-    reads, current = [], []
-    for name in ("item", "tolist", "__bool__", "__float__"):
-        real = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda t, *a, _real=real, _name=name:
-                            (current and reads.append((current[-1], _name))) or _real(t, *a))
-    real_step = Trainer.step
-
-    def step(self, micro_batches):
-        current.append(self.state.progress.step + 1)
-        try:
-            return real_step(self, micro_batches)
-        finally:
-            current.pop()
-
-    monkeypatch.setattr(Trainer, "step", step)
-    return reads
-
-
 @pytest.mark.timeout(60)
 def test_a_divergence_stops_at_the_next_sync_step(tmp_path, monkeypatch, capsys):
-    _count_host_reads(monkeypatch)
+    count_host_reads(monkeypatch)
     argv = ["train", *sets(*RUN, f"run.dir={tmp_path}", "train.lr=1e4", "train.sync_every=3")]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
