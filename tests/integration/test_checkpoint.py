@@ -93,7 +93,8 @@ def test_ranks_that_do_not_share_checkpoint_dir_are_told_so_on_every_rank(tmp_pa
     (tmp_path / "node2" / "ck").mkdir(parents=True)
     result = run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
                       str(REPO / "tests" / "helpers" / "probe_unshared.py"), str(tmp_path)], timeout=EVENT_S)
-    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
+    assert result.returncode == 0, result
+    lines = [(tmp_path / f"rank{rank}.txt").read_text().strip() for rank in range(3)]
     assert [line[:15] for line in lines] == ["rank 0 error ch", "rank 1 error ch", "rank 2 error ch"], result
     assert len({line[7:] for line in lines}) == 1  # one message, on every rank
     theirs = read_checkpoint(tmp_path / "node0" / "ck" / "step_00000010.pt", CPU)["checksum"]

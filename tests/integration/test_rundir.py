@@ -139,16 +139,18 @@ def test_told_to_keep_them_a_new_run_prunes_only_its_own_and_sigterm_names_a_che
     shutil.copytree(older_run, tmp_path, dirs_exist_ok=True)
     theirs = {name: data for name, data in snapshot(tmp_path).items() if name.startswith("checkpoints/step_")}
     their_id = run_id_of(tmp_path / "checkpoints" / "step_00000040.pt")
+    # The worker sends itself SIGTERM in step 14, after checkpoint 12: at an exact step on any machine (on a quiet
+    # one, a SIGTERM sent from here once checkpoint 12 showed up came after step 40, where the other run's is).
+    dying = "model.factory=tests.helpers.dying_model:network"
     cmd = [sys.executable, "-m", "distrib", "train", *_sets(f"run.dir={tmp_path}", "checkpoint.resume=never",
                                                              "checkpoint.foreign=keep", "train.epochs=0",
                                                              "train.max_steps=100000",
-                                                             "checkpoint.every_steps=4")]
+                                                             "checkpoint.every_steps=4", dying)]
+    env = {**os.environ, "DISTRIB_TEST_DIE_AT": "14", "DISTRIB_TEST_DIE_RANK": "0",
+           "DISTRIB_TEST_DIE_SIGNAL": "SIGTERM"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
     try:
-        # Three saves, one pruned already: 12-27 s on a quiet machine, over 120 s beside a busy disk (each save fsyncs).
-        wait_for((tmp_path / "checkpoints" / "step_00000012.pt").exists, EVENT_S, "checkpoint 12", [proc])
-        proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=EVENT_S)
     finally:
         kill_tree(proc)
@@ -161,7 +163,7 @@ def test_told_to_keep_them_a_new_run_prunes_only_its_own_and_sigterm_names_a_che
     assert [p.name for p in ours] == [f"step_{s:08d}.pt" for s in (stopped_at, previous)]  # keep_last = 2
     assert {run_id_of(p) for p in ours} != {their_id}
     # resume=auto continues this run (the folder's owner now), not the other run's higher-numbered checkpoint.
-    resumed = _train(tmp_path, "train.epochs=0", f"train.max_steps={stopped_at + 4}", "checkpoint.every_steps=4")
+    resumed = _train(tmp_path, "train.epochs=0", f"train.max_steps={stopped_at + 4}", "checkpoint.every_steps=4", dying)
     assert resumed["resumed_from_step"] == stopped_at and resumed["steps"] == stopped_at + 4
     assert run_id_of(tmp_path / "checkpoints" / f"step_{stopped_at + 4:08d}.pt") == run_id_of(ours[0])
     after = snapshot(tmp_path)
