@@ -2,47 +2,15 @@
 exit code 2 (the input) or 74 (the machine); an earlier run's files in the folder byte-identical afterwards."""
 
 import errno
-import shutil
 from pathlib import Path
 
 import pytest
 
-from distrib import cli
 from distrib.config import load_config
 from distrib.errors import EXIT_ENVIRONMENT, UserError
 from distrib.worker import run_training
+from tests.helpers.nothing_lost import BASE, fails, train_argv
 from tests.helpers.support import snapshot
-
-BASE = ["data.name=synthetic", "data.synthetic_train_size=256", "data.synthetic_test_size=64", "run.progress=false",
-        "train.global_batch_size=32", "train.schedule=constant", "train.warmup_steps=2", "train.log_every=3",
-        "train.eval_every_epochs=0", "dist.device=cpu", "checkpoint.every_steps=3"]
-
-
-@pytest.fixture(scope="module")
-def earlier(tmp_path_factory) -> Path:
-    """A finished run: config.toml, metrics.jsonl, summary.json, model.pt, checkpoints at steps 3 and 6."""
-    run_dir = tmp_path_factory.mktemp("earlier")
-    run_training(load_config(None, [*BASE, f"run.dir={run_dir}", "train.max_steps=6"]))
-    return run_dir
-
-
-@pytest.fixture
-def folder(tmp_path, earlier) -> Path:
-    shutil.copytree(earlier, tmp_path / "run")
-    return tmp_path / "run"
-
-
-def _fails(capsys, argv: list[str], code: int = 2) -> str:
-    got = cli.main(argv)
-    err = capsys.readouterr().err.strip()
-    last = err.splitlines()[-1] if err else ""
-    assert got == code and last.startswith("distrib: error: "), err
-    assert err.count("distrib: error") == 1 and "Traceback" not in err, err
-    return last
-
-
-def _train(folder: Path, *overrides: str) -> list[str]:
-    return ["train", *[a for o in [*BASE, f"run.dir={folder}", *overrides] for a in ("--set", o)]]
 
 
 def _untouched(folder: Path, before: dict) -> None:
@@ -63,7 +31,7 @@ def _untouched(folder: Path, before: dict) -> None:
 def test_bad_folders_signals_and_checkpoints(capsys, tmp_path, folder, overrides, expected):
     (tmp_path / "a_file").write_text("keep me\n")
     before = snapshot(folder)
-    err = _fails(capsys, _train(folder, *[o.format(tmp=tmp_path) for o in overrides]))
+    err = fails(capsys, train_argv(folder, *[o.format(tmp=tmp_path) for o in overrides]))
     for text in expected:
         assert text in err, err
     _untouched(folder, before)
@@ -89,7 +57,7 @@ def test_a_checkpoint_dir_that_is_a_file_stops_the_worker_before_training(tmp_pa
 def test_bad_arguments(capsys, tmp_path, folder, argv, expected):
     (tmp_path / "latin1.toml").write_bytes("[run]\nprogress = \"caf\xe9\"\n".encode("latin-1"))
     before = snapshot(folder)
-    err = _fails(capsys, [*_train(folder), *[a.format(tmp=tmp_path) for a in argv]])
+    err = fails(capsys, [*train_argv(folder), *[a.format(tmp=tmp_path) for a in argv]])
     assert expected in err, err
     _untouched(folder, before)
 
@@ -101,6 +69,6 @@ def test_a_full_disk_under_the_metrics_is_one_line_too(capsys, folder, monkeypat
         raise OSError(errno.ENOSPC, "No space left on device", str(folder / "metrics.jsonl"))
 
     monkeypatch.setattr(Recorder, "write", full)
-    err = _fails(capsys, _train(folder, "train.max_steps=12"), code=EXIT_ENVIRONMENT)
+    err = fails(capsys, train_argv(folder, "train.max_steps=12"), code=EXIT_ENVIRONMENT)
     assert err == (f"distrib: error: {folder}/metrics.jsonl: No space left on device; free some space or fix the "
                    "filesystem, then run the same command again (it resumes from the last checkpoint)")
