@@ -4,8 +4,14 @@ refused in one line."""
 import pytest
 
 from distrib.cli import main
+from distrib.config import DistConfig
 from distrib.distributed.mesh import MeshShape
-from distrib.plan import _group_split, collective_bytes
+from distrib.distributed.mesh import group_split as _group_split
+from distrib.distributed.strategies import FSDPStrategy
+
+
+def collective_bytes(shape: MeshShape, *args):
+    return FSDPStrategy(DistConfig(strategy=shape.strategy), shape).step_traffic(*args)
 
 
 @pytest.mark.parametrize("argv, message", [
