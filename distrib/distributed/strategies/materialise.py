@@ -62,18 +62,32 @@ def _storage(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage()._cdata
 
 
+def _in_place_target(func, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The tensor an in-place op (a method like normal_ or copy_, or a torch.nn.init function) writes, else None."""
+    name = getattr(func, "__name__", "")
+    if not name.endswith("_") or name.startswith("_"):
+        return None
+    target = args[0] if args else kwargs.get("tensor")  # nn.init passes it by keyword to torch functions
+    return target if isinstance(target, torch.Tensor) else None
+
+
+def _is_init_function(func) -> bool:
+    return getattr(func, "__module__", "") == "torch.nn.init"
+
+
 class _Writes(TorchFunctionMode):
-    """Records the storage of every tensor an in-place op writes (methods named like normal_, copy_)."""
+    """Records the storage of every tensor an in-place op writes."""
 
     def __init__(self):
         super().__init__()
         self.written: set[int] = set()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name.endswith("_") and not name.startswith("_") and args and isinstance(args[0], torch.Tensor):
-            self.written.add(_storage(args[0]))
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        target = _in_place_target(func, args, kwargs)
+        if target is not None:
+            self.written.add(_storage(target))
+        return func(*args, **kwargs)
 
 
 def initialises_itself(model: nn.Module) -> bool:
@@ -88,18 +102,24 @@ def initialises_itself(model: nn.Module) -> bool:
 
 
 class _WholeThenSlice(TorchFunctionMode):
-    """A random fill of a DTensor made on the whole tensor on the host, then this rank's slice kept: one tensor whole
-    at a time, never the model."""
+    """A torch.nn.init function or a random fill applied to a DTensor runs on the whole tensor on the host instead
+    (the CPU generator draws what one process draws for it, and fans are the whole tensor's), and this rank keeps its
+    slice: one tensor whole at a time, never the model. Other in-place ops are elementwise: DTensor runs them on the
+    local shard, with the same result."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        target = args[0] if args else None
-        if getattr(func, "__name__", "") not in _RANDOM_FILLS or not isinstance(target, DTensor):
+        target = _in_place_target(func, args, kwargs)
+        whole_op = _is_init_function(func) or getattr(func, "__name__", "") in _RANDOM_FILLS
+        if not whole_op or not isinstance(target, DTensor):
             return func(*args, **kwargs)
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         whole = torch.empty(target.shape, dtype=target.dtype)
-        getattr(whole, func.__name__)(*args[1:], **kwargs)
+        if args:
+            func(whole, *args[1:], **kwargs)
+        else:
+            func(**{**kwargs, "tensor": whole})
         shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
         target.to_local().copy_(whole[tuple(slice(start, start + size) for start, size in zip(offset, shape))])
         return target
