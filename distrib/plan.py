@@ -23,6 +23,7 @@ from distrib.distributed.mesh import MeshShape
 from distrib.distributed.parallel import local_tensor, state_parts
 from distrib.distributed.runtime import Runtime
 from distrib.distributed.strategies import Strategy, make_strategy
+from distrib.distributed.strategies.materialise import initialises_itself
 from distrib.models.build import build_model
 from distrib.training.trainer import build_optimizer
 
@@ -32,13 +33,14 @@ GIB, GB = 2**30, 1e9
 @dataclass(frozen=True, slots=True)
 class Machine:
     """The cluster asked about; the defaults are H100/H200 nodes (NVLink 4: 450 GB/s per GPU and direction;
-    one 400 Gb/s NIC per GPU: 50 GB/s). device_memory 0: H100's 80 GiB."""
+    one 400 Gb/s NIC per GPU: 50 GB/s; 80 GiB per GPU, 2 TiB of host memory per node)."""
 
     nnodes: int
     nproc_per_node: int
     device_memory: float = 80 * GIB
     intra_node_bandwidth: float = 450 * GB
     inter_node_bandwidth: float = 50 * GB
+    host_memory: float = 2048 * GIB  # per node: a DGX H100's 2 TiB
 
     @property
     def world_size(self) -> int:
@@ -147,6 +149,34 @@ def _tp_activations(model: nn.Module, shape: MeshShape, inputs: torch.Tensor) ->
     return 2 * sum(positions * m.out_features for m in rowwise)
 
 
+def _whole_model(config: Config, info) -> tuple[int, int, bool]:
+    """Bytes of the whole model's parameters and buffers (tied ones once), of its largest tensor, and whether it
+    initialises itself (then no rank ever builds it whole under sharded strategies)."""
+    torch.manual_seed(config.train.seed)
+    with torch.device("meta"):
+        model = build_model(config.model, info)
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(map(_nbytes, tensors)), max(map(_nbytes, tensors)), initialises_itself(model)
+
+
+def _memory_figures(config: Config, strategy: Strategy, machine: Machine, info, parts: dict, needed: int,
+                    device: torch.device) -> dict:
+    """Start-up beside steady state, device memory per rank beside host memory per node, and what does not fit."""
+    whole, largest, self_init = _whole_model(config, info)
+    params_on_host = device.type == "cpu" or strategy.state_on_host
+    startup, startup_host = strategy.startup_memory(parts["parameters"], whole, largest, self_init,
+                                                    machine.nproc_per_node, params_on_host)
+    state = sum(parts.values())
+    # In steady state the host holds each rank's all (a CPU run) or its offloaded state shards.
+    steady_host = machine.nproc_per_node * (needed if device.type == "cpu" else state if strategy.state_on_host else 0)
+    host = max(startup_host, steady_host)
+    return {"startup_bytes_per_rank": startup, "startup_host_bytes_per_node": startup_host,
+            "host_bytes_per_node": steady_host, "host_memory_bytes": machine.host_memory,
+            "whole_model_bytes": whole, "self_initialising": self_init,
+            "fits": needed <= machine.device_memory and (device.type == "cpu" or startup <= machine.device_memory),
+            "fits_host": host <= machine.host_memory}
+
+
 def plan_run(config: Config, machine: Machine) -> dict:
     """The figures of the plan, under summary.json's names where it has them. UserErrors are train's own."""
     strategy = make_strategy(config.dist, machine.world_size, machine.nproc_per_node)
@@ -178,7 +208,7 @@ def plan_run(config: Config, machine: Machine) -> dict:
             "grad_accum_steps": batches.grad_accum_steps, "data_parallel_size": shape.data_parallel,
             "collective_bytes_per_step_intra_node": intra, "collective_bytes_per_step_inter_node": inter,
             "device_memory_bytes": machine.device_memory, "memory_bytes_per_rank": needed,
-            "fits": needed <= machine.device_memory,
+            **_memory_figures(config, strategy, machine, data.info, parts, needed, device),
             "step_seconds_lower_bound": max(intra / machine.intra_node_bandwidth,
                                             inter / machine.inter_node_bandwidth)}
 
@@ -208,8 +238,15 @@ def table(figures: dict, machine: Machine) -> str:
                   f"{f['grad_accum_steps']} grad-accum steps x micro-batch {f['micro_batch_size']}"),
         ("collectives / step", f"{_size(f['collective_bytes_per_step_intra_node'])} intra-node, "
                                f"{_size(f['collective_bytes_per_step_inter_node'])} inter-node per rank"),
+        ("start-up / rank", f"{_size(f['startup_bytes_per_rank'])} while building and loading ("
+                            + ("the model initialises its own shards" if f["self_initialising"] else
+                               "rank 0 also builds the whole model in host memory") + ")"),
         ("device memory", f"{'fits' if f['fits'] else 'DOES NOT FIT'}: {_size(f['memory_bytes_per_rank'])} of "
                           f"{_size(f['device_memory_bytes'])} (state + activations of one micro-batch)"),
+        ("host memory / node", f"{'fits' if f['fits_host'] else 'DOES NOT FIT'}: "
+                               f"{_size(f['startup_host_bytes_per_node'])} at start-up, "
+                               f"{_size(f['host_bytes_per_node'])} in steady state, of "
+                               f"{_size(f['host_memory_bytes'])}"),
         ("step time >=", f"{f['step_seconds_lower_bound'] * 1e3:.1f} ms from communication at "
                          f"{machine.intra_node_bandwidth / GB:g} GB/s intra-node, "
                          f"{machine.inter_node_bandwidth / GB:g} GB/s inter-node"),

@@ -93,7 +93,8 @@ class Strategy(ABC):
         """(intra-node, inter-node) bytes each rank sends per optimizer step for gradients and parameters."""
 
     @abstractmethod
-    def startup_bytes(self, parameter_bytes_per_rank: int, whole_parameter_bytes: int,
-                      self_initialising: bool) -> tuple[int, int]:
-        """(device bytes per rank, extra host bytes on the fullest node) that building and loading hold before the
-        first step, beside the steady state."""
+    def startup_memory(self, parameter_bytes_per_rank: int, whole_bytes: int, largest_tensor_bytes: int,
+                       self_initialising: bool, nproc_per_node: int, params_on_host: bool) -> tuple[int, int]:
+        """(bytes the fullest rank holds while building and loading, before the first step; host bytes of the fullest
+        node meanwhile). whole_bytes: the model's parameters and buffers; params_on_host: the device is the CPU, or
+        dist.cpu_offload keeps the shards there."""

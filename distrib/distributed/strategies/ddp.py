@@ -90,7 +90,7 @@ class DDPStrategy(Strategy):
         # one all-reduce of the fp32 gradients per step
         return group_split(self.dims.replicate, 1, per_node, local_params * 4, 2)
 
-    def startup_bytes(self, parameter_bytes_per_rank: int, whole_parameter_bytes: int,
-                      self_initialising: bool) -> tuple[int, int]:
-        # every rank builds the whole model on the host, then moves it to its device
-        return parameter_bytes_per_rank, 0
+    def startup_memory(self, parameter_bytes_per_rank: int, whole_bytes: int, largest_tensor_bytes: int,
+                       self_initialising: bool, nproc_per_node: int, params_on_host: bool) -> tuple[int, int]:
+        # Every rank builds the whole model on its host, then moves it to its device tensor by tensor.
+        return whole_bytes, nproc_per_node * whole_bytes

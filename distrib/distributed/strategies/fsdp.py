@@ -121,8 +121,11 @@ class FSDPStrategy(Strategy):
             parts.append(group_split(dims.replicate, dims.shard * tp, per_node, local_params * 4, 2))
         return sum(p[0] for p in parts), sum(p[1] for p in parts)
 
-    def startup_bytes(self, parameter_bytes_per_rank: int, whole_parameter_bytes: int,
-                      self_initialising: bool) -> tuple[int, int]:
-        # each rank materialises only its shards; a model that cannot initialise them is built whole once, on the
-        # host of rank 0's node
-        return parameter_bytes_per_rank, 0 if self_initialising else whole_parameter_bytes
+    def startup_memory(self, parameter_bytes_per_rank: int, whole_bytes: int, largest_tensor_bytes: int,
+                       self_initialising: bool, nproc_per_node: int, params_on_host: bool) -> tuple[int, int]:
+        # Each rank materialises only its shards. A self-initialising model adds one whole tensor at a time on each
+        # rank's host; any other is built whole once, on rank 0's host.
+        extra = largest_tensor_bytes if self_initialising else whole_bytes
+        shards_on_host = nproc_per_node * parameter_bytes_per_rank if params_on_host else 0
+        per_node = (nproc_per_node * extra if self_initialising else extra) + shards_on_host
+        return parameter_bytes_per_rank + extra, per_node
