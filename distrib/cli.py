@@ -73,8 +73,8 @@ def _worker(config) -> int:
 
     try:
         run_training(config)
-    except Preempted as e:
-        say(f"distrib: {e}; exit code {EXIT_PREEMPTED}: requeue the job and it resumes there")
+    except Preempted as e:  # a SystemExit(75): entry() ends the process with it, as distrib.fit's scripts end
+        say(e.line())
         return EXIT_PREEMPTED
     return 0
 
