@@ -16,6 +16,7 @@ from distrib.data.batching import BatchSource, DeviceBatches, Failed, LoaderBatc
 from distrib.data.tensors import DataInfo, Normalizer, Split, channel_stats, stats_indices
 from distrib.distributed.runtime import Runtime
 from distrib.errors import UserError
+from distrib.launch.preempt import ignore_stop_signals
 
 Stats = tuple[tuple[float, ...], tuple[float, ...]]
 IGNORE_INDEX = -100  # a dense class target that is not counted (cross-entropy's ignore_index, Hugging Face's)
@@ -110,7 +111,8 @@ def materialize(split: Split | Dataset, config: DataConfig) -> Split:
     """A Dataset read whole into tensors (through a DataLoader with data.num_workers), for the device path."""
     if isinstance(split, Split):
         return split
-    loader = DataLoader(split, batch_size=256, collate_fn=collate, num_workers=config.num_workers)
+    loader = DataLoader(split, batch_size=256, collate_fn=collate, num_workers=config.num_workers,
+                        worker_init_fn=ignore_stop_signals)
     inputs, targets = [], []
     for batch in loader:
         batch = _checked(batch)
@@ -235,7 +237,7 @@ def _stats(loaded: Loaded, train, inputs, config: DataConfig) -> Stats:
     if isinstance(train, Split):
         return channel_stats(train.inputs.index_select(0, chunk) for chunk in indices.split(1024))
     loader = DataLoader(torch.utils.data.Subset(train, indices.tolist()), batch_size=256, collate_fn=collate,
-                        num_workers=config.num_workers)
+                        num_workers=config.num_workers, worker_init_fn=ignore_stop_signals)
     return channel_stats(_checked(batch)[0] for batch in loader)
 
 
