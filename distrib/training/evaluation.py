@@ -48,11 +48,13 @@ class Task:
     kind: str = "classes"  # classes | positions | values
     sequence: bool = False
     metrics: tuple[Metric, ...] = ()
+    num_classes: int = 0  # classes: the logits' width (top-k accuracy only where there are more than TOP_K)
 
     def reported(self) -> list[str]:
-        """The scalar metrics an evaluation of this task reports (besides test_count)."""
+        """The scalar metrics an evaluation of this task reports (besides test_count), as _metrics reports them."""
         names = ["test_loss"]
-        names += {"classes": ["test_accuracy", f"test_top{TOP_K}_accuracy"], "positions": ["test_token_accuracy"],
+        top_k = [f"test_top{TOP_K}_accuracy"] if self.num_classes > TOP_K else []
+        names += {"classes": ["test_accuracy", *top_k], "positions": ["test_token_accuracy"],
                   "values": []}[self.kind]
         names += ["test_perplexity"] if self.sequence else []
         return names + [f"test_{name}" for metric in self.metrics for name in metric.names]
@@ -71,7 +73,7 @@ def task_of(outputs, targets, loss: Loss, metrics: tuple[Metric, ...] = ()) -> T
     if not integer or not isinstance(logits, torch.Tensor) or class_dim(logits, targets) is None:
         return Task("values", sequence, metrics)
     if targets.dim() == 1:
-        return Task("classes", False, metrics)
+        return Task("classes", False, metrics, num_classes=logits.shape[1])
     # A model's own loss may shift its targets (a causal LM's does): its logits are not aligned with them.
     return Task("values" if loss.name == "model" else "positions", sequence, metrics)
 
