@@ -9,7 +9,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch.nn as nn
 
 from distrib.config import Config, load_config
-from distrib.errors import ConfigError, UserError
+from distrib.errors import ConfigError, Preempted, UserError, say
 
 
 def _toml_text(value: Any) -> str:
@@ -53,6 +53,11 @@ def fit(model: nn.Module | Callable[..., nn.Module], train_data, test_data,
     finished run.dir it trains nothing, writes nothing and returns that run's summary (one line says so); a failure
     is one exception (a distrib error's one-line message), named in the launcher's last line too.
 
+    A stop signal (checkpoint.signals: SIGTERM, SIGUSR1) checkpoints at the next step boundary, says one line and
+    raises distrib.Preempted, a SystemExit with code 75: uncaught, the script ends with exit code 75 and no traceback
+    (a job script requeues it; the same command resumes). A script that must act on it catches distrib.Preempted
+    and re-raises it.
+
     >>> import torch
     >>> from distrib import fit
     >>> g = torch.Generator().manual_seed(0)
@@ -76,6 +81,9 @@ def fit(model: nn.Module | Callable[..., nn.Module], train_data, test_data,
             data = data_from_datasets(train_data, test_data, resolved.data, runtime, resolved.train.seed)
             # train_on locks the run's folders
             return train_on(resolved, runtime, data=data, model=model, loss_fn=loss_fn, metrics=tuple(metrics))
+    except Preempted as e:  # a SystemExit(75): uncaught, the script ends with 75 and no traceback
+        say(e.line())
+        raise
     except Exception as e:
         _record(e)
         if isinstance(e, UserError):  # its one line says it all: not the chain of exceptions that led to it
