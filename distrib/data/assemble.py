@@ -118,7 +118,9 @@ def read_whole(stream, what: str, limit: int | None = None) -> Split:
     if not rows:
         raise UserError(f"{what}: an empty stream (it yielded no sample); fix: give a stream with samples (check "
                         "its files or its filter)")
-    batch = _checked(collate_stream(rows))
+    batch = collate_stream(rows)
+    if isinstance(batch, Failed):
+        raise UserError(f"{what}: {batch.message.removeprefix('data: ')} (among its first {len(rows)} samples)")
     if batch[1] is None:
         return Split(batch[0], None)
     return Split(*batch)
