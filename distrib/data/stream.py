@@ -47,7 +47,7 @@ def rank_part(source, rank: int, world_size: int):
     return source.shard(num_shards=world_size, index=rank)
 
 
-class _Order:
+class WorkerOrder:
     """The micro-batches of every worker in one order, whatever order the DataLoader delivers them in: round robin
     over the workers, skipping those that ended. Keeps each worker's position after its last micro-batch taken."""
 
@@ -123,7 +123,7 @@ class StreamBatches:
         source = rank_part(self.source, layout.rank, layout.world_size) if self.sharded else self.source
         if hasattr(source, "set_epoch"):
             source.set_epoch(epoch)  # a shuffled Hugging Face stream: the same order on every rank, a new one per pass
-        order = _Order(iter(self._loader(WorkerStream(source, layout, collate_stream, start.get("reader")))),
+        order = WorkerOrder(iter(self._loader(WorkerStream(source, layout, collate_stream, start.get("reader")))),
                        layout.num_workers, start)
         self.epoch, self.step_in_epoch = epoch, start_step
         while True:
@@ -196,12 +196,12 @@ class StreamBatches:
         idx = torch.arange(item.first, item.first + item.count, device=self.runtime.device)
         return self.finish(inputs, targets, idx, epoch)
 
-    def _position(self, order: _Order, layout: Layout) -> dict:
+    def _position(self, order: WorkerOrder, layout: Layout) -> dict:
         if not self.sharded:
             return {"samples": self.step_in_epoch * layout.global_batch_size}
         return order.position()
 
-    def _pass_ended(self, order: _Order, items: list[Item | None], layout: Layout) -> None:
+    def _pass_ended(self, order: WorkerOrder, items: list[Item | None], layout: Layout) -> None:
         """Every rank at the same step: count what this rank leaves (read to its end), and say it in one line."""
         left = sum(item.count for item in items if item is not None)
         while (item := order.next()) is not None:

@@ -73,7 +73,10 @@ class WorkerStream(IterableDataset):
         self.source, self.layout, self.collate, self.start = source, layout, collate, start or {}
 
     def __iter__(self) -> Iterator[Item]:
-        worker = worker_id()
+        return self.read(worker_id())
+
+    def read(self, worker: int) -> Iterator[Item]:
+        """Worker `worker`'s items (the DataLoader calls it through __iter__ in that worker)."""
         if self.layout.sharded:
             return self._sharded(worker)
         return self._plain(worker)
