@@ -47,7 +47,8 @@ def _token_data(config: DataConfig, runtime: Runtime, seed: int, log) -> Data:
     info, train, test = _on_every_rank(runtime, lambda: token_data(config, runtime, seed))
     log(f"data {info.name}: {train.num_tokens} train / {test.num_tokens} test tokens, vocabulary {info.num_classes}, "
         f"{train.num_samples} windows of {config.seq_len} per epoch, {test.num_samples} test windows"
-        + (" (memory-mapped)" if config.name == "tokens" else " (device-resident)"))
+        + (" (device-resident)" if config.name == "text" else " (memory-mapped)")
+        + (f", {len(train.read.shards)} train / {len(test.read.shards)} test shards" if config.train_files else ""))
     return Data(info, train, test)
 
 
