@@ -81,6 +81,8 @@ class DataConfig:
     seq_len: int = 256  # text | tokens: tokens per training window (the model's context)
     test_fraction: float = 0.1  # text: the last share of the bytes, held out for evaluation
     vocab_size: int = 0  # tokens: the vocabulary size (token ids < vocab_size); text is bytes: 256
+    collate: str = ""  # package.module:function making a micro-batch of a list of samples; "" = distrib's padding
+    pad_id: int = 0  # the input_ids of padding, when distrib pads dict samples of different lengths
     train_files: str = ""  # tokens: a glob of token shards (raw uint16 or llm.c's); "" = data.root/train.bin
     test_files: str = ""  # tokens: a glob of held-out token shards; "" = data.root/val.bin
 
@@ -96,7 +98,10 @@ class DataConfig:
         _choice("data", self, "augment", ("none", "flip", "crop_flip"))
         if not self.root:
             _fail("data", "root", self.root, "must not be empty", "e.g. --set data.root=data")
-        for key in ("num_workers", "image_size", "crop_padding", "num_classes"):
+        if self.collate and not _FACTORY.match(self.collate):
+            _fail("data", "collate", self.collate, "must look like package.module:function",
+                  "e.g. --set data.collate=mypkg.data:collate")
+        for key in ("num_workers", "image_size", "crop_padding", "num_classes", "pad_id"):
             _at_least("data", self, key, 0)
         for key in ("prefetch_factor", "eval_batch_size", "synthetic_train_size", "synthetic_test_size"):
             _at_least("data", self, key, 1)
