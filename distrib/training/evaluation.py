@@ -16,7 +16,16 @@ from distrib.data import eval_batches, samples
 from distrib.distributed.parallel import is_sharded, unwrap
 from distrib.distributed.runtime import Runtime
 from distrib.errors import UserError
-from distrib.training.losses import IGNORE_INDEX, Loss, class_dim, cross_entropy, forward, logits_of, own_loss
+from distrib.training.losses import (
+    IGNORE_INDEX,
+    CountedModelLoss,
+    Loss,
+    class_dim,
+    cross_entropy,
+    forward,
+    logits_of,
+    own_loss,
+)
 
 _FIXED_POINT = 2.0 ** 32  # losses summed as integers: exact, whatever the order of the sum
 TOP_K = 5  # top-5 accuracy is reported when there are more than TOP_K classes
@@ -104,6 +113,9 @@ def _loss_sum(loss: Loss, outputs, targets, num_samples: int) -> tuple[torch.Ten
     logits = logits_of(outputs)
     if loss.elementwise is not None and loss.fits(logits, targets):
         return _fixed(loss.elementwise(logits.float(), targets)).sum(), loss.count(targets)
+    if isinstance(loss, CountedModelLoss):  # a mean over counted positions: their sum, and how many
+        count = loss.count(targets)
+        return _fixed(loss(outputs, targets).float() * count), count
     own = own_loss(outputs) if loss.name == "model" else None
     mean = own if own is not None else loss(outputs, targets)
     return _fixed(mean.float() * num_samples), torch.tensor(num_samples)

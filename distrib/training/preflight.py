@@ -81,7 +81,7 @@ def dry_batch(model: nn.Module, source, info: DataInfo, device: torch.device, lo
     finally:
         model.train(was_training)
     if own_loss(outputs) is not None:
-        return DryBatch(inputs, targets, outputs, model_loss())
+        return DryBatch(inputs, targets, outputs, model_loss(outputs, targets))
     if targets is None:
         raise UserError(f"the data's samples {info.inputs} have no targets (a dict sample keeps them under 'labels'), "
                         "and the model returned no loss (outputs.loss); fix: add labels to the samples, or return "
