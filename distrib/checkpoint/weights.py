@@ -22,10 +22,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from distrib.distributed.parallel import full_model_state
 from distrib.errors import EnvironmentFault, UserError
 
 WEIGHTS_DIR, SINGLE, INDEX = "weights", "model.safetensors", "model.safetensors.index.json"
 MAX_FILE_BYTES = 5 * 2**30  # save_pretrained's default shard size
+# model.pt under fsdp, hsdp and tensor parallel is gathered whole into rank 0's host memory: only up to this size.
+MODEL_PT_MAX_BYTES = 256 * 2**20
 DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
           torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
@@ -264,3 +267,25 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     index = folder / INDEX
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [SINGLE]
     return {name: tensor for file in files for name, tensor in load_file(folder / file).items()}
+
+
+def model_pt_is_cheap(tensors: dict[str, torch.Tensor], sharded: bool) -> bool:
+    """model.pt costs nothing to gather under ddp (rank 0 holds the whole model); under the sharded strategies it
+    is gathered into rank 0's host memory, so only for models of at most MODEL_PT_MAX_BYTES."""
+    return not sharded or sum(t.numel() * t.element_size() for t in tensors.values()) <= MODEL_PT_MAX_BYTES
+
+
+def write_run_weights(model: nn.Module, ema, run_dir: Path, rank: int, sharded: bool) -> dict[str, dict]:
+    """Every rank: the unwrapped model's weights into run_dir/weights/ (and the EMA's into weights_ema/), shard by
+    shard. Returns what rank 0 then writes whole: {"model.pt": ..., "model_ema.pt": ...} where model_pt_is_cheap,
+    else {} (also on the other ranks)."""
+    tensors = model_tensors(model)
+    save_weights(tensors, Path(run_dir) / WEIGHTS_DIR, rank, hf_config(model))
+    if ema is not None:
+        save_weights(ema.state_dict(), Path(run_dir) / f"{WEIGHTS_DIR}_ema", rank)
+    if not model_pt_is_cheap(tensors, sharded):
+        return {}
+    whole = {"model.pt": full_model_state(model)}  # every rank: under fsdp a gather onto rank 0
+    if ema is not None:
+        whole["model_ema.pt"] = ema.full_state_dict()  # every rank: a gather under fsdp
+    return whole if rank == 0 else {}
