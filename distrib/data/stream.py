@@ -35,12 +35,29 @@ def is_sharded(value) -> bool:
     return isinstance(getattr(value, "n_shards", None), int) and callable(getattr(value, "shard", None))
 
 
+def _hugging_face(source) -> bool:
+    return type(source).__module__.startswith("datasets.")
+
+
+def describe(source, world_size: int) -> str:
+    """How the ranks read a training stream, for the data line of the log."""
+    if not is_sharded(source):
+        return "plain (every rank reads it whole)"
+    shards = source.n_shards
+    if shards % world_size == 0:
+        return f"sharded ({shards} shards: each rank reads its own)"
+    if _hugging_face(source):  # its own rule
+        return (f"sharded ({shards} shards, which do not divide among {world_size} ranks: each rank reads them all "
+                f"and keeps 1 of {world_size} samples; give a multiple of {world_size} shards)")
+    return f"sharded ({shards} shards, dealt out unevenly to {world_size} ranks)"
+
+
 def rank_part(source, rank: int, world_size: int):
     """This rank's part of a sharded source (a Hugging Face dataset whose shards do not divide among the ranks is
     read by every rank, each keeping 1 of world_size samples: its own rule)."""
     if world_size == 1:
         return source
-    if type(source).__module__.startswith("datasets."):
+    if _hugging_face(source):
         from datasets.distributed import split_dataset_by_node
 
         return split_dataset_by_node(source, rank=rank, world_size=world_size)

@@ -10,7 +10,7 @@ Hugging Face IterableDataset splits them among the workers itself); each worker 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import islice
 from typing import Any, Iterator
 
@@ -19,6 +19,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from distrib.data import samples
 from distrib.data.batching import Failed, collate
+from distrib.data.tensors import Split
+from distrib.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,6 @@ class Item:
     state: Any = None  # the worker's position after this item: a source state_dict, or samples read
     first: int = 0  # plain streams: the stream position of the micro-batch's first sample (augmentation's key)
     read: int = 0  # at the end: samples the worker read in this pass (plain streams: the stream's length)
-    extra: dict = field(default_factory=dict)
 
 
 def identity(item):
@@ -152,6 +153,18 @@ class Shards(IterableDataset):
         files = self.files[info.id::info.num_workers] if info is not None else self.files
         for path in files:
             yield from self.read(path)
+
+
+def read_whole(stream, what: str, limit: int | None = None) -> Split:
+    """A stream's samples (its first `limit`) as tensors; an empty stream or a bad sample is one line."""
+    rows = head(stream, limit) if limit else list(stream)
+    if not rows:
+        raise UserError(f"{what}: an empty stream (it yielded no sample); fix: give a stream with samples (check "
+                        "its files or its filter)")
+    batch = collate_stream(rows)
+    if isinstance(batch, Failed):
+        raise UserError(f"{what}: {batch.message.removeprefix('data: ')} (among its first {len(rows)} samples)")
+    return Split(*batch)
 
 
 def head(source, count: int) -> list:
