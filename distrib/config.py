@@ -81,6 +81,10 @@ class DataConfig:
     seq_len: int = 256  # text | tokens: tokens per training window (the model's context)
     test_fraction: float = 0.1  # text: the last share of the bytes, held out for evaluation
     vocab_size: int = 0  # tokens: the vocabulary size (token ids < vocab_size); text is bytes: 256
+    collate: str = ""  # package.module:function making a micro-batch of a list of samples; "" = distrib's padding
+    pad_id: int = 0  # the input_ids of padding, when distrib pads dict samples of different lengths
+    train_files: str = ""  # tokens: a glob of token shards (raw uint16 or llm.c's); "" = data.root/train.bin
+    test_files: str = ""  # tokens: a glob of held-out token shards; "" = data.root/val.bin
 
     def __post_init__(self):
         if self.factory:
@@ -94,7 +98,10 @@ class DataConfig:
         _choice("data", self, "augment", ("none", "flip", "crop_flip"))
         if not self.root:
             _fail("data", "root", self.root, "must not be empty", "e.g. --set data.root=data")
-        for key in ("num_workers", "image_size", "crop_padding", "num_classes"):
+        if self.collate and not _FACTORY.match(self.collate):
+            _fail("data", "collate", self.collate, "must look like package.module:function",
+                  "e.g. --set data.collate=mypkg.data:collate")
+        for key in ("num_workers", "image_size", "crop_padding", "num_classes", "pad_id"):
             _at_least("data", self, key, 0)
         for key in ("prefetch_factor", "eval_batch_size", "synthetic_train_size", "synthetic_test_size"):
             _at_least("data", self, key, 1)
@@ -115,6 +122,13 @@ class DataConfig:
         if self.name == "tokens" and not self.factory and self.vocab_size < 1:
             _fail("data", "vocab_size", self.vocab_size, "data.name = tokens needs the vocabulary size of its "
                   "train.bin and val.bin", "e.g. --set data.vocab_size=50304 (GPT-2's, padded)")
+        for key, other in (("train_files", "test_files"), ("test_files", "train_files")):
+            if getattr(self, key) and (self.name != "tokens" or self.factory):
+                _fail("data", key, getattr(self, key), "names token shards, read only by data.name = tokens",
+                      f"--set data.name=tokens, or leave data.{key} empty")
+            if getattr(self, key) and not getattr(self, other):
+                _fail("data", other, "", f"data.{key} is set, so the other split's shards are needed too",
+                      f"e.g. --set 'data.{other}=data/fineweb10B/fineweb_{other[:-6].replace('test', 'val')}_*.bin'")
 
     def _check_normalize(self):
         value = self.normalize
@@ -135,6 +149,7 @@ class ModelConfig:
     name: str = "network"  # network: the seed Fashion-MNIST CNN | gpt: the built-in decoder-only transformer
     factory: str = ""  # package.module:function returning any nn.Module; overrides name
     kwargs: dict = field(default_factory=dict)  # keyword arguments of the factory (besides num_classes, ...)
+    init_from: str = ""  # pretrained weights read into the built model: safetensors, a run's weights, a checkpoint
 
     def __post_init__(self):
         if self.factory:

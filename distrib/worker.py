@@ -19,11 +19,13 @@ import torch.nn as nn
 
 from distrib.checkpoint import BestCheckpoints, Checkpointer, CheckpointError, committing, make_checkpointer
 from distrib.checkpoint.format import save_atomic, set_rng_state
+from distrib.checkpoint.init_from import Pretrained, check_weights, load_weights, open_source
+from distrib.checkpoint.weights import write_run_weights
 from distrib.config import Config, to_dict, write_resolved
 from distrib.data import Data, load_data, make_plan
 from distrib.data.batching import load_source_state, source_state
 from distrib.distributed.agreement import RankAgreement
-from distrib.distributed.parallel import full_model_state, memory_report, parallelize, place_model, sync_batchnorm
+from distrib.distributed.parallel import memory_report, parallelize, place_model, sync_batchnorm, unwrap
 from distrib.distributed.runtime import LaunchEnv, Runtime, collective_timeouts, open_runtime
 from distrib.errors import ConfigError, say
 from distrib.factory import accepted, call_factory
@@ -173,6 +175,7 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
     plan = make_plan(data.train.num_samples, config.train, runtime)
     total_steps = _total_steps(config, plan.steps_per_epoch)
     placed = _model(config, runtime, data, model, notes)
+    pretrained = _pretrained(config, placed)  # names and shapes checked now; read once the model is sharded
     dry = dry_batch(placed, data.train, data.info, runtime.device, build_loss(config.train, loss_fn))
     loss, task = dry.loss, task_for(dry, config.metrics.eval, metrics)
     task.check_watched("train.early_stop_metric", config.train.early_stop_metric)
@@ -190,6 +193,8 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
                           total_steps, runtime.device, best=_best(config, runtime), log=notes.append)
         checkpointer = _checkpointer(config, runtime, state, plan.global_batch_size, data)
         resumed_from = _resume(state, config, runtime, checkpointer, plan.global_batch_size, data, notes)
+        if pretrained is not None and resumed_from is None:  # a resumed checkpoint wins over model.init_from
+            _init_from(state, pretrained, notes)
         finished = _finished_summary(config, runtime, state, total_steps) if resumed_from is not None else None
         if finished is not None:
             return finished  # nothing written: summary.json, config.toml and metrics.jsonl stay as they were
@@ -221,6 +226,18 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
             raise
         return _finish(config, runtime, data, state, metrics, meter, recorder, resumed_from, start,
                        model is None)
+
+
+def _pretrained(config: Config, model: nn.Module) -> Pretrained | None:
+    """model.init_from's weights, their names and shapes checked against the model (no tensor data read yet)."""
+    return check_weights(unwrap(model), open_source(config.model.init_from)) if config.model.init_from else None
+
+
+def _init_from(state: TrainState, pretrained: Pretrained, notes: list[str]) -> None:
+    """Every rank reads its blocks of the pretrained weights into the (sharded) model; the EMA starts from them."""
+    notes.append(load_weights(unwrap(state.model), pretrained))
+    if state.ema is not None:
+        state.ema.reset()
 
 
 def _after_step(runtime: Runtime, on_step_end: Callable[[int], None] | None) -> Callable[[int], None] | None:
@@ -258,15 +275,14 @@ def _memory(config: Config, runtime: Runtime, state: TrainState, recorder: Recor
 
 def _finish(config: Config, runtime: Runtime, data: Data, state: TrainState, metrics: dict, meter, recorder,
             resumed_from: int | None, start: float, from_config: bool) -> dict:
-    """model.pt (and model.json, which says how to rebuild a config's model), summary.json, the last log line."""
+    """The weights (weights/, and model.pt where it is cheap), model.json (which says how to rebuild a config's
+    model), summary.json, the last log line."""
     run_dir = Path(config.run.dir)
-    weights = full_model_state(state.model)  # every rank: under fsdp this gathers the shards onto rank 0
-    ema_state = state.ema.full_state_dict() if state.ema else None  # every rank: a gather under FSDP
+    written = write_run_weights(unwrap(state.model), state.ema, run_dir, runtime.rank, config.dist.sharded)
     memory = _memory(config, runtime, state, recorder)
     if runtime.is_main:
-        save_atomic(weights, run_dir / "model.pt")
-        if ema_state is not None:
-            save_atomic(ema_state, run_dir / "model_ema.pt")
+        for name, whole in written.items():
+            save_atomic(whole, run_dir / name)
         if from_config:  # a model given to distrib.fit in Python has no factory that model.json could name
             from distrib.training.inference import write_model_card
 

@@ -57,7 +57,8 @@ def one_run(kind: str, args, x: torch.Tensor, y: torch.Tensor, folder: Path) -> 
     train = (x, y) if kind == "memory" else Windows(x[order], y[order])
     overrides = {"train.max_steps": args.steps, "train.epochs": 0 if kind == "memory" else 1,
                  "train.global_batch_size": args.batch, "train.optimizer": "adamw", "train.lr": LR,
-                 "train.weight_decay": 0.0, "train.log_every": args.steps, "data.num_classes": 256,
+                 "train.weight_decay": 0.0, "train.warmup_steps": 10, "train.log_every": args.steps,
+                 "data.num_classes": 256,
                  "data.num_workers": args.workers if kind == "stream" else 0, "run.progress": False,
                  "dist.device": "cpu", "checkpoint.every_steps": 0, "run.dir": str(folder / kind),
                  "data.loader": "device" if kind == "memory" else "auto"}

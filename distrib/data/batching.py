@@ -228,7 +228,7 @@ class LoaderBatches:
     indices as the device path, loaded by data.num_workers processes, then finished on the device."""
 
     def __init__(self, dataset: Dataset, runtime: Runtime, num_workers: int = 0, normalizer: Normalizer | None = None,
-                 augment: Augment | None = None, config: DataConfig | None = None):
+                 augment: Augment | None = None, config: DataConfig | None = None, collate_fn=None):
         if isinstance(dataset, Split):
             normalizer = normalizer or _default_normalizer(dataset)
             dataset = InMemory(dataset)
@@ -239,7 +239,8 @@ class LoaderBatches:
         self.sampler = _Lists()
         pin = config.pin_memory and runtime.pin_memory
         extra = dict(persistent_workers=config.persistent_workers, prefetch_factor=config.prefetch_factor)
-        self.loader = DataLoader(dataset, batch_sampler=self.sampler, collate_fn=collate, num_workers=num_workers,
+        self.loader = DataLoader(dataset, batch_sampler=self.sampler, collate_fn=collate_fn or collate,
+                                 num_workers=num_workers,
                                  pin_memory=pin, **(extra if num_workers else {}))
 
     def batches(self, index_lists: list[torch.Tensor], epoch: int | None = None) -> Iterator[Batch]:

@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from distrib.config import DataConfig
 from distrib.data import samples
-from distrib.data.batching import Batch, BatchPlan, Failed, Finish
-from distrib.data.stream_read import Item, Layout, WorkerStream, collate_stream, head, identity, kinds_of
+from distrib.data.batching import Batch, BatchPlan, Failed, Finish, collate
+from distrib.data.stream_read import Item, Layout, StreamCollate, WorkerStream, head, identity, kinds_of
 from distrib.distributed.runtime import Runtime
 from distrib.errors import UserError
 
@@ -111,8 +111,9 @@ class StreamBatches:
 
     num_samples = None
 
-    def __init__(self, source, runtime: Runtime, config: DataConfig, finish: Finish, log: Callable[[str], None]):
-        self.sharded = is_sharded(source)
+    def __init__(self, source, runtime: Runtime, config: DataConfig, finish: Finish, log: Callable[[str], None],
+                 collate_fn: Callable = collate):
+        self.sharded, self.collate = is_sharded(source), StreamCollate(collate_fn)
         self.source, self.runtime, self.config, self.finish, self.log = source, runtime, config, finish, log
         self.kind: str | None = None  # the structure of the first micro-batch: a later change is refused
         self.position: dict = {}  # this rank's position after the last step handed out
@@ -123,7 +124,7 @@ class StreamBatches:
 
     def batches(self, index_lists: list[torch.Tensor], epoch: int | None = None) -> Iterator[Batch]:
         count = max((len(idx) for idx in index_lists), default=0)
-        batch = collate_stream(head(self.source, count))
+        batch = self.collate(head(self.source, count))
         if isinstance(batch, Failed):
             raise UserError(f"train data: {batch.message.removeprefix('data: ')}")
         inputs, targets = (samples.to_device(part, self.runtime.device) for part in batch)
@@ -140,7 +141,7 @@ class StreamBatches:
         source = rank_part(self.source, layout.rank, layout.world_size) if self.sharded else self.source
         if hasattr(source, "set_epoch"):
             source.set_epoch(epoch)  # a shuffled Hugging Face stream: the same order on every rank, a new one per pass
-        order = WorkerOrder(iter(self._loader(WorkerStream(source, layout, collate_stream, start.get("reader")))),
+        order = WorkerOrder(iter(self._loader(WorkerStream(source, layout, self.collate, start.get("reader")))),
                        layout.num_workers, start)
         self.epoch, self.step_in_epoch = epoch, start_step
         while True:
