@@ -141,8 +141,8 @@ class StreamBatches:
         source = rank_part(self.source, layout.rank, layout.world_size) if self.sharded else self.source
         if hasattr(source, "set_epoch"):
             source.set_epoch(epoch)  # a shuffled Hugging Face stream: the same order on every rank, a new one per pass
-        order = WorkerOrder(iter(self._loader(WorkerStream(source, layout, self.collate, start.get("reader")))),
-                       layout.num_workers, start)
+        reader = WorkerStream(source, layout, self.collate, start.get("reader"))
+        order = WorkerOrder(iter(self._loader(reader)), layout.num_workers, start)
         self.epoch, self.step_in_epoch = epoch, start_step
         while True:
             items = [order.next() for _ in range(layout.grad_accum_steps)]
