@@ -33,7 +33,8 @@ def resolve_config(config: str | Path | Config | None, overrides: Mapping[str, A
 
 def fit(model: nn.Module | Callable[..., nn.Module], train_data, test_data,
         config: str | Path | Config | None = None, overrides: Mapping[str, Any] | None = None,
-        loss_fn: Callable | None = None, metrics: Sequence[Callable] = (), collate_fn: Callable | None = None) -> dict:
+        loss_fn: Callable | None = None, metrics: Sequence[Callable] = (), collate_fn: Callable | None = None,
+        val_data=None) -> dict:
     """Trains `model` on `train_data`, evaluates it exactly on `test_data`; returns the summary (as in summary.json).
 
     model: an nn.Module, or a function returning one (called after seeding, with num_classes, in_channels and
@@ -49,6 +50,9 @@ def fit(model: nn.Module | Callable[..., nn.Module], train_data, test_data,
     collate_fn: list of samples -> a batch (a dict of tensors, e.g. a Hugging Face data collator's, or an (inputs,
         targets) pair), for datasets read through the DataLoader; default (and data.collate unset): dict samples of
         different lengths are right-padded per micro-batch (input_ids with data.pad_id, attention_mask 0, labels -100).
+    val_data: a validation set, of the kinds train_data may be (or data.val_fraction holds out a share of
+        train_data): evaluated during training as val_* (what early stopping and best-k may watch); the test set is
+        then evaluated only at the end.
 
     Run as one process, or unchanged under `torchrun --nproc-per-node N` / `distrib launch`: every worker runs the
     script, fit() joins the process group the launcher set up and takes its share of each global batch. Outputs go
@@ -77,7 +81,7 @@ def fit(model: nn.Module | Callable[..., nn.Module], train_data, test_data,
         resolved = resolve_config(config, overrides)
         with environment_faults(), open_runtime(resolved.dist) as runtime, peers_lost(resolved, runtime):
             data = data_from_datasets(train_data, test_data, resolved.data, runtime, resolved.train.seed,
-                                      collate_fn=collate_fn)
+                                      collate_fn=collate_fn, val=val_data)
             # train_on locks the run's folders
             return train_on(resolved, runtime, data=data, model=model, loss_fn=loss_fn, metrics=tuple(metrics))
     except Exception as e:
