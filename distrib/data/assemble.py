@@ -31,6 +31,7 @@ class Data:
     info: DataInfo
     train: BatchSource
     test: BatchSource
+    val: BatchSource | None = None  # a validation set (distrib.data.split): evaluated during training instead of test
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class Loaded:
     test: Split | Dataset
     class_names: tuple[str, ...] | None = None
     stats: Stats | None = None  # known for named sets
+    val: Split | Dataset | None = None  # a validation set given with the data (a factory's third, fit's val_data)
 
 
 def distributed(runtime: Runtime | None) -> bool:
@@ -70,9 +72,10 @@ def build(loaded: Loaded, config: DataConfig, runtime: Runtime, seed: int, log, 
     if is_stream(loaded.train) or is_stream(loaded.test):
         return build_stream(loaded, config, runtime, seed, log, collate_fn)
     device_path = _device_path(loaded, config, runtime)
-    train, test = loaded.train, loaded.test
+    train, test, val = loaded.train, loaded.test, loaded.val
     if device_path:
         train, test = materialize(train, config), materialize(test, config)
+        val = None if val is None else materialize(val, config)
     collate_fn = collate_fn or Collate(config.pad_id)
     first = first_batch(train, collate_fn)
     _same_kind(loaded.name, first, first_batch(test, collate_fn))
@@ -80,14 +83,18 @@ def build(loaded: Loaded, config: DataConfig, runtime: Runtime, seed: int, log, 
     uint8 = isinstance(first[0], torch.Tensor) and first[0].dtype == torch.uint8
     normalizer = Normalizer(info.mean, info.std, uint8)
     augment = _augment(config, seed, first[0])
+    if val is not None:
+        _same_kind(loaded.name, first, first_batch(val, collate_fn))
     if device_path:
-        sources = (DeviceBatches(train, runtime, normalizer, augment), DeviceBatches(test, runtime, normalizer))
+        sources = tuple(DeviceBatches(split, runtime, normalizer, aug) if split is not None else None
+                        for split, aug in ((train, augment), (test, None), (val, None)))
     else:
         sources = tuple(LoaderBatches(split, runtime, config.num_workers, normalizer, aug, config, collate_fn)
-                        for split, aug in ((train, augment), (test, None)))
+                        if split is not None else None for split, aug in ((train, augment), (test, None), (val, None)))
     log(_normalize_line(config, loaded, info, len(train)))
     classes = f"{info.num_classes} classes" if info.num_classes else "no classes"
-    log(f"data {info.name}: {len(train)} train / {len(test)} test samples of {info.inputs} -> {info.targets}, "
+    log(f"data {info.name}: {len(train)} train / " + (f"{len(val)} validation / " if val is not None else "")
+        + f"{len(test)} test samples of {info.inputs} -> {info.targets}, "
         f"{classes}, {'device-resident' if device_path else f'DataLoader ({config.num_workers} workers)'}"
         + (f", augment {config.augment}" if augment else ""))
     return Data(info, *sources)
