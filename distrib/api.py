@@ -33,7 +33,7 @@ def resolve_config(config: str | Path | Config | None, overrides: Mapping[str, A
 
 def fit(model: nn.Module | Callable[..., nn.Module], train_data, test_data,
         config: str | Path | Config | None = None, overrides: Mapping[str, Any] | None = None,
-        loss_fn: Callable | None = None, metrics: Sequence[Callable] = ()) -> dict:
+        loss_fn: Callable | None = None, metrics: Sequence[Callable] = (), callbacks: Sequence[Any] = ()) -> dict:
     """Trains `model` on `train_data`, evaluates it exactly on `test_data`; returns the summary (as in summary.json).
 
     model: an nn.Module, or a function returning one (called after seeding, with num_classes, in_channels and
@@ -46,6 +46,9 @@ def fit(model: nn.Module | Callable[..., nn.Module], train_data, test_data,
         train.loss (cross-entropy).
     metrics: functions (outputs, targets) -> {name: (sum, count)}, reported as test_<name> = sum / count, summed
         exactly over the whole test set (as metrics.eval does for functions named in the config).
+    callbacks: objects with any of the hooks on_train_start(model), on_step_end(step, loss), on_evaluate(step,
+        metrics), on_train_end(summary), called on every rank in list order (after train.callbacks'); a hook that
+        raises ends the run with one UserError naming it. See distrib.training.callbacks.Callback.
 
     Run as one process, or unchanged under `torchrun --nproc-per-node N` / `distrib launch`: every worker runs the
     script, fit() joins the process group the launcher set up and takes its share of each global batch. Outputs go
@@ -75,7 +78,8 @@ def fit(model: nn.Module | Callable[..., nn.Module], train_data, test_data,
         with environment_faults(), open_runtime(resolved.dist) as runtime, peers_lost(resolved, runtime):
             data = data_from_datasets(train_data, test_data, resolved.data, runtime, resolved.train.seed)
             # train_on locks the run's folders
-            return train_on(resolved, runtime, data=data, model=model, loss_fn=loss_fn, metrics=tuple(metrics))
+            return train_on(resolved, runtime, data=data, model=model, loss_fn=loss_fn, metrics=tuple(metrics),
+                            callbacks=tuple(callbacks))
     except Exception as e:
         _record(e)
         if isinstance(e, UserError):  # its one line says it all: not the chain of exceptions that led to it

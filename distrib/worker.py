@@ -31,6 +31,7 @@ from distrib.launch.rundir import checkpoint_dir, environment_faults, own_folder
 from distrib.metrics import Recorder
 from distrib.metrics.recorder import headline
 from distrib.models.build import batchnorm_layers, build_model, data_kwargs
+from distrib.training.callbacks import Callbacks, from_config
 from distrib.training.evaluation import MetricFn, Task, evaluate
 from distrib.training.losses import Loss, LossFn, build_loss
 from distrib.training.notes import task_notes
@@ -152,10 +153,11 @@ def _model(config: Config, runtime: Runtime, data: Data, model: ModelArg, notes:
 
 def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None] | None = None, *,
              data: Data | None = None, model: ModelArg = None, loss_fn: LossFn | None = None,
-             metrics: tuple[MetricFn, ...] = ()) -> dict:
+             metrics: tuple[MetricFn, ...] = (), callbacks: tuple = ()) -> dict:
     """Trains inside an open process group; returns the run's summary. Everything that can fail on the user's input
     (data, model, the dry batch, the checkpoint to resume) runs before anything is written to run.dir, so a run that
-    fails leaves an earlier run's files there as they were. on_step_end(step) runs after each step's bookkeeping."""
+    fails leaves an earlier run's files there as they were. on_step_end(step) runs after each step's bookkeeping;
+    callbacks (after train.callbacks') get the hooks of distrib.training.callbacks."""
     runtime = runtime.for_training(config.dist)  # the ranks of a tensor-parallel group read the same data
     start, notes = time.perf_counter(), []
     data = data or load_data(config.data, runtime, config.train.seed)
@@ -167,6 +169,7 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
     task.check_watched("train.early_stop_metric", config.train.early_stop_metric)
     task.check_watched("checkpoint.best_metric", config.checkpoint.best_metric if config.checkpoint.keep_best else "")
     check_user_optimizer(config.train)
+    hooks = Callbacks([*from_config(config.train.callbacks), *callbacks])
     notes += task_notes(config.train, loss, task, placed, total_steps)
     meter = meter_for(config, runtime)
     meter.flops_per_sample = flops_per_sample(placed, dry.inputs, dry.targets, loss)
@@ -203,13 +206,15 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
                 trainer = Trainer(state=state, loss=loss, config=config.train, device=runtime.device, plan=plan,
                                   total_steps=total_steps, evaluate=evaluator, recorder=recorder, meter=meter,
                                   agreement=agreement, checkpointer=checkpointer,
-                                  on_step_end=_after_step(runtime, on_step_end))
+                                  on_step_end=_after_step(runtime, on_step_end), callbacks=hooks)
                 metrics = trainer.train(data.train)
         except BaseException as e:  # flush metrics and trackers now: the CLI's os._exit skips finalisers
             recorder.close("preempted" if isinstance(e, Preempted) else "failed")
             raise
-        return _finish(config, runtime, data, state, metrics, meter, recorder, resumed_from, start,
-                       model is None)
+        summary = _finish(config, runtime, data, state, metrics, meter, recorder, resumed_from, start,
+                          model is None)
+        hooks.on_train_end(summary)
+        return summary
 
 
 def _after_step(runtime: Runtime, on_step_end: Callable[[int], None] | None) -> Callable[[int], None] | None:

@@ -164,7 +164,7 @@ class Failed:
 def collate(batch):
     """A batch gathered whole (InMemory) passes through; samples are stacked (a dict sample's targets stay inside it,
     as None beside it); any failure is passed on."""
-    if isinstance(batch, tuple):
+    if isinstance(batch, (tuple, Failed)):  # gathered whole by the dataset's __getitems__, or its failure
         return batch
     failed = next((item for item in batch if isinstance(item, Failed)), None)
     if failed is not None:

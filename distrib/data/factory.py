@@ -1,5 +1,6 @@
 """The user's data: `data.factory = "package.module:function"` called with data.kwargs, or datasets handed to
-distrib.fit(); each split becomes an in-memory Split (tensors) or stays a Dataset for the DataLoader path."""
+distrib.fit(); each split becomes an in-memory Split (tensors) or stays a Dataset for the DataLoader path (a Hugging
+Face datasets.Dataset read through distrib.data.hf)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from distrib.data import samples
+from distrib.data import hf, samples
 from distrib.data.tensors import Split, check_inputs
 from distrib.errors import UserError
 
@@ -55,6 +56,9 @@ def _describe(value) -> str:
 def as_split_or_dataset(value, what: str) -> Split | Dataset:
     """A pair of tensors (or dicts of tensors) or a TensorDataset -> a Split; another map-style Dataset stays one (its
     first sample is checked here); anything else is a UserError naming `what`."""
+    rows = hf.as_rows(value, what)  # a Hugging Face datasets.Dataset, as it is
+    if rows is not None:
+        return rows
     if isinstance(value, TensorDataset) and len(value.tensors) == 2:
         value = value.tensors
     if isinstance(value, (tuple, list)) and len(value) == 2 and all(samples.is_tree(v) for v in value):
