@@ -147,7 +147,8 @@ def _model(config: Config, runtime: Runtime, data: Data, model: ModelArg, notes:
     elif norms:
         notes.append(f"the model has {len(norms)} BatchNorm layers ({norms[0]}, ...): their statistics are per "
                      "micro-batch, so runs at other world sizes or grad_accum_steps no longer agree exactly; on "
-                     "GPUs, --set dist.sync_batchnorm=true computes them over each micro-step's global batch")
+                     "GPUs, --set dist.sync_batchnorm=true computes them over each micro-step's global batch (frozen "
+                     "ones: a callback keeps them in eval mode, README \"Callbacks\")")
     return place_model(model, runtime.device)
 
 
