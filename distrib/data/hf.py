@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
-from distrib.data.batching import Failed
 from distrib.errors import UserError
 
 LABEL_COLUMNS = ("labels", "label")  # the Hugging Face convention first: a dict sample keeps its "labels" inside
@@ -20,7 +19,7 @@ def _from_datasets(value) -> bool:
 
 def as_rows(value, what: str) -> HFRows | None:
     """An HFRows over a datasets.Dataset; None for anything not from datasets; one line for its other types."""
-    if not _from_datasets(value):
+    if not _from_datasets(value) or isinstance(value, IterableDataset):  # a streaming one: distrib.data.stream's
         return None
     kind = type(value).__name__
     if kind == "DatasetDict":
@@ -28,8 +27,8 @@ def as_rows(value, what: str) -> HFRows | None:
         raise UserError(f"{what}: a DatasetDict of the splits {splits}; fix: give one split each, e.g. "
                         "fit(model, dataset['train'], dataset['test'])")
     if not (hasattr(value, "column_names") and hasattr(value, "__getitem__") and hasattr(value, "__len__")):
-        raise UserError(f"{what}: a datasets.{kind}, which cannot be read by index (a streaming dataset?); fix: give a "
-                        "map-style datasets.Dataset (load_dataset without streaming=True)")
+        raise UserError(f"{what}: a datasets.{kind}, which distrib cannot read; fix: give a datasets.Dataset (or "
+                        "a streaming IterableDataset for the training set)")
     return HFRows(value, what)
 
 
@@ -37,7 +36,8 @@ class HFRows(Dataset):
     """A datasets.Dataset as samples: with a "labels" column, one dict of every tensor column (the Hugging Face
     convention: the dict goes to model(**batch), its labels are the targets); with "label", (inputs, label), the
     inputs the one other column or a dict of the others; with neither, a dict without targets. Columns that are no
-    tensors (strings) are dropped, and `note` says so once. A batch is one read of its rows (dataset[indices])."""
+    tensors (strings) are dropped, and `note` says so once. A batch is one read of its rows (dataset[indices]), its
+    samples then collated as any dataset's (dict samples of different lengths padded, or data.collate)."""
 
     def __init__(self, dataset, what: str):
         self.dataset, self.what = dataset, what
@@ -81,17 +81,12 @@ class HFRows(Dataset):
         row = self.dataset[int(index)]
         return self._sample({name: to_tensor(row[name]) for name in self.columns})
 
-    def __getitems__(self, indices: list[int]):
-        """A whole batch from one read of its rows (what the DataLoader calls): (inputs, targets), already collated."""
+    def __getitems__(self, indices: list[int]) -> list:
+        """The rows of a batch from one read (what the DataLoader calls), as samples for its collate function (which
+        pads dict samples of different lengths, or is the user's)."""
         batch = self.dataset[list(indices)]
-        columns = {name: to_tensor(batch[name]) for name in self.columns}
-        ragged = next((name for name, tensor in columns.items() if tensor is None or len(tensor) != len(indices)),
-                      None)
-        if ragged is not None:
-            return Failed(f"{self.what}: the column {ragged!r} has rows of different lengths; fix: pad or cut them to "
-                          "one length (e.g. tokenizer(..., padding='max_length', truncation=True, max_length=N))")
-        sample = self._sample(columns)
-        return sample if isinstance(sample, tuple) else (sample, None)
+        columns = {name: _rows(batch[name], len(indices)) for name in self.columns}
+        return [self._sample({name: rows[row] for name, rows in columns.items()}) for row in range(len(indices))]
 
     @property
     def targets(self) -> torch.Tensor | None:
@@ -103,6 +98,14 @@ class HFRows(Dataset):
         """A ClassLabel column's class names."""
         features = getattr(self.dataset, "features", None) or {}
         return getattr(features.get(self.label), "names", None) if self.label else None
+
+
+def _rows(values, count: int) -> list[torch.Tensor | None]:
+    """A batch's column as one tensor per row: unbound from one conversion where the rows have one shape."""
+    tensor = to_tensor(values)
+    if tensor is not None and tensor.dim() and len(tensor) == count:
+        return list(tensor.unbind(0))
+    return [to_tensor(value) for value in values]  # rows of different lengths
 
 
 def _format(dataset) -> str:

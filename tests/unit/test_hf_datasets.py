@@ -9,6 +9,7 @@ import torch
 
 from distrib import fit
 from distrib.config import DataConfig
+from distrib.data.collate import collate_for
 from distrib.data.factory import as_split_or_dataset
 from distrib.data.hf import HFRows
 from distrib.data.load import load_data
@@ -35,7 +36,8 @@ def reads(monkeypatch) -> list:
 
 
 def _batch(rows: HFRows, indices: list[int]):
-    return rows.__getitems__(indices)
+    """What the DataLoader makes of these rows: one read, then distrib's collate."""
+    return collate_for(0)(rows.__getitems__(indices))
 
 
 def test_every_format_gives_the_same_tensors():
@@ -111,9 +113,13 @@ def test_what_cannot_be_read_is_one_line(make, match):
         as_split_or_dataset(make(), "train data")
 
 
-def test_rows_of_different_lengths_in_one_batch_are_one_line():
-    rows = as_split_or_dataset(datasets.Dataset.from_dict({"input_ids": [[1, 2], [1, 2, 3]], "label": [0, 1]})
-                               .with_format("torch"), "train data")
-    failed = rows.__getitems__([0, 1])
-    assert "train data: the column 'input_ids' has rows of different lengths; fix: pad or cut" in failed.message
-    assert np.array_equal(rows[1][0].numpy(), [1, 2, 3])
+def test_rows_of_different_lengths_are_padded_as_dict_samples_and_one_line_as_pairs():
+    ragged = {"input_ids": [[1, 2], [1, 2, 3]], "labels": [[2, 3], [2, 3, 4]]}
+    rows = as_split_or_dataset(datasets.Dataset.from_dict(ragged).with_format("torch"), "train data")
+    inputs, targets = _batch(rows, [0, 1])
+    assert inputs["input_ids"].tolist() == [[1, 2, 0], [1, 2, 3]] and inputs["labels"].tolist() == [[2, 3, -100],
+                                                                                                     [2, 3, 4]]
+    pairs = as_split_or_dataset(datasets.Dataset.from_dict({"input_ids": ragged["input_ids"], "label": [0, 1]}),
+                                "train data")
+    assert "samples of different shapes or types in one batch" in _batch(pairs, [0, 1]).message
+    assert np.array_equal(pairs[1][0].numpy(), [1, 2, 3])
