@@ -16,7 +16,16 @@ from distrib.data import eval_batches, samples
 from distrib.distributed.parallel import is_sharded, unwrap
 from distrib.distributed.runtime import Runtime
 from distrib.errors import UserError
-from distrib.training.losses import IGNORE_INDEX, Loss, class_dim, cross_entropy, forward, logits_of, own_loss
+from distrib.training.losses import (
+    IGNORE_INDEX,
+    CountedModelLoss,
+    Loss,
+    class_dim,
+    cross_entropy,
+    forward,
+    logits_of,
+    own_loss,
+)
 
 _FIXED_POINT = 2.0 ** 32  # losses summed as integers: exact, whatever the order of the sum
 TOP_K = 5  # top-5 accuracy is reported when there are more than TOP_K classes
@@ -59,11 +68,17 @@ class Task:
         names += ["test_perplexity"] if self.sequence else []
         return names + [f"test_{name}" for metric in self.metrics for name in metric.names]
 
-    def check_watched(self, key: str, metric: str) -> None:
-        """Early stopping and best-k must watch a metric this task reports: one line now, not a KeyError later."""
-        if metric and metric.removesuffix("_ema") not in self.reported():
-            raise UserError(f"{key} = {metric!r}: this run reports no {metric.removesuffix('_ema')} (it reports "
-                            f"{', '.join(self.reported())}); fix: --set {key}=test_loss")
+    def check_watched(self, key: str, metric: str, validation: bool = False) -> None:
+        """Early stopping and best-k must watch a metric this task reports: one line now, not a KeyError later. With
+        a validation set, its val_* metrics are reported too (and are what to watch)."""
+        reported = self.reported()
+        reported += [f"val_{name.removeprefix('test_')}" for name in reported] if validation else []
+        if metric and metric.removesuffix("_ema") not in reported:
+            hint = "" if validation or not metric.startswith("val_") else (
+                " (val_* needs a validation set: data.val_fraction, a factory's (train, val, test) or "
+                "fit(val_data=...))")
+            raise UserError(f"{key} = {metric!r}: this run reports no {metric.removesuffix('_ema')}{hint} (it reports "
+                            f"{', '.join(reported)}); fix: --set {key}={'val' if validation else 'test'}_loss")
 
 
 def task_of(outputs, targets, loss: Loss, metrics: tuple[Metric, ...] = ()) -> Task:
@@ -104,6 +119,9 @@ def _loss_sum(loss: Loss, outputs, targets, num_samples: int) -> tuple[torch.Ten
     logits = logits_of(outputs)
     if loss.elementwise is not None and loss.fits(logits, targets):
         return _fixed(loss.elementwise(logits.float(), targets)).sum(), loss.count(targets)
+    if isinstance(loss, CountedModelLoss):  # a mean over counted positions: their sum, and how many
+        count = loss.count(targets)
+        return _fixed(loss(outputs, targets).float() * count), count
     own = own_loss(outputs) if loss.name == "model" else None
     mean = own if own is not None else loss(outputs, targets)
     return _fixed(mean.float() * num_samples), torch.tensor(num_samples)

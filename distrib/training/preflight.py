@@ -69,7 +69,7 @@ def dry_batch(model: nn.Module, source, info: DataInfo, device: torch.device, lo
     """Runs the plain placed model on the first samples of `source` in eval mode without gradients (no dropout draws,
     no BatchNorm statistics, no RNG: the training that follows is bitwise what it would be without this), checks
     that its outputs fit the targets and the loss, and that class targets are in range."""
-    indices = torch.arange(min(DRY_BATCH_SIZE, source.num_samples))
+    indices = torch.arange(min(DRY_BATCH_SIZE, source.num_samples or DRY_BATCH_SIZE))  # None: a stream
     inputs, targets = next(iter(source.batches([indices])))
     check_batch({**samples.named(inputs, "inputs"), **samples.named(targets, "targets")}, device)
     model = unwrap(model)
@@ -81,7 +81,7 @@ def dry_batch(model: nn.Module, source, info: DataInfo, device: torch.device, lo
     finally:
         model.train(was_training)
     if own_loss(outputs) is not None:
-        return DryBatch(inputs, targets, outputs, model_loss())
+        return DryBatch(inputs, targets, outputs, model_loss(outputs, targets))
     if targets is None:
         raise UserError(f"the data's samples {info.inputs} have no targets (a dict sample keeps them under 'labels'), "
                         "and the model returned no loss (outputs.loss); fix: add labels to the samples, or return "

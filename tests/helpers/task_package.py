@@ -111,6 +111,26 @@ def multitask(num_train=128, num_test=1000, features=8):
     return (x[:num_train], train), (x[num_train:], {key: value[num_train:] for key, value in targets.items()})
 
 
+class RaggedTokens(Dataset):
+    """Tokenized texts of 8 to 32 ids each, unpadded, as a tokenizer gives them: {"input_ids", "labels"} of the
+    text's own length (a causal LM shifts the labels itself)."""
+
+    def __init__(self, num_samples, seed):
+        g = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(8, 33, (num_samples,), generator=g).tolist()
+        self.ids = list(text_bytes(sum(lengths), seed=seed).long().split(lengths))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, index):
+        return {"input_ids": self.ids[index], "labels": self.ids[index].clone()}
+
+
+def ragged_lm(num_train=96, num_test=40):
+    return RaggedTokens(num_train, seed=6), RaggedTokens(num_test, seed=7)
+
+
 def multilabel(num_train=128, num_test=48, features=10, labels=5):
     g = torch.Generator().manual_seed(5)
     x = torch.randn(num_train + num_test, features, generator=g)
