@@ -24,6 +24,7 @@ from distrib.checkpoint.weights import WEIGHTS_DIR, write_run_weights
 from distrib.config import Config, to_dict, write_resolved
 from distrib.data import Data, load_data, make_plan
 from distrib.data.batching import load_source_state, source_state
+from distrib.data.split import split_validation
 from distrib.distributed.agreement import RankAgreement
 from distrib.distributed.parallel import memory_report, parallelize, place_model, sync_batchnorm, unwrap
 from distrib.distributed.runtime import LaunchEnv, Runtime, collective_timeouts, open_runtime
@@ -171,15 +172,22 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
     fails leaves an earlier run's files there as they were. on_step_end(step) runs after each step's bookkeeping."""
     runtime = runtime.for_training(config.dist)  # the ranks of a tensor-parallel group read the same data
     start, notes = time.perf_counter(), []
-    data = data or load_data(config.data, runtime, config.train.seed)
+    data = split_validation(data or load_data(config.data, runtime, config.train.seed), config.data)
+    if data.val is not None:
+        notes.append(f"validation: {data.val.num_samples} samples"
+                     + (f" held out of the training set (data.val_fraction = {config.data.val_fraction})"
+                        if config.data.val_fraction else "") + ", evaluated during training (val_*); the test set "
+                     "at the end")
     plan = make_plan(data.train.num_samples, config.train, runtime)
     total_steps = _total_steps(config, plan.steps_per_epoch)
     placed = _model(config, runtime, data, model, notes)
     pretrained = _pretrained(config, placed)  # names and shapes checked now; read once the model is sharded
     dry = dry_batch(placed, data.train, data.info, runtime.device, build_loss(config.train, loss_fn))
     loss, task = dry.loss, task_for(dry, config.metrics.eval, metrics)
-    task.check_watched("train.early_stop_metric", config.train.early_stop_metric)
-    task.check_watched("checkpoint.best_metric", config.checkpoint.best_metric if config.checkpoint.keep_best else "")
+    validation = data.val is not None
+    task.check_watched("train.early_stop_metric", config.train.early_stop_metric, validation)
+    task.check_watched("checkpoint.best_metric", config.checkpoint.best_metric if config.checkpoint.keep_best else "",
+                       validation)
     check_user_optimizer(config.train)
     notes += task_notes(config.train, loss, task, placed, total_steps)
     meter = meter_for(config, runtime)
@@ -216,8 +224,10 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
                     committing(checkpointer):
                 agreement = RankAgreement(stop, runtime.device, runtime.world_size, synced_at=state.progress.step)
                 evaluator = _evaluator(config, runtime, data, loss, task)
+                validator = _evaluator(config, runtime, data, loss, task, "val") if validation else None
                 trainer = Trainer(state=state, loss=loss, config=config.train, device=runtime.device, plan=plan,
-                                  total_steps=total_steps, evaluate=evaluator, recorder=recorder, meter=meter,
+                                  total_steps=total_steps, evaluate=evaluator, validate=validator, recorder=recorder,
+                                  meter=meter,
                                   agreement=agreement, checkpointer=checkpointer,
                                   on_step_end=_after_step(runtime, on_step_end))
                 metrics = trainer.train(data.train)
@@ -255,10 +265,16 @@ def _after_step(runtime: Runtime, on_step_end: Callable[[int], None] | None) -> 
     return after_step
 
 
-def _evaluator(config: Config, runtime: Runtime, data: Data, loss: Loss, task: Task) -> Callable[[nn.Module], dict]:
+def _evaluator(config: Config, runtime: Runtime, data: Data, loss: Loss, task: Task, split: str = "test"
+               ) -> Callable[[nn.Module], dict]:
+    """Exact metrics of the test set, or of the validation set (split "val": the same metrics named val_*)."""
+    source = data.val if split == "val" else data.test
+
     def evaluate_model(model: nn.Module) -> dict:
-        return evaluate(model, data.test, data.info.num_classes, config.data.eval_batch_size, runtime, loss,
-                        config.train.precision, data.info.class_names, task)
+        metrics = evaluate(model, source, data.info.num_classes, config.data.eval_batch_size, runtime, loss,
+                           config.train.precision, data.info.class_names, task)
+        return {f"{split}_{key.removeprefix('test_')}" if key.startswith("test_") else key: value
+                for key, value in metrics.items()}
 
     return evaluate_model
 

@@ -68,11 +68,17 @@ class Task:
         names += ["test_perplexity"] if self.sequence else []
         return names + [f"test_{name}" for metric in self.metrics for name in metric.names]
 
-    def check_watched(self, key: str, metric: str) -> None:
-        """Early stopping and best-k must watch a metric this task reports: one line now, not a KeyError later."""
-        if metric and metric.removesuffix("_ema") not in self.reported():
-            raise UserError(f"{key} = {metric!r}: this run reports no {metric.removesuffix('_ema')} (it reports "
-                            f"{', '.join(self.reported())}); fix: --set {key}=test_loss")
+    def check_watched(self, key: str, metric: str, validation: bool = False) -> None:
+        """Early stopping and best-k must watch a metric this task reports: one line now, not a KeyError later. With
+        a validation set, its val_* metrics are reported too (and are what to watch)."""
+        reported = self.reported()
+        reported += [f"val_{name.removeprefix('test_')}" for name in reported] if validation else []
+        if metric and metric.removesuffix("_ema") not in reported:
+            hint = "" if validation or not metric.startswith("val_") else (
+                " (val_* needs a validation set: data.val_fraction, a factory's (train, val, test) or "
+                "fit(val_data=...))")
+            raise UserError(f"{key} = {metric!r}: this run reports no {metric.removesuffix('_ema')}{hint} (it reports "
+                            f"{', '.join(reported)}); fix: --set {key}={'val' if validation else 'test'}_loss")
 
 
 def task_of(outputs, targets, loss: Loss, metrics: tuple[Metric, ...] = ()) -> Task:

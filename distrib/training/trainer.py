@@ -156,6 +156,8 @@ class Trainer:
     total_steps: int
     device: torch.device  # this worker's
     evaluate: Callable[[nn.Module], dict]  # exact test metrics of the model (every rank calls it)
+    validate: Callable[[nn.Module], dict] | None = None  # exact val_* metrics of a validation set: then evaluations
+    # during training are of it (early stopping and best-k watch val_*), and the test set is evaluated at the end
     recorder: Recorder
     meter: Throughput
     agreement: RankAgreement
@@ -257,20 +259,30 @@ class Trainer:
             self._log_eval(self._evaluate())
             self.meter.restart_clock()  # keep evaluation out of the step times
 
-    def _evaluate(self) -> dict:
-        metrics = self.evaluate(self.state.model)
+    def _evaluate(self, test: bool = False) -> dict:
+        """With a validation set: its val_* metrics, and the test set's only at the end (test); else the test set's."""
+        evaluations = [self.validate] if self.validate is not None else []
+        if test or self.validate is None:
+            evaluations.append(self.evaluate)
+        metrics = {}
+        for evaluation in evaluations:
+            metrics.update(self._with_ema(evaluation))
+        return metrics
+
+    def _with_ema(self, evaluation: Callable[[nn.Module], dict]) -> dict:
+        metrics = evaluation(self.state.model)
         if self.state.ema is not None:  # the averaged weights too, on the same samples
             with self.state.ema.swapped_in():
-                averaged = self.evaluate(self.state.model)
-            metrics.update({f"{key}_ema": averaged[key] for key in ("test_loss", "test_accuracy") if key in averaged})
+                averaged = evaluation(self.state.model)
+            metrics.update({f"{key}_ema": averaged[key] for key in ("test_loss", "test_accuracy", "val_loss",
+                                                                     "val_accuracy") if key in averaged})
         return metrics
 
     def _log_eval(self, metrics: dict) -> dict:
         """Logs an evaluation, keeps the best checkpoints, and decides on early stopping. The metrics are exact and
         the same on every rank, so every rank decides alike, with no collective of its own."""
         state, step = self.state, self.state.progress.step
-        scalars = {key: value for key, value in metrics.items() if not isinstance(value, dict)}  # per class: summary
-        self.recorder.log_eval(step, state.progress.epoch, scalars)
+        self.recorder.log_eval(step, state.progress.epoch, _scalars(metrics))
         if state.best is not None:
             state.best.consider(step, metrics, self.checkpointer)
         if state.early_stop is not None and not state.early_stop.stopped and state.early_stop.update(step, metrics):
@@ -313,6 +325,14 @@ class Trainer:
             self.checkpointer.save(progress.step)  # the final state (after the stopping evaluation), to extend it
         if self.last_eval is not None and self.last_eval[0] == progress.step:
             metrics = self.last_eval[1]  # stopped early right after evaluating these weights
+            if self.validate is not None:  # on the validation set: the test set only now
+                test = self._with_ema(self.evaluate)
+                self.recorder.log_eval(progress.step, progress.epoch, _scalars(test))
+                metrics = {**metrics, **test}
         else:
-            metrics = self._log_eval(self._evaluate())
+            metrics = self._log_eval(self._evaluate(test=True))
         return {**metrics, "train_loss": self.recorder.last_loss, **self.stop_reason()}
+
+
+def _scalars(metrics: dict) -> dict:
+    return {key: value for key, value in metrics.items() if not isinstance(value, dict)}  # per class: the summary

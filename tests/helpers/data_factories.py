@@ -74,3 +74,11 @@ def tiny_cnn(num_classes: int, in_channels: int):
 def mismatched():
     (x, y), (tx, ty) = tensors()
     return (x, y), (tx[:, :, :4], ty)
+
+
+def with_val():
+    """(train, val, test): 64, 10 and 20 synthetic Fashion-MNIST-shaped samples."""
+    from distrib.data.named import synthetic_split
+
+    splits = [synthetic_split(size, seed) for size, seed in ((64, 1), (10, 3), (20, 2))]
+    return tuple((split.inputs, split.targets) for split in splits)
