@@ -54,6 +54,7 @@ class Safetensors:
 
     def load(self, targets: dict[str, torch.Tensor]) -> None:
         _copy_blocks(self, targets)
+        self.handles = {}  # unmapped: the pages read would otherwise stay in this process's resident memory
 
 
 class TorchFile:
@@ -71,6 +72,7 @@ class TorchFile:
 
     def load(self, targets: dict[str, torch.Tensor]) -> None:
         _copy_blocks(self, targets)
+        self.state = {}  # unmapped, as above
 
 
 class DcpCheckpoint:

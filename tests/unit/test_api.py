@@ -56,7 +56,7 @@ def test_bad_arguments_are_one_line_errors(tmp_path):
 @pytest.mark.timeout(120)
 def test_fit_init_from_equals_a_model_that_loads_the_weights_itself(tmp_path):
     """fit(..., init_from=PATH): the same trained weights, bit for bit, as a function that loads PATH itself; weights
-    of another model are refused before run.dir is touched."""
+    of another model are refused before run.dir is touched; a resumed checkpoint wins over init_from."""
     from distrib.errors import UserError
 
     train, test = _tensors(192, 0), _tensors(64, 1)
@@ -79,3 +79,13 @@ def test_fit_init_from_equals_a_model_that_loads_the_weights_itself(tmp_path):
         fit(lambda: _model(1, 3, 6), train, test, overrides={**OVERRIDES, "run.dir": str(tmp_path / "other")},
             init_from=tmp_path / "pretrained.pt")
     assert not (tmp_path / "other").exists()
+
+    # A resumed checkpoint wins: 6 steps from `pretrained`, then a restart given other weights of the same shapes
+    # continues the checkpoint, ending bitwise where the uninterrupted run ends.
+    torch.save(_model(2, 3, 6).state_dict(), tmp_path / "other.pt")
+    halves = {**OVERRIDES, "run.dir": str(tmp_path / "halves"), "checkpoint.every_steps": 6, "train.schedule_steps": 12}
+    fit(_model, train, test, overrides={**halves, "train.max_steps": 6}, init_from=tmp_path / "pretrained.pt")
+    resumed = fit(_model, train, test, overrides=halves, init_from=tmp_path / "other.pt")
+    assert resumed["resumed_from_step"] == 6
+    halves = load_weights(tmp_path / "halves")
+    assert all(torch.equal(halves[k], init[k]) for k in init)
