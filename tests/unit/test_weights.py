@@ -108,12 +108,13 @@ def test_rank_1_of_fsdp_2_reads_only_its_rows(tmp_path, monkeypatch):
         pretrained = check_weights(model, open_source(str(folder)))
         plan = read_plan(model.state_dict())
         assert plan["model.embed_tokens.weight"] == ((128, 0), (128, 32))  # 256 rows: rank 1 reads 128..255
-        load_weights(model, pretrained)
+        note = load_weights(model, pretrained)
         for name, tensor in model.state_dict().items():
             half = reference[name].shape[0] // 2
             assert torch.equal(tensor.to_local(), reference[name][half:]), name
     assert len(read) == len(reference)
     assert sum(t.numel() for t in read) * 2 == sum(t.numel() for t in reference.values())
+    assert f"each rank read {sum(t.numel() * 4 for t in read) / 2**20:.2f}" in note  # the log counts the same bytes
 
 
 def test_rank_3_of_tensor_parallel_2_by_fsdp_2_reads_its_block_of_a_torch_file(tmp_path):
