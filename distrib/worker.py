@@ -19,7 +19,7 @@ import torch.nn as nn
 from distrib.checkpoint import BestCheckpoints, Checkpointer, CheckpointError, committing, make_checkpointer
 from distrib.checkpoint.format import save_atomic, set_rng_state
 from distrib.checkpoint.init_from import Pretrained, check_weights, load_weights, open_source
-from distrib.checkpoint.weights import write_run_weights
+from distrib.checkpoint.weights import WEIGHTS_DIR, write_run_weights
 from distrib.config import Config, to_dict, write_resolved
 from distrib.data import Data, load_data, make_plan
 from distrib.data.batching import load_source_state, source_state
@@ -314,7 +314,8 @@ def _finish(config: Config, runtime: Runtime, data: Data, state: TrainState, met
         if from_config:  # a model given to distrib.fit in Python has no factory that model.json could name
             from distrib.training.inference import write_model_card
 
-            write_model_card(run_dir / "model.json", config, data.info)
+            write_model_card(run_dir / "model.json", config, data.info,
+                             "model.pt" if "model.pt" in written else f"{WEIGHTS_DIR}/")
     elapsed = time.perf_counter() - start
     summary = {"world_size": runtime.world_size, "device": str(runtime.device), "backend": runtime.backend,
                "steps": state.progress.step, "epochs": state.progress.epoch, **metrics,
