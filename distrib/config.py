@@ -153,6 +153,7 @@ class ModelConfig:
     name: str = "network"  # network: the seed Fashion-MNIST CNN | gpt: the built-in decoder-only transformer
     factory: str = ""  # package.module:function returning any nn.Module; overrides name
     kwargs: dict = field(default_factory=dict)  # keyword arguments of the factory (besides num_classes, ...)
+    init_from: str = ""  # pretrained weights read into the built model: safetensors, a run's weights, a checkpoint
 
     def __post_init__(self):
         if self.factory:

@@ -12,13 +12,16 @@ from torch.utils.data import DataLoader, Dataset
 from distrib.config import DataConfig
 from distrib.data import samples
 from distrib.data.augment import Augment
-from distrib.data.batching import BatchSource, DeviceBatches, Failed, LoaderBatches, collate
+from distrib.data.batching import BatchSource, DeviceBatches, Failed, Finish, LoaderBatches, collate
 from distrib.data.collate import Collate
+from distrib.data.stream import StreamBatches, is_stream
+from distrib.data.stream_read import collate_stream, head
 from distrib.data.tensors import DataInfo, Normalizer, Split, channel_stats, stats_indices
 from distrib.distributed.runtime import Runtime
 from distrib.errors import UserError
 
 Stats = tuple[tuple[float, ...], tuple[float, ...]]
+STREAM_HEAD = 256  # a stream's first samples: where its kind, classes and image statistics are learnt
 IGNORE_INDEX = -100  # a dense class target that is not counted (cross-entropy's ignore_index, Hugging Face's)
 
 
@@ -65,6 +68,8 @@ def build(loaded: Loaded, config: DataConfig, runtime: Runtime, seed: int, log, 
           ) -> Data:
     """Chooses the path once, for both splits, and builds the two sources; collate_fn makes the DataLoader path's
     micro-batches (padding ragged dict samples, or the user's function)."""
+    if is_stream(loaded.train) or is_stream(loaded.test):
+        return build_stream(loaded, config, runtime, seed, log, collate_fn)
     device_path = _device_path(loaded, config, runtime)
     train, test, val = loaded.train, loaded.test, loaded.val
     if device_path:
@@ -92,6 +97,49 @@ def build(loaded: Loaded, config: DataConfig, runtime: Runtime, seed: int, log, 
         f"{classes}, {'device-resident' if device_path else f'DataLoader ({config.num_workers} workers)'}"
         + (f", augment {config.augment}" if augment else ""))
     return Data(info, *sources)
+
+
+def build_stream(loaded: Loaded, config: DataConfig, runtime: Runtime, seed: int, log,
+                 collate_fn: Collate | None = None) -> Data:
+    """A stream for training (distrib.data.stream); its first samples stand in for the split where the data's kind,
+    classes and statistics are learnt. A test stream is read whole into memory (evaluation is exact over it)."""
+    train, test, val = loaded.train, loaded.test, loaded.val
+    test = read_whole(test, "test data") if is_stream(test) else materialize(test, config)
+    if val is not None:  # a validation set is read whole too
+        val = read_whole(val, "val data") if is_stream(val) else materialize(val, config)
+    if not is_stream(train):
+        train = materialize(train, config)
+        return build(Loaded(loaded.name, train, test, loaded.class_names, loaded.stats, val), config, runtime, seed,
+                     log, collate_fn)
+    sample = read_whole(train, "train data", STREAM_HEAD)
+    first = first_batch(sample)
+    _same_kind(loaded.name, first, first_batch(test))
+    info = on_rank0(runtime, lambda: _info(loaded, sample, test, first, config))
+    uint8 = isinstance(first[0], torch.Tensor) and first[0].dtype == torch.uint8
+    normalizer = Normalizer(info.mean, info.std, uint8)
+    augment = _augment(config, seed, first[0])
+    source = StreamBatches(train, runtime, config, Finish(normalizer, augment), log)
+    log(_normalize_line(config, loaded, info, len(sample)))
+    how = (f"sharded ({train.n_shards} shards: each rank reads its own)" if source.sharded
+           else "plain (every rank reads it whole)")
+    log(f"data {info.name}: a {how} train stream / {len(test)} test samples of {info.inputs} -> {info.targets}, "
+        f"{info.num_classes or 'no'} classes, DataLoader ({config.num_workers} workers)")
+    return Data(info, source, DeviceBatches(test, runtime, normalizer),
+                None if val is None else DeviceBatches(val, runtime, normalizer))
+
+
+def read_whole(stream, what: str, limit: int | None = None) -> Split:
+    """A stream's samples (its first `limit`) as tensors; an empty stream or a bad sample is one line."""
+    rows = head(stream, limit) if limit else list(stream)
+    if not rows:
+        raise UserError(f"{what}: an empty stream (it yielded no sample); fix: give a stream with samples (check "
+                        "its files or its filter)")
+    batch = collate_stream(rows)
+    if isinstance(batch, Failed):
+        raise UserError(f"{what}: {batch.message.removeprefix('data: ')} (among its first {len(rows)} samples)")
+    if batch[1] is None:
+        return Split(batch[0], None)
+    return Split(*batch)
 
 
 def _normalize_line(config: DataConfig, loaded: Loaded, info: DataInfo, num_train: int) -> str:

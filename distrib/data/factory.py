@@ -1,5 +1,6 @@
 """The user's data: `data.factory = "package.module:function"` called with data.kwargs, or datasets handed to
-distrib.fit(); each split becomes an in-memory Split (tensors) or stays a Dataset for the DataLoader path."""
+distrib.fit(); each split becomes an in-memory Split (tensors) or stays a Dataset for the DataLoader path, or
+stays a stream (an IterableDataset, distrib.data.stream)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,14 @@ import importlib
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 from distrib.data import samples
 from distrib.data.tensors import Split, check_inputs
 from distrib.errors import UserError
 
-EXPECTED = ("(train, test): two map-style datasets of (inputs, targets) or of dicts of tensors, or two (inputs, "
-            "targets) pairs of tensors (or of dicts of tensors)")
+EXPECTED = ("(train, test): two map-style datasets of (inputs, targets) or of dicts of tensors, two (inputs, "
+            "targets) pairs of tensors (or of dicts of tensors), or a stream (an IterableDataset) for train")
 SAMPLE = "(inputs, targets), each a tensor or a dict of tensors (or an int class), or one dict of tensors"
 
 
@@ -57,6 +58,8 @@ def _describe(value) -> str:
 def as_split_or_dataset(value, what: str) -> Split | Dataset:
     """A pair of tensors (or dicts of tensors) or a TensorDataset -> a Split; another map-style Dataset stays one (its
     first sample is checked here); anything else is a UserError naming `what`."""
+    if isinstance(value, IterableDataset):  # a stream (distrib.data.stream): checked as it is read
+        return value
     if isinstance(value, TensorDataset) and len(value.tensors) == 2:
         value = value.tensors
     if isinstance(value, (tuple, list)) and len(value) == 2 and all(samples.is_tree(v) for v in value):

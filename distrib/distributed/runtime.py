@@ -19,7 +19,7 @@ import torch.distributed as dist
 from distrib.config import DistConfig
 from distrib.distributed.mesh import mesh_shape
 from distrib.distributed.peers import PeerWatch
-from distrib.errors import CollectiveTimeoutError, PeerLostError, UserError
+from distrib.errors import CollectiveTimeoutError, PeerLostError, Preempted, UserError
 from distrib.launch.lifeline import die_with_parent
 
 
@@ -229,6 +229,9 @@ def open_runtime(config: DistConfig, env: LaunchEnv | None = None) -> Iterator[R
         yield Runtime(env.rank, env.local_rank, env.world_size, env.local_world_size, device, backend,
                       env.restart_count, peers)
         ok = True
+    except Preempted:
+        ok = True  # every rank stopped at the same step boundary, after the same save: all reach the barrier
+        raise
     finally:
         if peers is not None:
             peers.stop()

@@ -9,15 +9,9 @@ import os
 import signal
 from typing import Callable, Iterator
 
-from distrib.errors import EXIT_PREEMPTED, say
+from distrib.errors import EXIT_PREEMPTED, Preempted, say
 
-
-class Preempted(Exception):
-    """Raised on every rank at the step boundary where the ranks agreed to stop; the checkpoint is on disk."""
-
-    def __init__(self, step: int, path):
-        super().__init__(f"preempted at step {step}; checkpoint {path}")
-        self.step, self.path = step, path
+__all__ = ["Preempted", "StopFlag", "exit_on_signals", "parse_signals", "signal_handlers", "stop_on_signals"]
 
 
 class StopFlag:

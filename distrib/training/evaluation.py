@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from distrib.data import eval_batches
+from distrib.data import eval_batches, samples
 from distrib.distributed.parallel import is_sharded, unwrap
 from distrib.distributed.runtime import Runtime
 from distrib.errors import UserError
@@ -57,11 +57,13 @@ class Task:
     kind: str = "classes"  # classes | positions | values
     sequence: bool = False
     metrics: tuple[Metric, ...] = ()
+    num_classes: int = 0  # classes: the logits' width (top-k accuracy only where there are more than TOP_K)
 
     def reported(self) -> list[str]:
-        """The scalar metrics an evaluation of this task reports (besides test_count)."""
+        """The scalar metrics an evaluation of this task reports (besides test_count), as _metrics reports them."""
         names = ["test_loss"]
-        names += {"classes": ["test_accuracy", f"test_top{TOP_K}_accuracy"], "positions": ["test_token_accuracy"],
+        top_k = [f"test_top{TOP_K}_accuracy"] if self.num_classes > TOP_K else []
+        names += {"classes": ["test_accuracy", *top_k], "positions": ["test_token_accuracy"],
                   "values": []}[self.kind]
         names += ["test_perplexity"] if self.sequence else []
         return names + [f"test_{name}" for metric in self.metrics for name in metric.names]
@@ -86,7 +88,7 @@ def task_of(outputs, targets, loss: Loss, metrics: tuple[Metric, ...] = ()) -> T
     if not integer or not isinstance(logits, torch.Tensor) or class_dim(logits, targets) is None:
         return Task("values", sequence, metrics)
     if targets.dim() == 1:
-        return Task("classes", False, metrics)
+        return Task("classes", False, metrics, num_classes=logits.shape[1])
     # A model's own loss may shift its targets (a causal LM's does): its logits are not aligned with them.
     return Task("values" if loss.name == "model" else "positions", sequence, metrics)
 
@@ -125,11 +127,12 @@ def _loss_sum(loss: Loss, outputs, targets, num_samples: int) -> tuple[torch.Ten
     return _fixed(mean.float() * num_samples), torch.tensor(num_samples)
 
 
-def _batch_stats(outputs, targets, loss: Loss, num_classes: int, task: Task, device) -> torch.Tensor:
+def _batch_stats(inputs, outputs, targets, loss: Loss, num_classes: int, task: Task, device) -> torch.Tensor:
     """[loss sum, loss count, samples, top-1, top-k, tokens right, tokens counted, right per class..., seen per
-    class..., (sum, count) per user metric...] as int64."""
+    class..., (sum, count) per user metric...] as int64. The samples are counted in the targets (or the inputs), never
+    in the outputs, whatever their structure."""
     logits = logits_of(outputs)
-    num_samples = len(targets) if isinstance(targets, torch.Tensor) else len(logits)
+    num_samples = samples.num_samples(targets, inputs)
     head = [*_loss_sum(loss, outputs, targets, num_samples), torch.tensor(num_samples)]
     per_class = torch.zeros(2, num_classes if task.kind == "classes" else 0, dtype=torch.int64, device=device)
     counts = [torch.tensor(0)] * 4
@@ -175,7 +178,7 @@ def evaluate(model: nn.Module, source, num_classes: int, batch_size: int, runtim
         for batch_index, (inputs, targets) in enumerate(source.batches(batches)):
             outputs = forward(model, inputs)
             if batch_index < num_counted:
-                stats += _batch_stats(outputs, targets, loss, classes, task, runtime.device)
+                stats += _batch_stats(inputs, outputs, targets, loss, classes, task, runtime.device)
     model.train(was_training)
     dist.all_reduce(stats)
     stats //= runtime.tensor_parallel  # each tensor-parallel group's ranks counted the same batches, to the bit

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distrib.checkpoint.format import list_checkpoints, load_failure, read_checkpoint
+from distrib.checkpoint.weights import WEIGHTS_DIR, aliases_of, read_weights
 from distrib.config import Config, load_config
 from distrib.data import DataInfo, eval_batches, load_data, load_inputs
 from distrib.distributed.parallel import parallelize, place_model, unwrap
@@ -87,10 +88,11 @@ class Trained:
 
 
 def load_trained(source: str, config_path: str | None = None, overrides=()) -> Trained:
-    """RUN_DIR (its model.pt and config.toml), RUN_DIR/model.pt, or a checkpoint file (its stored config);
-    --config replaces the stored config and --set overrides either. Reads on the CPU, before any process group."""
+    """RUN_DIR (its model.pt, else its weights/, and config.toml), RUN_DIR/model.pt, or a checkpoint file (its
+    stored config); --config replaces the stored config and --set overrides either. Reads on the CPU, before any
+    process group."""
     path = Path(source)
-    if path.is_file() and path.name == "model.pt":
+    if path.is_file() and path.name == "model.pt" or path.is_dir() and path.name == WEIGHTS_DIR:
         path = path.parent
     if path.is_dir():
         return _from_run_dir(path, config_path, overrides)
@@ -104,18 +106,19 @@ def load_trained(source: str, config_path: str | None = None, overrides=()) -> T
 
 def _from_run_dir(run_dir: Path, config_path: str | None, overrides) -> Trained:
     weights_path = run_dir / "model.pt"
-    if not weights_path.is_file():
+    if not weights_path.is_file() and not (run_dir / WEIGHTS_DIR).is_dir():
         found = list_checkpoints(run_dir / "checkpoints")
         fix = (f"give one of its checkpoints instead, e.g. {found[0]}" if found else
-               "model.pt is written when training ends: finish the run, or give a checkpoint file")
-        raise UserError(f"run directory {run_dir}: no model.pt; {fix}")
+               "they are written when training ends: finish the run, or give a checkpoint file")
+        raise UserError(f"run directory {run_dir}: no model.pt or {WEIGHTS_DIR}/; {fix}")
     config_file = Path(config_path) if config_path else run_dir / "config.toml"
     if not config_path and not config_file.is_file():
         raise UserError(f"run directory {run_dir}: no config.toml; give the config it was trained with: --config FILE")
     config = load_config(str(config_file), overrides)
     card, summary = (_read_json(run_dir / name) for name in ("model.json", "summary.json"))
     recorded = (summary or {}).get("data") or (card or {}).get("data")
-    return Trained(run_dir, config, _read_weights(weights_path), (summary or {}).get("steps"), recorded)
+    weights = _read_weights(weights_path) if weights_path.is_file() else _read_safetensors(run_dir / WEIGHTS_DIR)
+    return Trained(run_dir, config, weights, (summary or {}).get("steps"), recorded)
 
 
 def _read_json(path: Path) -> dict | None:
@@ -137,12 +140,25 @@ def _read_weights(path: Path) -> dict:
     return weights
 
 
+def _read_safetensors(folder: Path) -> dict:
+    try:
+        return read_weights(folder)
+    except Exception as e:  # noqa: BLE001 - a missing shard, a garbled header
+        raise UserError(f"{folder}: not readable safetensors ({type(e).__name__}: {' '.join(str(e).split())[:200]}); "
+                        "give the weights/ that distrib train wrote, or its model.pt") from None
+
+
 def rebuilt_model(trained: Trained, info: DataInfo) -> nn.Module:
-    """The trained model, rebuilt from its config on the CPU and given its weights."""
+    """The trained model, rebuilt from its config on the CPU and given its weights (model.pt, or weights/, which
+    holds a tied weight once: its twin is filled in)."""
     torch.manual_seed(trained.config.train.seed)  # as in training: non-persistent buffers (not in model.pt) match
     model = build_model(trained.config.model, info)
+    weights = dict(trained.weights)
+    for name, first in aliases_of(model).items():
+        if name not in weights and first in weights:
+            weights[name] = weights[first]
     try:
-        model.load_state_dict(trained.weights)
+        model.load_state_dict(weights)
     except RuntimeError as e:
         first = str(e).strip().splitlines()[0]
         raise UserError(f"{trained.source}: its weights do not fit the model that the config builds ({first[:200]}); "

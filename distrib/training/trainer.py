@@ -290,6 +290,10 @@ class Trainer:
         self.last_eval = (step, metrics)
         return metrics
 
+    def passes_done(self) -> bool:
+        """train.epochs passes over a stream done (map-style data: total_steps already counts its epochs)."""
+        return bool(self.config.epochs) and self.state.progress.epoch >= self.config.epochs
+
     def stopped_early(self) -> bool:
         return self.state.early_stop is not None and self.state.early_stop.stopped
 
@@ -303,7 +307,8 @@ class Trainer:
         progress = self.state.progress
         bar = self.recorder.progress_bar(self.total_steps, initial=progress.step)
         self.meter.restart_clock()
-        while progress.step < self.total_steps and not self.stopped_early():  # a resumed run may have stopped
+        while progress.step < self.total_steps and not self.stopped_early() and not self.passes_done():
+            ran_out = True  # the epoch's steps (a stream: the stream) ran out, rather than the run's
             for micro_batches in epoch_steps(train_source, self.plan, progress.epoch, progress.step_in_epoch):
                 self.meter.data_ready()  # the time since the previous step ended was spent getting this batch
                 loss = self.step(micro_batches)
@@ -311,8 +316,9 @@ class Trainer:
                 bar.update(1)
                 self._end_step(loss)
                 if progress.step == self.total_steps:
+                    ran_out = progress.step_in_epoch == self.plan.steps_per_epoch
                     break
-            if progress.step_in_epoch == self.plan.steps_per_epoch:
+            if ran_out:
                 self._end_epoch()
         bar.close()
         if self.checkpointer and (not self.checkpointer.due(progress.step) or self.stopped_early()):

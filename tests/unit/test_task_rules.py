@@ -106,6 +106,16 @@ def test_the_task_decides_the_metrics_and_the_log_says_which():
     assert notes[2].startswith("train.warmup_steps = 20 is longer than this run's 12 steps")
 
 
+def test_the_log_promises_top5_accuracy_only_where_the_summary_has_it():
+    loss, targets = build_loss(_train()), torch.zeros(4, dtype=torch.long)
+    four, ten = task_of(torch.zeros(4, 4), targets, loss), task_of(torch.zeros(4, 10), targets, loss)
+    assert task_notes(_train(), loss, four, _Net(), 12)[0].endswith("metrics: test_loss, test_accuracy")
+    assert task_notes(_train(), loss, ten, _Net(), 12)[0].endswith("metrics: test_loss, test_accuracy, "
+                                                                   "test_top5_accuracy")
+    with pytest.raises(UserError, match="this run reports no test_top5_accuracy"):
+        four.check_watched("train.early_stop_metric", "test_top5_accuracy")
+
+
 def test_a_user_metric_must_return_sums_and_counts():
     metric = user_metric("m:ok", lambda out, y: {"mae": ((out - y).abs().sum(), y.numel())}, torch.ones(3),
                          torch.zeros(3))
