@@ -64,7 +64,7 @@ def fit(model: nn.Module | Callable[..., nn.Module], train_data, test_data,
 
     Run as one process, or unchanged under `torchrun --nproc-per-node N` / `distrib launch`: every worker runs the
     script, fit() joins the process group the launcher set up and takes its share of each global batch. Outputs go
-    to run.dir as with `distrib train` (config.toml, metrics.jsonl, summary.json, model.pt). Called again on a
+    to run.dir as with `distrib train` (config.toml, metrics.jsonl, summary.json, weights/, model.pt). Called again on a
     finished run.dir it trains nothing, writes nothing and returns that run's summary (one line says so); a failure
     is one exception (a distrib error's one-line message), named in the launcher's last line too.
 
