@@ -14,8 +14,8 @@ from distrib.data import samples
 from distrib.data.augment import Augment
 from distrib.data.batching import BatchSource, DeviceBatches, Failed, Finish, LoaderBatches, collate
 from distrib.data.collate import Collate
-from distrib.data.stream import StreamBatches, is_stream
-from distrib.data.stream_read import collate_stream, head
+from distrib.data.stream import StreamBatches, describe, is_stream
+from distrib.data.stream_read import read_whole
 from distrib.data.tensors import DataInfo, Normalizer, Split, channel_stats, stats_indices
 from distrib.distributed.runtime import Runtime
 from distrib.errors import UserError
@@ -31,6 +31,7 @@ class Data:
     info: DataInfo
     train: BatchSource
     test: BatchSource
+    val: BatchSource | None = None  # a validation set (distrib.data.split): evaluated during training instead of test
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class Loaded:
     test: Split | Dataset
     class_names: tuple[str, ...] | None = None
     stats: Stats | None = None  # known for named sets
+    val: Split | Dataset | None = None  # a validation set given with the data (a factory's third, fit's val_data)
 
 
 def distributed(runtime: Runtime | None) -> bool:
@@ -70,9 +72,10 @@ def build(loaded: Loaded, config: DataConfig, runtime: Runtime, seed: int, log, 
     if is_stream(loaded.train) or is_stream(loaded.test):
         return build_stream(loaded, config, runtime, seed, log, collate_fn)
     device_path = _device_path(loaded, config, runtime)
-    train, test = loaded.train, loaded.test
+    train, test, val = loaded.train, loaded.test, loaded.val
     if device_path:
         train, test = materialize(train, config), materialize(test, config)
+        val = None if val is None else materialize(val, config)
     collate_fn = collate_fn or Collate(config.pad_id)
     first = first_batch(train, collate_fn)
     _same_kind(loaded.name, first, first_batch(test, collate_fn))
@@ -80,14 +83,18 @@ def build(loaded: Loaded, config: DataConfig, runtime: Runtime, seed: int, log, 
     uint8 = isinstance(first[0], torch.Tensor) and first[0].dtype == torch.uint8
     normalizer = Normalizer(info.mean, info.std, uint8)
     augment = _augment(config, seed, first[0])
+    if val is not None:
+        _same_kind(loaded.name, first, first_batch(val, collate_fn))
     if device_path:
-        sources = (DeviceBatches(train, runtime, normalizer, augment), DeviceBatches(test, runtime, normalizer))
+        sources = tuple(DeviceBatches(split, runtime, normalizer, aug) if split is not None else None
+                        for split, aug in ((train, augment), (test, None), (val, None)))
     else:
         sources = tuple(LoaderBatches(split, runtime, config.num_workers, normalizer, aug, config, collate_fn)
-                        for split, aug in ((train, augment), (test, None)))
+                        if split is not None else None for split, aug in ((train, augment), (test, None), (val, None)))
     log(_normalize_line(config, loaded, info, len(train)))
     classes = f"{info.num_classes} classes" if info.num_classes else "no classes"
-    log(f"data {info.name}: {len(train)} train / {len(test)} test samples of {info.inputs} -> {info.targets}, "
+    log(f"data {info.name}: {len(train)} train / " + (f"{len(val)} validation / " if val is not None else "")
+        + f"{len(test)} test samples of {info.inputs} -> {info.targets}, "
         f"{classes}, {'device-resident' if device_path else f'DataLoader ({config.num_workers} workers)'}"
         + (f", augment {config.augment}" if augment else ""))
     return Data(info, *sources)
@@ -97,40 +104,29 @@ def build_stream(loaded: Loaded, config: DataConfig, runtime: Runtime, seed: int
                  collate_fn: Collate | None = None) -> Data:
     """A stream for training (distrib.data.stream); its first samples stand in for the split where the data's kind,
     classes and statistics are learnt. A test stream is read whole into memory (evaluation is exact over it)."""
-    train, test = loaded.train, loaded.test
-    test = read_whole(test, "test data") if is_stream(test) else materialize(test, config)
+    train, test, val = loaded.train, loaded.test, loaded.val
+    collate_fn = collate_fn or Collate(config.pad_id)
+    test = read_whole(test, "test data", None, collate_fn) if is_stream(test) else materialize(test, config)
+    if val is not None:  # a validation set is read whole too
+        val = read_whole(val, "val data", None, collate_fn) if is_stream(val) else materialize(val, config)
     if not is_stream(train):
         train = materialize(train, config)
-        return build(Loaded(loaded.name, train, test, loaded.class_names, loaded.stats), config, runtime, seed, log,
-                     collate_fn)
-    sample = read_whole(train, "train data", STREAM_HEAD)
+        return build(Loaded(loaded.name, train, test, loaded.class_names, loaded.stats, val), config, runtime, seed,
+                     log, collate_fn)
+    sample = read_whole(train, "train data", STREAM_HEAD, collate_fn)
     first = first_batch(sample)
     _same_kind(loaded.name, first, first_batch(test))
     info = on_rank0(runtime, lambda: _info(loaded, sample, test, first, config))
     uint8 = isinstance(first[0], torch.Tensor) and first[0].dtype == torch.uint8
     normalizer = Normalizer(info.mean, info.std, uint8)
     augment = _augment(config, seed, first[0])
-    source = StreamBatches(train, runtime, config, Finish(normalizer, augment), log)
+    source = StreamBatches(train, runtime, config, Finish(normalizer, augment), log, collate_fn)
     log(_normalize_line(config, loaded, info, len(sample)))
-    how = (f"sharded ({train.n_shards} shards: each rank reads its own)" if source.sharded
-           else "plain (every rank reads it whole)")
+    how = describe(train, runtime.data_world_size)
     log(f"data {info.name}: a {how} train stream / {len(test)} test samples of {info.inputs} -> {info.targets}, "
         f"{info.num_classes or 'no'} classes, DataLoader ({config.num_workers} workers)")
-    return Data(info, source, DeviceBatches(test, runtime, normalizer))
-
-
-def read_whole(stream, what: str, limit: int | None = None) -> Split:
-    """A stream's samples (its first `limit`) as tensors; an empty stream or a bad sample is one line."""
-    rows = head(stream, limit) if limit else list(stream)
-    if not rows:
-        raise UserError(f"{what}: an empty stream (it yielded no sample); fix: give a stream with samples (check "
-                        "its files or its filter)")
-    batch = collate_stream(rows)
-    if isinstance(batch, Failed):
-        raise UserError(f"{what}: {batch.message.removeprefix('data: ')} (among its first {len(rows)} samples)")
-    if batch[1] is None:
-        return Split(batch[0], None)
-    return Split(*batch)
+    return Data(info, source, DeviceBatches(test, runtime, normalizer),
+                None if val is None else DeviceBatches(val, runtime, normalizer))
 
 
 def _normalize_line(config: DataConfig, loaded: Loaded, info: DataInfo, num_train: int) -> str:
