@@ -6,9 +6,10 @@
 `import distrib` imports nothing heavy: torch comes in with the first use of fit, Config or load_config."""
 
 __version__ = "0.1.0"
-__all__ = ["Config", "fit", "load_config"]
+__all__ = ["Config", "Preempted", "fit", "load_config"]
 
-_LAZY = {"fit": "distrib.api", "Config": "distrib.config", "load_config": "distrib.config"}
+_LAZY = {"fit": "distrib.api", "Config": "distrib.config", "load_config": "distrib.config",
+         "Preempted": "distrib.errors"}
 
 
 def __getattr__(name: str):

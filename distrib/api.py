@@ -9,7 +9,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch.nn as nn
 
 from distrib.config import Config, load_config
-from distrib.errors import ConfigError, UserError
+from distrib.errors import ConfigError, Preempted, UserError, say
 
 
 def _toml_text(value: Any) -> str:
@@ -33,7 +33,8 @@ def resolve_config(config: str | Path | Config | None, overrides: Mapping[str, A
 
 def fit(model: nn.Module | Callable[..., nn.Module], train_data, test_data,
         config: str | Path | Config | None = None, overrides: Mapping[str, Any] | None = None,
-        loss_fn: Callable | None = None, metrics: Sequence[Callable] = ()) -> dict:
+        loss_fn: Callable | None = None, metrics: Sequence[Callable] = (), collate_fn: Callable | None = None,
+        init_from: str | Path | None = None, val_data=None) -> dict:
     """Trains `model` on `train_data`, evaluates it exactly on `test_data`; returns the summary (as in summary.json).
 
     model: an nn.Module, or a function returning one (called after seeding, with num_classes, in_channels and
@@ -41,17 +42,33 @@ def fit(model: nn.Module | Callable[..., nn.Module], train_data, test_data,
     train_data, test_data: map-style datasets of (inputs, targets) (e.g. torchvision's) or of dicts of tensors (a
         tokenized Hugging Face dataset; the dict goes to model(**batch), its "labels" are the targets), or
         (inputs, targets) pairs of tensors. Inputs and targets may be tensors of any dtype and shape, or dicts.
+        train_data may be a stream: an IterableDataset, or a Hugging Face streaming dataset (train.max_steps then
+        required; see the README's "Streams").
     config: a TOML path or a distrib.Config (default: the built-in defaults); overrides: {"train.lr": 0.1, ...}.
     loss_fn: (outputs, targets) -> scalar mean; default: the model's own outputs.loss if it returns one, else
         train.loss (cross-entropy).
     metrics: functions (outputs, targets) -> {name: (sum, count)}, reported as test_<name> = sum / count, summed
         exactly over the whole test set (as metrics.eval does for functions named in the config).
+    collate_fn: list of samples -> a batch (a dict of tensors, e.g. a Hugging Face data collator's, or an (inputs,
+        targets) pair), for datasets read through the DataLoader; default (and data.collate unset): dict samples of
+        different lengths are right-padded per micro-batch (input_ids with data.pad_id, attention_mask 0, labels -100).
+    init_from: pretrained weights for the model (model.init_from): a Hugging Face folder or file of safetensors, a
+        distrib run directory, or a checkpoint; names and shapes must match the model's, and each rank reads only
+        the slices it holds.
+    val_data: a validation set, of the kinds train_data may be (or data.val_fraction holds out a share of
+        train_data): evaluated during training as val_* (what early stopping and best-k may watch); the test set is
+        then evaluated only at the end.
 
     Run as one process, or unchanged under `torchrun --nproc-per-node N` / `distrib launch`: every worker runs the
     script, fit() joins the process group the launcher set up and takes its share of each global batch. Outputs go
-    to run.dir as with `distrib train` (config.toml, metrics.jsonl, summary.json, model.pt). Called again on a
+    to run.dir as with `distrib train` (config.toml, metrics.jsonl, summary.json, weights/, model.pt). Called again on a
     finished run.dir it trains nothing, writes nothing and returns that run's summary (one line says so); a failure
     is one exception (a distrib error's one-line message), named in the launcher's last line too.
+
+    A stop signal (checkpoint.signals: SIGTERM, SIGUSR1) checkpoints at the next step boundary, says one line and
+    raises distrib.Preempted, a SystemExit with code 75: uncaught, the script ends with exit code 75 and no traceback
+    (a job script requeues it; the same command resumes). A script that must act on it catches distrib.Preempted
+    and re-raises it.
 
     >>> import torch
     >>> from distrib import fit
@@ -71,11 +88,16 @@ def fit(model: nn.Module | Callable[..., nn.Module], train_data, test_data,
     from distrib.worker import peers_lost, train_on
 
     try:
-        resolved = resolve_config(config, overrides)
+        extra = {"model.init_from": str(init_from)} if init_from is not None else {}
+        resolved = resolve_config(config, {**(overrides or {}), **extra})
         with environment_faults(), open_runtime(resolved.dist) as runtime, peers_lost(resolved, runtime):
-            data = data_from_datasets(train_data, test_data, resolved.data, runtime, resolved.train.seed)
+            data = data_from_datasets(train_data, test_data, resolved.data, runtime, resolved.train.seed,
+                                      collate_fn=collate_fn, val=val_data)
             # train_on locks the run's folders
             return train_on(resolved, runtime, data=data, model=model, loss_fn=loss_fn, metrics=tuple(metrics))
+    except Preempted as e:  # a SystemExit(75): uncaught, the script ends with 75 and no traceback
+        say(e.line())
+        raise
     except Exception as e:
         _record(e)
         if isinstance(e, UserError):  # its one line says it all: not the chain of exceptions that led to it

@@ -1,6 +1,6 @@
 """argv in, exit code out: the only place that turns user errors into one-line messages.
 
-    distrib train [--config FILE] [--set section.key=value ...] [--nproc-per-node N]
+    distrib train [--config FILE] [--set section.key=value ...] [--nproc-per-node N] [--max-restarts K] [--nnodes ...]
     distrib launch [torchrun options] SCRIPT|-m MODULE [args ...]
     distrib plan [--config FILE] [--set ...] (--nnodes N --nproc-per-node N | --world-size N) [--json] [...]
     distrib doctor
@@ -18,6 +18,7 @@ import sys
 from typing import NoReturn, Sequence
 
 from distrib.errors import EXIT_PREEMPTED, UserError, say
+from distrib.launch.launcher import add_train_flags, launch_trainer, train_flags, without_train_flags
 
 EXIT_USER_ERROR = 2
 
@@ -31,10 +32,9 @@ def _train(args: argparse.Namespace) -> int:
     _check_nproc(args.nproc_per_node)
     check_folders(config, probe_locks=True)  # writable and not another live run's (rank 0 then locks them)
     require_loggers(config.metrics)  # a missing tracker package: one line here, not one per worker
-    if args.nproc_per_node is not None:
-        from distrib.launch.launcher import launch_trainer
-
-        return launch_trainer(args.nproc_per_node, args.argv, _before_workers(config, args.nproc_per_node))
+    launch_flags = train_flags(args)  # --nproc-per-node, --max-restarts, --nnodes, --rdzv-*: as for distrib launch
+    if launch_flags:
+        return launch_trainer(launch_flags, args.argv, _before_workers(config))
     from distrib.launch.preempt import exit_on_signals, parse_signals
     from distrib.launch.reporting import errors_reported
 
@@ -48,10 +48,10 @@ def _train(args: argparse.Namespace) -> int:
         return record(_worker)(config)  # under a launcher, a failing rank's exception reaches its summary
 
 
-def _before_workers(config, nproc_per_node: int):
+def _before_workers(config):
     """What the launcher checks once, before any worker starts: the device each worker would get (CUDA present,
     enough GPUs) and the global batch's split over the world size."""
-    def check(world_size: int | None) -> None:
+    def check(nproc_per_node: int, world_size: int | None) -> None:
         from distrib.config import check_world_size
         from distrib.distributed.runtime import select_device
 
@@ -73,8 +73,8 @@ def _worker(config) -> int:
 
     try:
         run_training(config)
-    except Preempted as e:
-        say(f"distrib: {e}; exit code {EXIT_PREEMPTED}: requeue the job and it resumes there")
+    except Preempted as e:  # a SystemExit(75): entry() ends the process with it, as distrib.fit's scripts end
+        say(e.line())
         return EXIT_PREEMPTED
     return 0
 
@@ -90,12 +90,13 @@ def _plan(args: argparse.Namespace) -> int:
         raise UserError(f"--world-size {args.world_size}: is not --nnodes {nnodes} x --nproc-per-node {nproc}; "
                         "give --world-size alone (one node), or --nnodes and --nproc-per-node")
     for name, value in (("--nnodes", nnodes), ("--nproc-per-node", nproc), ("--device-memory", args.device_memory),
+                        ("--host-memory", args.host_memory),
                         ("--intra-node-bandwidth", args.intra_node_bandwidth),
                         ("--inter-node-bandwidth", args.inter_node_bandwidth)):
         if not value > 0:
             raise UserError(f"{name} {value}: must be > 0")
     machine = Machine(nnodes, nproc, args.device_memory * GIB, args.intra_node_bandwidth * GB,
-                      args.inter_node_bandwidth * GB)
+                      args.inter_node_bandwidth * GB, args.host_memory * GIB)
     return main(config, machine, args.json)
 
 
@@ -187,12 +188,14 @@ def _use_parser(commands, name: str, help_text: str) -> argparse.ArgumentParser:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="distrib", description="Data-parallel training for PyTorch.")
     commands = parser.add_subparsers(dest="command", required=True)
-    train = commands.add_parser("train", help="train a model (one process, or N workers with --nproc-per-node)")
+    train = commands.add_parser("train", allow_abbrev=False,  # an abbreviated launch flag would reach the workers
+                                help="train a model (one process, or N workers with --nproc-per-node)")
     train.add_argument("--config", help="TOML file; the built-in defaults train the seed Network on Fashion-MNIST")
     train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help="override one config value; repeatable")
     train.add_argument("--nproc-per-node", type=int, default=None,
                        help="launch this many workers on this node (a shorthand for distrib launch)")
+    add_train_flags(train)
     train.set_defaults(func=_train)
     plan = commands.add_parser("plan", help="per-rank memory, batch layout and communication of a run at any world "
                                             "size, from the real sharding plan on a fake process group; no training")
@@ -203,6 +206,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--nproc-per-node", type=int, default=None, help="ranks per node (default 8, or --world-size)")
     plan.add_argument("--world-size", type=int, default=None, help="all ranks: one node of them unless --nnodes")
     plan.add_argument("--device-memory", type=float, default=80.0, help="GiB per device (H100: 80, H200: 141)")
+    plan.add_argument("--host-memory", type=float, default=2048.0, help="GiB of host memory per node (DGX H100: 2048)")
     plan.add_argument("--intra-node-bandwidth", type=float, default=450.0,
                       help="GB/s per rank and direction within a node (NVLink 4: 450)")
     plan.add_argument("--inter-node-bandwidth", type=float, default=50.0,
@@ -234,19 +238,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _launch_trainer_argv(argv: Sequence[str]) -> list[str]:
-    """The train command line a launched worker runs: the user's, less --nproc-per-node."""
-    out, skip = [], False
-    for item in argv:
-        if skip:
-            skip = False
-        elif item == "--nproc-per-node":
-            skip = True
-        elif not item.startswith("--nproc-per-node="):
-            out.append(item)
-    return out
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -255,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return launch(argv[1:])
         args = _parser().parse_args(argv)
-        args.argv = _launch_trainer_argv(argv[1:])  # what follows `train`
+        args.argv = without_train_flags(argv[1:])  # what a launched worker runs after `distrib train` (eval, ...)
         return args.func(args)
     except UserError as e:
         if not _reported_by_launcher(e):

@@ -43,6 +43,25 @@ class EnvironmentFault(UserError):
 # scripts/slurm/train.sbatch answers it with `scontrol requeue`.
 EXIT_PREEMPTED = 75
 
+
+class Preempted(SystemExit):
+    """A stop signal (checkpoint.signals) ended training: every rank agreed on it at one step boundary and the
+    checkpoint is on disk. A SystemExit with code EXIT_PREEMPTED, as Lightning's SIGTERMException is one: uncaught,
+    the process ends with 75 and no traceback (`except Exception` does not catch it); a script that must act on it
+    catches distrib.Preempted, then re-raises it (or exits 75 itself) so the job is requeued."""
+
+    def __init__(self, step: int, path):
+        super().__init__(EXIT_PREEMPTED)
+        self.step, self.path = step, path
+
+    def __str__(self) -> str:
+        return f"preempted at step {self.step}; checkpoint {self.path}"
+
+    def line(self) -> str:
+        """The one line a preempted process says before it ends."""
+        return f"distrib: {self}; exit code {EXIT_PREEMPTED}: requeue the job (or run the same command) and it " \
+               "resumes there"
+
 # Exit code of a run that failed for its environment, not its input (EX_IOERR): a checkpoint or output that could not
 # be written (disk full, quota, read-only or failing filesystem); the earlier files are kept. Fix the machine (free
 # space, another folder) and run the same command again: it resumes from the last checkpoint.

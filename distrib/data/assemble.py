@@ -12,12 +12,17 @@ from torch.utils.data import DataLoader, Dataset
 from distrib.config import DataConfig
 from distrib.data import samples
 from distrib.data.augment import Augment
-from distrib.data.batching import BatchSource, DeviceBatches, Failed, LoaderBatches, collate
+from distrib.data.batching import BatchSource, DeviceBatches, Failed, Finish, LoaderBatches, collate
+from distrib.data.collate import Collate
+from distrib.data.stream import StreamBatches, describe, is_stream
+from distrib.data.stream_read import read_whole
 from distrib.data.tensors import DataInfo, Normalizer, Split, channel_stats, stats_indices
 from distrib.distributed.runtime import Runtime
 from distrib.errors import UserError
+from distrib.launch.preempt import ignore_stop_signals
 
 Stats = tuple[tuple[float, ...], tuple[float, ...]]
+STREAM_HEAD = 256  # a stream's first samples: where its kind, classes and image statistics are learnt
 IGNORE_INDEX = -100  # a dense class target that is not counted (cross-entropy's ignore_index, Hugging Face's)
 
 
@@ -26,6 +31,7 @@ class Data:
     info: DataInfo
     train: BatchSource
     test: BatchSource
+    val: BatchSource | None = None  # a validation set (distrib.data.split): evaluated during training instead of test
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,7 @@ class Loaded:
     test: Split | Dataset
     class_names: tuple[str, ...] | None = None
     stats: Stats | None = None  # known for named sets
+    val: Split | Dataset | None = None  # a validation set given with the data (a factory's third, fit's val_data)
 
 
 def distributed(runtime: Runtime | None) -> bool:
@@ -58,29 +65,68 @@ def on_rank0(runtime: Runtime | None, fn):
     return message[0]
 
 
-def build(loaded: Loaded, config: DataConfig, runtime: Runtime, seed: int, log) -> Data:
-    """Chooses the path once, for both splits, and builds the two sources."""
+def build(loaded: Loaded, config: DataConfig, runtime: Runtime, seed: int, log, collate_fn: Collate | None = None
+          ) -> Data:
+    """Chooses the path once, for both splits, and builds the two sources; collate_fn makes the DataLoader path's
+    micro-batches (padding ragged dict samples, or the user's function)."""
+    if is_stream(loaded.train) or is_stream(loaded.test):
+        return build_stream(loaded, config, runtime, seed, log, collate_fn)
     device_path = _device_path(loaded, config, runtime)
-    train, test = loaded.train, loaded.test
+    train, test, val = loaded.train, loaded.test, loaded.val
     if device_path:
         train, test = materialize(train, config), materialize(test, config)
-    first = first_batch(train)
-    _same_kind(loaded.name, first, first_batch(test))
+        val = None if val is None else materialize(val, config)
+    collate_fn = collate_fn or Collate(config.pad_id)
+    first = first_batch(train, collate_fn)
+    _same_kind(loaded.name, first, first_batch(test, collate_fn))
     info = on_rank0(runtime, lambda: _info(loaded, train, test, first, config))
     uint8 = isinstance(first[0], torch.Tensor) and first[0].dtype == torch.uint8
     normalizer = Normalizer(info.mean, info.std, uint8)
     augment = _augment(config, seed, first[0])
+    if val is not None:
+        _same_kind(loaded.name, first, first_batch(val, collate_fn))
     if device_path:
-        sources = (DeviceBatches(train, runtime, normalizer, augment), DeviceBatches(test, runtime, normalizer))
+        sources = tuple(DeviceBatches(split, runtime, normalizer, aug) if split is not None else None
+                        for split, aug in ((train, augment), (test, None), (val, None)))
     else:
-        sources = tuple(LoaderBatches(split, runtime, config.num_workers, normalizer, aug, config)
-                        for split, aug in ((train, augment), (test, None)))
+        sources = tuple(LoaderBatches(split, runtime, config.num_workers, normalizer, aug, config, collate_fn)
+                        if split is not None else None for split, aug in ((train, augment), (test, None), (val, None)))
     log(_normalize_line(config, loaded, info, len(train)))
     classes = f"{info.num_classes} classes" if info.num_classes else "no classes"
-    log(f"data {info.name}: {len(train)} train / {len(test)} test samples of {info.inputs} -> {info.targets}, "
+    log(f"data {info.name}: {len(train)} train / " + (f"{len(val)} validation / " if val is not None else "")
+        + f"{len(test)} test samples of {info.inputs} -> {info.targets}, "
         f"{classes}, {'device-resident' if device_path else f'DataLoader ({config.num_workers} workers)'}"
         + (f", augment {config.augment}" if augment else ""))
     return Data(info, *sources)
+
+
+def build_stream(loaded: Loaded, config: DataConfig, runtime: Runtime, seed: int, log,
+                 collate_fn: Collate | None = None) -> Data:
+    """A stream for training (distrib.data.stream); its first samples stand in for the split where the data's kind,
+    classes and statistics are learnt. A test stream is read whole into memory (evaluation is exact over it)."""
+    train, test, val = loaded.train, loaded.test, loaded.val
+    collate_fn = collate_fn or Collate(config.pad_id)
+    test = read_whole(test, "test data", None, collate_fn) if is_stream(test) else materialize(test, config)
+    if val is not None:  # a validation set is read whole too
+        val = read_whole(val, "val data", None, collate_fn) if is_stream(val) else materialize(val, config)
+    if not is_stream(train):
+        train = materialize(train, config)
+        return build(Loaded(loaded.name, train, test, loaded.class_names, loaded.stats, val), config, runtime, seed,
+                     log, collate_fn)
+    sample = read_whole(train, "train data", STREAM_HEAD, collate_fn)
+    first = first_batch(sample)
+    _same_kind(loaded.name, first, first_batch(test))
+    info = on_rank0(runtime, lambda: _info(loaded, sample, test, first, config))
+    uint8 = isinstance(first[0], torch.Tensor) and first[0].dtype == torch.uint8
+    normalizer = Normalizer(info.mean, info.std, uint8)
+    augment = _augment(config, seed, first[0])
+    source = StreamBatches(train, runtime, config, Finish(normalizer, augment), log, collate_fn)
+    log(_normalize_line(config, loaded, info, len(sample)))
+    how = describe(train, runtime.data_world_size)
+    log(f"data {info.name}: a {how} train stream / {len(test)} test samples of {info.inputs} -> {info.targets}, "
+        f"{info.num_classes or 'no'} classes, DataLoader ({config.num_workers} workers)")
+    return Data(info, source, DeviceBatches(test, runtime, normalizer),
+                None if val is None else DeviceBatches(val, runtime, normalizer))
 
 
 def _normalize_line(config: DataConfig, loaded: Loaded, info: DataInfo, num_train: int) -> str:
@@ -110,7 +156,8 @@ def materialize(split: Split | Dataset, config: DataConfig) -> Split:
     """A Dataset read whole into tensors (through a DataLoader with data.num_workers), for the device path."""
     if isinstance(split, Split):
         return split
-    loader = DataLoader(split, batch_size=256, collate_fn=collate, num_workers=config.num_workers)
+    loader = DataLoader(split, batch_size=256, collate_fn=collate, num_workers=config.num_workers,
+                        worker_init_fn=ignore_stop_signals)
     inputs, targets = [], []
     for batch in loader:
         batch = _checked(batch)
@@ -123,15 +170,17 @@ def materialize(split: Split | Dataset, config: DataConfig) -> Split:
     return Split(samples.cat(inputs), None if targets[0] is None else samples.cat(targets))
 
 
-def first_batch(split: Split | Dataset):
+def first_batch(split: Split | Dataset, collate_fn=collate):
     """The first sample as a batch of one (inputs, targets), targets resolved: what the data's kind is read from."""
     if isinstance(split, Split):
         return samples.resolve(*split.rows(torch.arange(1)))
-    return samples.resolve(*_checked(collate([split[0]])))
+    return samples.resolve(*_checked(collate_fn([split[0]])))
 
 
 def _same_kind(name: str, train, test) -> None:
     for part, what in ((0, "inputs"), (1, "targets")):
+        if part == 1 and isinstance(train[0], dict):
+            continue  # a dict sample's labels are inside it: compared with the inputs
         kinds = [_described(batch[part]) for batch in (train, test)]
         if kinds[0] != kinds[1]:
             raise UserError(f"data {name}: train {what} are {kinds[0]}, test {what} {kinds[1]}; fix: give both "
@@ -142,6 +191,9 @@ def _described(tree) -> str:
     """'[3, 8, 8] float' for float and uint8 tensors, as the seed said it; 'int64 [64]' and dicts otherwise."""
     if isinstance(tree, torch.Tensor) and (tree.is_floating_point() or tree.dtype == torch.uint8):
         return f"{list(tree.shape[1:])} {'uint8' if tree.dtype == torch.uint8 else 'float'}"
+    if isinstance(tree, dict):  # token samples may differ in length (they are padded): keys, types and ranks agree
+        return "{" + ", ".join(f"{key}: {str(value.dtype).removeprefix('torch.')} of {value.dim() - 1} dims"
+                               for key, value in tree.items()) + "}"
     return samples.kind(tree)
 
 
@@ -179,8 +231,10 @@ def _cheap_targets(split) -> torch.Tensor | None:
 
 
 def _all_targets(split) -> torch.Tensor:
-    """A Dataset that says nothing about its targets: read them once."""
-    return torch.stack([samples.resolve(*samples.as_pair(split[i]))[1] for i in range(len(split))])
+    """A Dataset that says nothing about its targets: read them once (flat: samples may differ in length; none where
+    the samples have none, as when a collate function makes the labels)."""
+    found = (samples.resolve(*samples.as_pair(split[i]))[1] for i in range(len(split)))
+    return torch.cat([torch.zeros(0, dtype=torch.long), *(y.reshape(-1) for y in found if y is not None)])
 
 
 def _classes(loaded: Loaded, train, test, config: DataConfig, dense: bool) -> tuple[int, tuple[str, ...]]:
@@ -235,7 +289,7 @@ def _stats(loaded: Loaded, train, inputs, config: DataConfig) -> Stats:
     if isinstance(train, Split):
         return channel_stats(train.inputs.index_select(0, chunk) for chunk in indices.split(1024))
     loader = DataLoader(torch.utils.data.Subset(train, indices.tolist()), batch_size=256, collate_fn=collate,
-                        num_workers=config.num_workers)
+                        num_workers=config.num_workers, worker_init_fn=ignore_stop_signals)
     return channel_stats(_checked(batch)[0] for batch in loader)
 
 

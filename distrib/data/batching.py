@@ -16,6 +16,7 @@ from distrib.data.samples import Tree
 from distrib.data.tensors import Normalizer, Split
 from distrib.distributed.runtime import Runtime
 from distrib.errors import ConfigError, UserError
+from distrib.launch.preempt import ignore_stop_signals
 
 Batch = tuple[Tree, Tree | None]  # (inputs, targets); a dict sample's targets are its "labels" (or None)
 
@@ -27,9 +28,27 @@ class BatchSource(Protocol):
     otherwise augmentation is keyed by (seed, epoch, sample index), so both sources give bitwise-equal batches at
     any world size and after a resume."""
 
-    num_samples: int
+    num_samples: int | None  # None: a stream, whose length is unknown until a pass ends (distrib.data.stream)
 
     def batches(self, index_lists: list[torch.Tensor], epoch: int | None = None) -> Iterator[Batch]: ...
+
+
+def source_state(source: BatchSource) -> dict:
+    """The training source's part of a checkpoint (every rank calls it: a stream gathers every rank's position).
+    Map-style sources keep their position as index arithmetic on (seed, epoch, step_in_epoch), which the
+    progress holds."""
+    state_dict = getattr(source, "state_dict", None)
+    return state_dict() if callable(state_dict) else {"kind": "indexed"}
+
+
+def load_source_state(source: BatchSource, state: dict | None) -> None:
+    """A checkpoint's data position into the training source (a checkpoint from before it had one: indexed)."""
+    load = getattr(source, "load_state_dict", None)
+    if callable(load):
+        load(state)
+    elif (state or {}).get("kind", "indexed") != "indexed":
+        raise UserError(f"checkpoint: its data position is of a {state['kind']} source, this run reads indexed "
+                        "(map-style) data; resume with the data it was taken with, or start afresh with a new run.dir")
 
 
 # ---------------------------------------------------------------- the batch plan
@@ -38,9 +57,10 @@ class BatchSource(Protocol):
 @dataclass(frozen=True)
 class BatchPlan:
     """Which samples this rank uses at each step. Every epoch has one permutation from (seed, epoch) shared by all
-    ranks; global batch k is the same set of samples at any world size; each rank takes its contiguous slice."""
+    ranks; global batch k is the same set of samples at any world size; each rank takes its contiguous slice.
+    num_samples None: a stream (distrib.data.stream), whose global batch k is its samples [kG, (k+1)G)."""
 
-    num_samples: int
+    num_samples: int | None
     global_batch_size: int
     grad_accum_steps: int
     rank: int
@@ -49,7 +69,7 @@ class BatchPlan:
 
     def __post_init__(self):
         check_world_size(self.global_batch_size, self.grad_accum_steps, self.world_size)
-        if self.steps_per_epoch == 0:
+        if self.num_samples is not None and self.steps_per_epoch == 0:
             raise ConfigError(f"train.global_batch_size = {self.global_batch_size}: larger than the training set "
                               f"({self.num_samples} samples); use at most {self.num_samples}")
 
@@ -58,7 +78,9 @@ class BatchPlan:
         return self.global_batch_size // (self.world_size * self.grad_accum_steps)
 
     @property
-    def steps_per_epoch(self) -> int:
+    def steps_per_epoch(self) -> int | None:
+        if self.num_samples is None:
+            return None  # a stream: known when a pass ends
         return self.num_samples // self.global_batch_size  # the last partial global batch is dropped
 
     def order(self, epoch: int) -> torch.Tensor:
@@ -72,7 +94,7 @@ class BatchPlan:
         return list(order[start:start + per_rank].split(self.micro_batch_size))
 
 
-def make_plan(num_samples: int, train: TrainConfig, runtime: Runtime) -> BatchPlan:
+def make_plan(num_samples: int | None, train: TrainConfig, runtime: Runtime) -> BatchPlan:
     # data_rank, data_world_size: the ranks of one tensor-parallel group read the same micro-batches
     return BatchPlan(num_samples, train.global_batch_size, train.grad_accum_steps, runtime.data_rank,
                      runtime.data_world_size, train.seed)
@@ -88,7 +110,11 @@ def eval_batches(num_samples: int, batch_size: int, rank: int, world_size: int) 
 
 
 def epoch_steps(source: BatchSource, plan: BatchPlan, epoch: int, start_step: int = 0) -> Iterator[list[Batch]]:
-    """This rank's micro-batches for each remaining step of `epoch`, starting at `start_step` without replay."""
+    """This rank's micro-batches for each remaining step of `epoch`, starting at `start_step` without replay. A
+    stream's pass runs until the stream ends (on any rank: every rank stops at the same step)."""
+    if plan.num_samples is None:
+        yield from source.steps(plan, epoch, start_step)
+        return
     order = plan.order(epoch)
     steps = range(start_step, plan.steps_per_epoch)
     batches = source.batches([idx for step in steps for idx in plan.micro_batches(order, step)], epoch)
@@ -99,7 +125,7 @@ def epoch_steps(source: BatchSource, plan: BatchPlan, epoch: int, start_step: in
 # ---------------------------------------------------------------- the two batch sources
 
 
-class _Finish:
+class Finish:
     """What both sources do once a batch is on the device: augment (training), then normalise."""
 
     def __init__(self, normalizer: Normalizer, augment: Augment | None):
@@ -120,7 +146,7 @@ class DeviceBatches:
                            samples.to_device(split.targets, runtime.device))
         self.device = runtime.device
         self.num_samples = len(split)
-        self.finish = _Finish(normalizer or _default_normalizer(split), augment)
+        self.finish = Finish(normalizer or _default_normalizer(split), augment)
 
     def batches(self, index_lists: list[torch.Tensor], epoch: int | None = None) -> Iterator[Batch]:
         if not index_lists:
@@ -203,19 +229,20 @@ class LoaderBatches:
     indices as the device path, loaded by data.num_workers processes, then finished on the device."""
 
     def __init__(self, dataset: Dataset, runtime: Runtime, num_workers: int = 0, normalizer: Normalizer | None = None,
-                 augment: Augment | None = None, config: DataConfig | None = None):
+                 augment: Augment | None = None, config: DataConfig | None = None, collate_fn=None):
         if isinstance(dataset, Split):
             normalizer = normalizer or _default_normalizer(dataset)
             dataset = InMemory(dataset)
         config = config or DataConfig()
         self.device = runtime.device
         self.num_samples = len(dataset)
-        self.finish = _Finish(normalizer, augment)
+        self.finish = Finish(normalizer, augment)
         self.sampler = _Lists()
         pin = config.pin_memory and runtime.pin_memory
         extra = dict(persistent_workers=config.persistent_workers, prefetch_factor=config.prefetch_factor)
-        self.loader = DataLoader(dataset, batch_sampler=self.sampler, collate_fn=collate, num_workers=num_workers,
-                                 pin_memory=pin, **(extra if num_workers else {}))
+        self.loader = DataLoader(dataset, batch_sampler=self.sampler, collate_fn=collate_fn or collate,
+                                 num_workers=num_workers, pin_memory=pin, worker_init_fn=ignore_stop_signals,
+                                 **(extra if num_workers else {}))
 
     def batches(self, index_lists: list[torch.Tensor], epoch: int | None = None) -> Iterator[Batch]:
         if not index_lists:

@@ -1,5 +1,6 @@
 """The user's data: `data.factory = "package.module:function"` called with data.kwargs, or datasets handed to
-distrib.fit(); each split becomes an in-memory Split (tensors) or stays a Dataset for the DataLoader path."""
+distrib.fit(); each split becomes an in-memory Split (tensors) or stays a Dataset for the DataLoader path, or
+stays a stream (an IterableDataset, distrib.data.stream)."""
 
 from __future__ import annotations
 
@@ -7,19 +8,20 @@ import importlib
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 from distrib.data import samples
 from distrib.data.tensors import Split, check_inputs
 from distrib.errors import UserError
 
-EXPECTED = ("(train, test): two map-style datasets of (inputs, targets) or of dicts of tensors, or two (inputs, "
-            "targets) pairs of tensors (or of dicts of tensors)")
+EXPECTED = ("(train, test): two map-style datasets of (inputs, targets) or of dicts of tensors, two (inputs, "
+            "targets) pairs of tensors (or of dicts of tensors), or a stream (an IterableDataset) for train")
 SAMPLE = "(inputs, targets), each a tensor or a dict of tensors (or an int class), or one dict of tensors"
 
 
-def call_data_factory(spec: str, kwargs: dict) -> tuple[Any, Any]:
-    """Imports and calls the factory; anything it raises becomes one line naming it."""
+def call_data_factory(spec: str, kwargs: dict) -> tuple[Any, ...]:
+    """Imports and calls the factory; anything it raises becomes one line naming it. (train, test), or (train, val,
+    test) with a validation set."""
     module_name, _, attr = spec.partition(":")
     where = f"data.factory = {spec!r}"
     try:
@@ -36,9 +38,10 @@ def call_data_factory(spec: str, kwargs: dict) -> tuple[Any, Any]:
     except Exception as e:  # noqa: BLE001
         raise UserError(f"{where}: calling it with data.kwargs = {kwargs!r} raised {_short(e)}; fix the factory or "
                         "its data.kwargs") from None
-    if not (isinstance(result, (tuple, list)) and len(result) == 2):
-        raise UserError(f"{where}: returned {_describe(result)}; fix: make it return {EXPECTED}")
-    return result[0], result[1]
+    if not (isinstance(result, (tuple, list)) and len(result) in (2, 3)):
+        raise UserError(f"{where}: returned {_describe(result)}; fix: make it return {EXPECTED} (or (train, val, "
+                        "test) with a validation set)")
+    return tuple(result)
 
 
 def _short(e: BaseException) -> str:
@@ -55,6 +58,8 @@ def _describe(value) -> str:
 def as_split_or_dataset(value, what: str) -> Split | Dataset:
     """A pair of tensors (or dicts of tensors) or a TensorDataset -> a Split; another map-style Dataset stays one (its
     first sample is checked here); anything else is a UserError naming `what`."""
+    if isinstance(value, IterableDataset):  # a stream (distrib.data.stream): checked as it is read
+        return value
     if isinstance(value, TensorDataset) and len(value.tensors) == 2:
         value = value.tensors
     if isinstance(value, (tuple, list)) and len(value) == 2 and all(samples.is_tree(v) for v in value):

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from distrib.config import DataConfig
 from distrib.data import idx, named
 from distrib.data.assemble import Data, Loaded, build, distributed, materialize, on_rank0
+from distrib.data.collate import collate_for
 from distrib.data.factory import as_split_or_dataset, call_data_factory
 from distrib.data.tensors import FASHION_MNIST_STATS, Split
 from distrib.data.text import token_data
@@ -30,16 +31,19 @@ def load_data(config: DataConfig, runtime: Runtime, seed: int, log: Callable[[st
         return _token_data(config, runtime, seed, log)
     on_rank0(runtime, lambda: _prepare(config, log))
     loaded = _on_every_rank(runtime, lambda: _read(config))
-    return build(loaded, config, runtime, seed, log)
+    return build(loaded, config, runtime, seed, log, collate_for(config.pad_id, config.collate))
 
 
 def data_from_datasets(train, test, config: DataConfig, runtime: Runtime, seed: int,
-                       log: Callable[[str], None] | None = None) -> Data:
-    """For distrib.fit(): map-style Datasets of (tensor, int label), or (inputs, labels) tensor pairs."""
+                       log: Callable[[str], None] | None = None, collate_fn: Callable | None = None,
+                       val=None) -> Data:
+    """For distrib.fit(): map-style Datasets of (tensor, int label), or (inputs, labels) tensor pairs; collate_fn
+    (the user's, for the DataLoader path) wins over data.collate; val: a validation set, of the same kinds."""
     log = log or _main_log(runtime)
-    loaded = _on_every_rank(runtime, lambda: Loaded("custom", as_split_or_dataset(train, "train data"),
-                                                     as_split_or_dataset(test, "test data")))
-    return build(loaded, config, runtime, seed, log)
+    loaded = _on_every_rank(runtime, lambda: Loaded(
+        "custom", as_split_or_dataset(train, "train data"), as_split_or_dataset(test, "test data"),
+        val=None if val is None else as_split_or_dataset(val, "fit(val_data=...)")))
+    return build(loaded, config, runtime, seed, log, collate_for(config.pad_id, config.collate, collate_fn))
 
 
 def _token_data(config: DataConfig, runtime: Runtime, seed: int, log) -> Data:
@@ -47,7 +51,8 @@ def _token_data(config: DataConfig, runtime: Runtime, seed: int, log) -> Data:
     info, train, test = _on_every_rank(runtime, lambda: token_data(config, runtime, seed))
     log(f"data {info.name}: {train.num_tokens} train / {test.num_tokens} test tokens, vocabulary {info.num_classes}, "
         f"{train.num_samples} windows of {config.seq_len} per epoch, {test.num_samples} test windows"
-        + (" (memory-mapped)" if config.name == "tokens" else " (device-resident)"))
+        + (" (device-resident)" if config.name == "text" else " (memory-mapped)")
+        + (f", {len(train.read.shards)} train / {len(test.read.shards)} test shards" if config.train_files else ""))
     return Data(info, train, test)
 
 
@@ -110,10 +115,11 @@ def _prepare(config: DataConfig, log) -> None:
 def _read(config: DataConfig) -> Loaded:
     """Every rank's part, after _prepare: reads both splits (no collectives, so a failure cannot hang a rank)."""
     if config.factory:
-        train, test = call_data_factory(config.factory, config.kwargs)
+        *train_val, test = call_data_factory(config.factory, config.kwargs)
         where = f"data.factory = {config.factory!r}"
-        return Loaded(config.factory, as_split_or_dataset(train, f"{where}: train"),
-                      as_split_or_dataset(test, f"{where}: test"))
+        val = as_split_or_dataset(train_val[1], f"{where}: val") if len(train_val) == 2 else None
+        return Loaded(config.factory, as_split_or_dataset(train_val[0], f"{where}: train"),
+                      as_split_or_dataset(test, f"{where}: test"), val=val)
     if config.name == "synthetic":
         shape, classes = tuple(config.synthetic_shape), config.num_classes or 10
         return Loaded("synthetic", named.synthetic_split(config.synthetic_train_size, 1, shape, classes),

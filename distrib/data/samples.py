@@ -76,6 +76,24 @@ def num_rows(tree: Tree) -> int | set[int]:
     return lengths.pop() if len(lengths) == 1 else lengths
 
 
+def num_samples(targets, inputs=None) -> int:
+    """A batch's number of samples: the rows of its targets, else of its inputs (tensors, dicts, tuples). Never len()
+    of a model's outputs: a dict's is its number of keys, a tuple's its number of parts."""
+    for tree in (targets, inputs):
+        first = _first_tensor(tree)
+        if first is not None:
+            return len(first)
+    raise ValueError("a batch with neither targets nor inputs that have a sample dimension")
+
+
+def _first_tensor(tree) -> torch.Tensor | None:
+    """The first tensor with a sample dimension in a tensor, a dict or a tuple (nested or not); None if none."""
+    if isinstance(tree, torch.Tensor):
+        return tree if tree.dim() else None
+    parts = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (tuple, list)) else ()
+    return next((found for found in map(_first_tensor, parts) if found is not None), None)
+
+
 def nbytes(tree: Tree | None) -> int:
     if tree is None:
         return 0

@@ -1,5 +1,6 @@
 """Language-model data: `text` (a UTF-8 file or folder of .txt files as bytes, vocabulary 256) and `tokens` (nanoGPT's
-train.bin / val.bin of uint16 ids, memory-mapped), both cut into windows of data.seq_len + 1 tokens.
+train.bin / val.bin of uint16 ids, or the shards data.train_files / data.test_files name (token_files.py), all
+memory-mapped), cut into windows of data.seq_len + 1 tokens.
 
 A training sample is a window whose start comes from (seed, epoch, sample index) by a counter-based hash, so any
 rank computes any sample's window alone: the order is the same at every world size and resumes exactly. The test
@@ -17,6 +18,7 @@ import torch
 from distrib.config import DataConfig
 from distrib.data.batching import Batch
 from distrib.data.tensors import DataInfo
+from distrib.data.token_files import token_streams
 from distrib.distributed.runtime import Runtime
 from distrib.errors import UserError
 
@@ -179,6 +181,15 @@ def token_data(config: DataConfig, runtime: Runtime, seed: int) -> tuple[DataInf
         train, test = text_streams(config)
         vocab_size = BYTE_VOCAB
         reads = [(_on_device(s, runtime.device), len(s), None) for s in (train, test)]
+    elif config.train_files:
+        vocab_size = config.vocab_size
+        streams = token_streams(config.train_files, config.test_files)
+        for (key, pattern), stream, least in zip((("train_files", config.train_files),
+                                                   ("test_files", config.test_files)), streams, (seq_len + 2, 2)):
+            if stream.num_tokens < least:
+                raise _too_short(f"data.{key} = {pattern!r}", stream.num_tokens, seq_len)
+        reads = [(stream, stream.num_tokens, _vocab_check(Path(pattern), vocab_size))
+                 for stream, pattern in zip(streams, (config.train_files, config.test_files))]
     else:
         root, vocab_size = Path(config.root), config.vocab_size
         reads = []

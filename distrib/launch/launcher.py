@@ -299,15 +299,16 @@ def _reporting_env() -> Iterator[None]:
             os.environ[REPORTS_VAR] = previous
 
 
-def main(argv: Sequence[str], check: Callable[[int | None], None] | None = None) -> int:
+def main(argv: Sequence[str], check: Callable[[int, int | None], None] | None = None) -> int:
     """`distrib launch [torchrun options] SCRIPT|-m MODULE [args]`; returns the exit code. A stop signal from the
     first moment on ends it with the preemption code (the job is requeued), also before torch is imported.
-    check(world_size) runs before any worker starts (world_size None when the node count is elastic)."""
+    check(workers on this node, world_size) runs before any worker starts (world_size None when the node count is
+    elastic)."""
     with stop_handlers():
         args = apply_defaults(parse_args(argv), os.environ)
         check_program(args)
         if check is not None:
-            check(fixed_world_size(args))
+            check(local_world_size(args.nproc_per_node), fixed_world_size(args))
         threads = cpu_threads(os.environ, local_world_size(args.nproc_per_node), visible_gpu_count())
         if threads is not None:
             # Set here, in the one writer of the launch environment; torch's agent passes it on to every worker.
@@ -317,8 +318,50 @@ def main(argv: Sequence[str], check: Callable[[int | None], None] | None = None)
             return run_agent(args)
 
 
-def launch_trainer(nproc_per_node: int, train_argv: Sequence[str],
-                   check: Callable[[int | None], None] | None = None) -> int:
-    """`distrib train --nproc-per-node N ...`: N workers of `python -m distrib train ...` on this node; check as in
-    main."""
-    return main(["--nproc-per-node", str(nproc_per_node), "-m", "distrib", "train", *train_argv], check)
+# The flags of distrib launch that distrib train takes too (True: the flag takes a value). distrib train hands them
+# to main as given, where torch's own parser reads them (types, PET_* variables, defaults): each means exactly what
+# it means to distrib launch and torchrun.
+TRAIN_FLAGS = {"--nproc-per-node": True, "--nnodes": True, "--max-restarts": True, "--standalone": False,
+               "--rdzv-backend": True, "--rdzv-endpoint": True, "--rdzv-id": True, "--rdzv-conf": True,
+               "--node-rank": True, "--master-addr": True, "--master-port": True}
+
+
+def add_train_flags(parser: argparse.ArgumentParser) -> None:
+    """TRAIN_FLAGS on distrib train's parser, kept as text (parsing them imports no torch: a stop signal while
+    `distrib train` starts still ends it with 75)."""
+    group = parser.add_argument_group("launching (as for distrib launch; any of them starts the workers through it)")
+    for flag, takes_value in TRAIN_FLAGS.items():
+        if flag != "--nproc-per-node":  # distrib train's own: checked there, and shared with eval and predict
+            group.add_argument(flag, **({"metavar": "VALUE"} if takes_value else {"action": "store_true"}),
+                               help=f"as {flag} of distrib launch (torchrun)")
+
+
+def train_flags(args: argparse.Namespace) -> list[str]:
+    """The TRAIN_FLAGS that distrib train was given, as distrib launch's arguments."""
+    given = []
+    for flag, takes_value in TRAIN_FLAGS.items():
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value not in (None, False):
+            given += [flag, str(value)] if takes_value else [flag]
+    return given
+
+
+def without_train_flags(argv: Sequence[str]) -> list[str]:
+    """The command line a launched worker runs: the user's, less the TRAIN_FLAGS (--flag VALUE or --flag=VALUE)."""
+    out, skip = [], False
+    for item in argv:
+        name, equals, _ = item.partition("=")
+        if skip:
+            skip = False
+        elif name in TRAIN_FLAGS:
+            skip = TRAIN_FLAGS[name] and not equals
+        else:
+            out.append(item)
+    return out
+
+
+def launch_trainer(launch_flags: Sequence[str], train_argv: Sequence[str],
+                   check: Callable[[int, int | None], None] | None = None) -> int:
+    """`distrib train --nproc-per-node N ...` (or any TRAIN_FLAGS): workers of `python -m distrib train ...` started
+    as `distrib launch FLAGS -m distrib train ...` starts them; check as in main."""
+    return main([*launch_flags, "-m", "distrib", "train", *train_argv], check)

@@ -35,28 +35,37 @@ def _series(records: list[dict], key: str) -> tuple[list, list]:
     return [s for s, _ in points], [v for _, v in points]
 
 
+def _panels(records: list[dict]) -> list[tuple[str, str, list]]:
+    """(title, y label, [(label, steps, values, marker)]) of each panel that has data: the loss always; a
+    classifier's accuracy, else a sequence model's token accuracy (a regression has neither: no panel); the speed."""
+    panels = [("Loss", "train.loss", [("train loss", *_series(records, "loss"), None),
+                                      ("test loss", *_series(records, "test_loss"), "o")])]
+    key = next((k for k in ("test_accuracy", "test_token_accuracy") if _series(records, k)[0]), None)
+    if key:
+        steps, accuracy = _series(records, key)
+        panels.append(("Test accuracy", "%", [(key.replace("_", " "), steps, [100 * a for a in accuracy], "o")]))
+    speed = _series(records, "samples_per_second")
+    if speed[0]:
+        panels.append(("Throughput", "samples/s", [("samples/s (all devices)", *speed, None)]))
+    return panels
+
+
 def make_figure(records: list[dict]):
-    """A figure with three axes that share the step axis: loss, test accuracy, and samples/s."""
+    """A figure of panels that share the step axis: loss, test accuracy, and samples/s (each where there is data)."""
     try:
         from matplotlib.figure import Figure  # no pyplot: no global state, no display backend
     except ImportError:
         raise UserError("distrib plot needs matplotlib; pip install 'distrib[plot]'") from None
-    figure = Figure(figsize=(7, 9), layout="constrained")
-    loss_axes, accuracy_axes, speed_axes = figure.subplots(3, 1, sharex=True)
-    loss_axes.plot(*_series(records, "loss"), label="train loss")
-    loss_axes.plot(*_series(records, "test_loss"), marker="o", label="test loss")
-    loss_axes.set(title="Loss", ylabel="train.loss")
-    # A classifier's accuracy, else a sequence model's token accuracy; a regression has neither (an empty panel).
-    key = next((k for k in ("test_accuracy", "test_token_accuracy") if _series(records, k)[0]), "test_accuracy")
-    steps, accuracy = _series(records, key)
-    label = key.replace("_", " ")
-    accuracy_axes.plot(steps, [100 * a for a in accuracy], marker="o", label=label)
-    accuracy_axes.set(title="Test accuracy", ylabel="%")
-    speed_axes.plot(*_series(records, "samples_per_second"), label="samples/s (all devices)")
-    speed_axes.set(title="Throughput", ylabel="samples/s", xlabel="optimizer step")
-    for axes in (loss_axes, accuracy_axes, speed_axes):
+    panels = _panels(records)
+    figure = Figure(figsize=(7, 3 * len(panels)), layout="constrained")
+    all_axes = figure.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    for axes, (title, ylabel, curves) in zip(all_axes, panels):
+        for label, steps, values, marker in curves:
+            axes.plot(steps, values, marker=marker, label=label)
+        axes.set(title=title, ylabel=ylabel)
         axes.grid(alpha=0.3)
         axes.legend(loc="best")
+    all_axes[-1].set(xlabel="optimizer step")
     return figure
 
 

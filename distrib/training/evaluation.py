@@ -12,11 +12,20 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from distrib.data import eval_batches
-from distrib.distributed.parallel import is_sharded, unwrap
+from distrib.data import eval_batches, samples
+from distrib.distributed.parallel import unwrap
 from distrib.distributed.runtime import Runtime
 from distrib.errors import UserError
-from distrib.training.losses import IGNORE_INDEX, Loss, class_dim, cross_entropy, forward, logits_of, own_loss
+from distrib.training.losses import (
+    IGNORE_INDEX,
+    CountedModelLoss,
+    Loss,
+    class_dim,
+    cross_entropy,
+    forward,
+    logits_of,
+    own_loss,
+)
 
 _FIXED_POINT = 2.0 ** 32  # losses summed as integers: exact, whatever the order of the sum
 TOP_K = 5  # top-5 accuracy is reported when there are more than TOP_K classes
@@ -48,20 +57,28 @@ class Task:
     kind: str = "classes"  # classes | positions | values
     sequence: bool = False
     metrics: tuple[Metric, ...] = ()
+    num_classes: int = 0  # classes: the logits' width (top-k accuracy only where there are more than TOP_K)
 
     def reported(self) -> list[str]:
-        """The scalar metrics an evaluation of this task reports (besides test_count)."""
+        """The scalar metrics an evaluation of this task reports (besides test_count), as _metrics reports them."""
         names = ["test_loss"]
-        names += {"classes": ["test_accuracy", f"test_top{TOP_K}_accuracy"], "positions": ["test_token_accuracy"],
+        top_k = [f"test_top{TOP_K}_accuracy"] if self.num_classes > TOP_K else []
+        names += {"classes": ["test_accuracy", *top_k], "positions": ["test_token_accuracy"],
                   "values": []}[self.kind]
         names += ["test_perplexity"] if self.sequence else []
         return names + [f"test_{name}" for metric in self.metrics for name in metric.names]
 
-    def check_watched(self, key: str, metric: str) -> None:
-        """Early stopping and best-k must watch a metric this task reports: one line now, not a KeyError later."""
-        if metric and metric.removesuffix("_ema") not in self.reported():
-            raise UserError(f"{key} = {metric!r}: this run reports no {metric.removesuffix('_ema')} (it reports "
-                            f"{', '.join(self.reported())}); fix: --set {key}=test_loss")
+    def check_watched(self, key: str, metric: str, validation: bool = False) -> None:
+        """Early stopping and best-k must watch a metric this task reports: one line now, not a KeyError later. With
+        a validation set, its val_* metrics are reported too (and are what to watch)."""
+        reported = self.reported()
+        reported += [f"val_{name.removeprefix('test_')}" for name in reported] if validation else []
+        if metric and metric.removesuffix("_ema") not in reported:
+            hint = "" if validation or not metric.startswith("val_") else (
+                " (val_* needs a validation set: data.val_fraction, a factory's (train, val, test) or "
+                "fit(val_data=...))")
+            raise UserError(f"{key} = {metric!r}: this run reports no {metric.removesuffix('_ema')}{hint} (it reports "
+                            f"{', '.join(reported)}); fix: --set {key}={'val' if validation else 'test'}_loss")
 
 
 def task_of(outputs, targets, loss: Loss, metrics: tuple[Metric, ...] = ()) -> Task:
@@ -71,7 +88,7 @@ def task_of(outputs, targets, loss: Loss, metrics: tuple[Metric, ...] = ()) -> T
     if not integer or not isinstance(logits, torch.Tensor) or class_dim(logits, targets) is None:
         return Task("values", sequence, metrics)
     if targets.dim() == 1:
-        return Task("classes", False, metrics)
+        return Task("classes", False, metrics, num_classes=logits.shape[1])
     # A model's own loss may shift its targets (a causal LM's does): its logits are not aligned with them.
     return Task("values" if loss.name == "model" else "positions", sequence, metrics)
 
@@ -102,16 +119,20 @@ def _loss_sum(loss: Loss, outputs, targets, num_samples: int) -> tuple[torch.Ten
     logits = logits_of(outputs)
     if loss.elementwise is not None and loss.fits(logits, targets):
         return _fixed(loss.elementwise(logits.float(), targets)).sum(), loss.count(targets)
+    if isinstance(loss, CountedModelLoss):  # a mean over counted positions: their sum, and how many
+        count = loss.count(targets)
+        return _fixed(loss(outputs, targets).float() * count), count
     own = own_loss(outputs) if loss.name == "model" else None
     mean = own if own is not None else loss(outputs, targets)
     return _fixed(mean.float() * num_samples), torch.tensor(num_samples)
 
 
-def _batch_stats(outputs, targets, loss: Loss, num_classes: int, task: Task, device) -> torch.Tensor:
+def _batch_stats(inputs, outputs, targets, loss: Loss, num_classes: int, task: Task, device) -> torch.Tensor:
     """[loss sum, loss count, samples, top-1, top-k, tokens right, tokens counted, right per class..., seen per
-    class..., (sum, count) per user metric...] as int64."""
+    class..., (sum, count) per user metric...] as int64. The samples are counted in the targets (or the inputs), never
+    in the outputs, whatever their structure."""
     logits = logits_of(outputs)
-    num_samples = len(targets) if isinstance(targets, torch.Tensor) else len(logits)
+    num_samples = samples.num_samples(targets, inputs)
     head = [*_loss_sum(loss, outputs, targets, num_samples), torch.tensor(num_samples)]
     per_class = torch.zeros(2, num_classes if task.kind == "classes" else 0, dtype=torch.int64, device=device)
     counts = [torch.tensor(0)] * 4
@@ -139,8 +160,8 @@ def _batch_stats(outputs, targets, loss: Loss, num_classes: int, task: Task, dev
 def evaluate(model: nn.Module, source, num_classes: int, batch_size: int, runtime: Runtime, loss: Loss | None = None,
              precision: str = "fp32", class_names: tuple[str, ...] = (), task: Task = Task()) -> dict:
     """Exact metrics over the whole test set: every sample once, no padding, one all-reduce. Runs the unwrapped
-    module, so no DDP hooks fire and ranks may see different numbers of batches (an FSDP module all-gathers in every
-    forward, so there each rank makes as many forward calls as the busiest, the extra ones not counted)."""
+    module, so no DDP hooks fire; every rank makes as many forward calls as the busiest (an FSDP module all-gathers in
+    every forward), the extra ones not counted."""
     model, loss = unwrap(model), loss or cross_entropy()
     classes = num_classes if task.kind == "classes" else 0
     stats = torch.zeros(7 + 2 * classes + 2 * sum(len(m.names) for m in task.metrics), dtype=torch.int64,
@@ -149,18 +170,19 @@ def evaluate(model: nn.Module, source, num_classes: int, batch_size: int, runtim
     model.eval()
     batches = eval_batches(source.num_samples, batch_size, runtime.data_rank, runtime.data_world_size)
     num_counted = len(batches)
-    if is_sharded(model):  # pad with one-sample batches
-        busiest = max(len(eval_batches(source.num_samples, batch_size, r, runtime.data_world_size))
-                      for r in range(runtime.data_world_size))
-        batches = batches + [torch.arange(1)] * (busiest - num_counted)
+    # Every rank makes as many forward calls as the busiest (one-sample batches, not counted): a sharded model's
+    # forward is a collective. Under ddp the unwrapped module makes none, and the few extra samples cost nothing.
+    busiest = max(len(eval_batches(source.num_samples, batch_size, r, runtime.data_world_size))
+                  for r in range(runtime.data_world_size))
+    batches = batches + [torch.arange(1)] * (busiest - num_counted)
     with torch.no_grad(), autocast(precision, runtime.device):
         for batch_index, (inputs, targets) in enumerate(source.batches(batches)):
             outputs = forward(model, inputs)
             if batch_index < num_counted:
-                stats += _batch_stats(outputs, targets, loss, classes, task, runtime.device)
+                stats += _batch_stats(inputs, outputs, targets, loss, classes, task, runtime.device)
     model.train(was_training)
     dist.all_reduce(stats)
-    stats //= runtime.tensor_parallel  # each tensor-parallel group's ranks counted the same batches, to the bit
+    stats //= runtime.world_size // runtime.data_world_size  # a tensor-parallel group's ranks counted the same batches
     return _metrics(stats.tolist(), classes, class_names, task)
 
 

@@ -15,10 +15,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distrib.checkpoint.format import list_checkpoints, load_failure, read_checkpoint
+from distrib.checkpoint.weights import WEIGHTS_DIR, aliases_of, read_weights
 from distrib.config import Config, load_config
 from distrib.data import DataInfo, eval_batches, load_data, load_inputs
-from distrib.distributed.parallel import parallelize, place_model, unwrap
+from distrib.distributed.parallel import place_model, unwrap
 from distrib.distributed.runtime import Runtime
+from distrib.distributed.strategies import ddp
 from distrib.errors import UserError
 from distrib.metrics import write_json_atomic
 from distrib.models.build import build_model, factory_call
@@ -34,14 +36,14 @@ MAX_TOP_K = 5
 # ---------------------------------------------------------------- model.json
 
 
-def model_card(config: Config, info: DataInfo) -> dict:
+def model_card(config: Config, info: DataInfo, weights: str = "model.pt") -> dict:
     """What inference needs beside model.pt: how to build the model, what goes in, what comes out."""
     factory, kwargs = factory_call(config.model, info)
     model = {"factory": factory, "kwargs": json.loads(json.dumps(kwargs, default=str))}  # a TOML date as text
     if not config.model.factory:
         model["name"] = config.model.name
     return {"format": CARD_FORMAT, "version": CARD_VERSION, "distrib_version": _distrib_version(),
-            "weights": "model.pt", "model": model,
+            "weights": weights, "model": model,
             "data": info.to_dict(),
             "inputs": _card_inputs(info),
             "precision": config.train.precision}
@@ -54,9 +56,9 @@ def _card_inputs(info: DataInfo) -> str:
             "(x - mean) / std per channel; outputs: logits (N, num_classes), in class_names' order")
 
 
-def write_model_card(path: Path, config: Config, info: DataInfo) -> Path:
+def write_model_card(path: Path, config: Config, info: DataInfo, weights: str = "model.pt") -> Path:
     """Writes model.json atomically (temp file, then rename); rank 0 only, like model.pt."""
-    write_json_atomic(Path(path), model_card(config, info))
+    write_json_atomic(Path(path), model_card(config, info, weights))
     return Path(path)
 
 
@@ -87,10 +89,11 @@ class Trained:
 
 
 def load_trained(source: str, config_path: str | None = None, overrides=()) -> Trained:
-    """RUN_DIR (its model.pt and config.toml), RUN_DIR/model.pt, or a checkpoint file (its stored config);
-    --config replaces the stored config and --set overrides either. Reads on the CPU, before any process group."""
+    """RUN_DIR (its model.pt, else its weights/, and config.toml), RUN_DIR/model.pt, or a checkpoint file (its
+    stored config); --config replaces the stored config and --set overrides either. Reads on the CPU, before any
+    process group."""
     path = Path(source)
-    if path.is_file() and path.name == "model.pt":
+    if path.is_file() and path.name == "model.pt" or path.is_dir() and path.name == WEIGHTS_DIR:
         path = path.parent
     if path.is_dir():
         return _from_run_dir(path, config_path, overrides)
@@ -104,18 +107,19 @@ def load_trained(source: str, config_path: str | None = None, overrides=()) -> T
 
 def _from_run_dir(run_dir: Path, config_path: str | None, overrides) -> Trained:
     weights_path = run_dir / "model.pt"
-    if not weights_path.is_file():
+    if not weights_path.is_file() and not (run_dir / WEIGHTS_DIR).is_dir():
         found = list_checkpoints(run_dir / "checkpoints")
         fix = (f"give one of its checkpoints instead, e.g. {found[0]}" if found else
-               "model.pt is written when training ends: finish the run, or give a checkpoint file")
-        raise UserError(f"run directory {run_dir}: no model.pt; {fix}")
+               "they are written when training ends: finish the run, or give a checkpoint file")
+        raise UserError(f"run directory {run_dir}: no model.pt or {WEIGHTS_DIR}/; {fix}")
     config_file = Path(config_path) if config_path else run_dir / "config.toml"
     if not config_path and not config_file.is_file():
         raise UserError(f"run directory {run_dir}: no config.toml; give the config it was trained with: --config FILE")
     config = load_config(str(config_file), overrides)
     card, summary = (_read_json(run_dir / name) for name in ("model.json", "summary.json"))
     recorded = (summary or {}).get("data") or (card or {}).get("data")
-    return Trained(run_dir, config, _read_weights(weights_path), (summary or {}).get("steps"), recorded)
+    weights = _read_weights(weights_path) if weights_path.is_file() else _read_safetensors(run_dir / WEIGHTS_DIR)
+    return Trained(run_dir, config, weights, (summary or {}).get("steps"), recorded)
 
 
 def _read_json(path: Path) -> dict | None:
@@ -137,12 +141,25 @@ def _read_weights(path: Path) -> dict:
     return weights
 
 
+def _read_safetensors(folder: Path) -> dict:
+    try:
+        return read_weights(folder)
+    except Exception as e:  # noqa: BLE001 - a missing shard, a garbled header
+        raise UserError(f"{folder}: not readable safetensors ({type(e).__name__}: {' '.join(str(e).split())[:200]}); "
+                        "give the weights/ that distrib train wrote, or its model.pt") from None
+
+
 def rebuilt_model(trained: Trained, info: DataInfo) -> nn.Module:
-    """The trained model, rebuilt from its config on the CPU and given its weights."""
+    """The trained model, rebuilt from its config on the CPU and given its weights (model.pt, or weights/, which
+    holds a tied weight once: its twin is filled in)."""
     torch.manual_seed(trained.config.train.seed)  # as in training: non-persistent buffers (not in model.pt) match
     model = build_model(trained.config.model, info)
+    weights = dict(trained.weights)
+    for name, first in aliases_of(model).items():
+        if name not in weights and first in weights:
+            weights[name] = weights[first]
     try:
-        model.load_state_dict(trained.weights)
+        model.load_state_dict(weights)
     except RuntimeError as e:
         first = str(e).strip().splitlines()[0]
         raise UserError(f"{trained.source}: its weights do not fit the model that the config builds ({first[:200]}); "
@@ -153,7 +170,8 @@ def rebuilt_model(trained: Trained, info: DataInfo) -> nn.Module:
 def placed_model(trained: Trained, info: DataInfo, runtime: Runtime) -> nn.Module:
     """The trained model placed and wrapped exactly as training did (channels_last and all), so that its logits,
     and the metrics computed from them, are the same bits as at the end of training."""
-    return parallelize(place_model(rebuilt_model(trained, info), runtime.device), runtime, trained.config.speed)
+    return ddp.wrap(place_model(rebuilt_model(trained, info), runtime.device), runtime, trained.config.speed,
+                    trained.config.dist.shard_modules)
 
 
 def check_rebuildable(trained: Trained, input_arg: str | None = None) -> None:

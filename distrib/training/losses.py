@@ -146,12 +146,51 @@ def _pointwise(name: str, fn) -> Loss:
     return Loss(name, batch_mean, elementwise, None, needs)
 
 
-def model_loss() -> Loss:
-    """The model's own outputs.loss: a batch mean of its making, weighted by samples in evaluation."""
-    def missing(logits, targets):
-        raise TypeError("the model returned no loss on this batch (outputs.loss), though it did on the first one")
+def _missing(logits, targets):
+    raise TypeError("the model returned no loss on this batch (outputs.loss), though it did on the first one")
 
-    return Loss("model", missing)
+
+class CountedModelLoss(Loss):
+    """The model's own outputs.loss where it is the mean cross-entropy over the counted target positions (labels not
+    -100; shifted by one for a causal LM, as Hugging Face's shift them): its sum is the mean x that count, so a step
+    divides by the global count, as for the built-in cross-entropy, and padded micro-batches of any length agree."""
+
+    def __init__(self, shift: bool):
+        super().__init__("model", _missing, ignore_index=IGNORE_INDEX)
+        self.shift = shift
+
+    def count(self, targets: torch.Tensor) -> torch.Tensor:
+        return ((targets[:, 1:] if self.shift else targets) != IGNORE_INDEX).sum()
+
+    def total(self, outputs, targets) -> torch.Tensor:
+        return self(outputs, targets) * self.count(targets)
+
+    def fits(self, logits, targets) -> bool:
+        return False  # no elementwise form: evaluation sums total()
+
+
+def _counts_positions(outputs, targets) -> bool | None:
+    """Whether the model's own loss (on the dry batch) is the mean cross-entropy of its logits over the labels'
+    counted positions shifted by one (True) or in place (False, a masked LM's); None when it is neither."""
+    logits, own = logits_of(outputs), own_loss(outputs)
+    if not (isinstance(logits, torch.Tensor) and isinstance(targets, torch.Tensor) and targets.dim() == 2
+            and logits.dim() == 3 and logits.shape[:2] == targets.shape and not targets.is_floating_point()):
+        return None
+    for shift in (True, False):
+        pairs = (logits[:, :-1], targets[:, 1:]) if shift else (logits, targets)
+        if not (pairs[1] != IGNORE_INDEX).any():
+            continue
+        mean = F.cross_entropy(*_flat(pairs[0].float(), pairs[1]), ignore_index=IGNORE_INDEX)
+        if torch.allclose(mean, own.detach().float(), rtol=1e-4, atol=1e-6):
+            return shift
+    return None
+
+
+def model_loss(outputs=None, targets=None) -> Loss:
+    """The model's own outputs.loss: counted by positions where the dry batch shows it is a mean over them (see
+    CountedModelLoss), else a batch mean of its making, weighted by samples in evaluation."""
+    shift = _counts_positions(outputs, targets) if outputs is not None else None
+    return Loss("model", _missing) if shift is None else CountedModelLoss(shift)
 
 
 def build_loss(config: TrainConfig, loss_fn: LossFn | None = None) -> Loss:

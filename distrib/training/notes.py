@@ -25,6 +25,9 @@ def dropout_layers(model: nn.Module) -> list[str]:
 def task_notes(config: TrainConfig, loss: Loss, task: Task, model: nn.Module, total_steps: int) -> list[str]:
     source = ("the model's own outputs.loss (train.loss is not used)" if loss.name == "model"
               else f"train.loss = {loss.name}")
+    if getattr(loss, "shift", None) is not None:  # a CountedModelLoss
+        source += (", a mean over the labels' counted positions" + (" shifted by one" if loss.shift else "")
+                   + ": each step divides by the global batch's count")
     notes = [f"loss: {source}; metrics: {', '.join(task.reported())}"]
     dropout = dropout_layers(model)
     if dropout:

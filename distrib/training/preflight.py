@@ -69,7 +69,7 @@ def dry_batch(model: nn.Module, source, info: DataInfo, device: torch.device, lo
     """Runs the plain placed model on the first samples of `source` in eval mode without gradients (no dropout draws,
     no BatchNorm statistics, no RNG: the training that follows is bitwise what it would be without this), checks
     that its outputs fit the targets and the loss, and that class targets are in range."""
-    indices = torch.arange(min(DRY_BATCH_SIZE, source.num_samples))
+    indices = torch.arange(min(DRY_BATCH_SIZE, source.num_samples or DRY_BATCH_SIZE))  # None: a stream
     inputs, targets = next(iter(source.batches([indices])))
     check_batch({**samples.named(inputs, "inputs"), **samples.named(targets, "targets")}, device)
     model = unwrap(model)
@@ -81,7 +81,7 @@ def dry_batch(model: nn.Module, source, info: DataInfo, device: torch.device, lo
     finally:
         model.train(was_training)
     if own_loss(outputs) is not None:
-        return DryBatch(inputs, targets, outputs, model_loss())
+        return DryBatch(inputs, targets, outputs, model_loss(outputs, targets))
     if targets is None:
         raise UserError(f"the data's samples {info.inputs} have no targets (a dict sample keeps them under 'labels'), "
                         "and the model returned no loss (outputs.loss); fix: add labels to the samples, or return "
@@ -102,9 +102,13 @@ def _check_fit(logits, inputs, targets, info: DataInfo, loss: Loss) -> None:
                         "build it with num_classes from the data (a model.factory that declares num_classes gets it)")
     if not loss.fits(logits, targets):
         kind = "integer class" if loss.ignore_index is not None else "float"
+        fix = "fix the model's output, the targets, or train.loss"
+        if loss.ignore_index is not None and isinstance(targets, torch.Tensor) and targets.is_floating_point():
+            fix = ("float targets are values, not classes: for a regression set train.loss = mse (or l1; "
+                   "bce_with_logits for 0/1 labels), else fix the model's output or the targets")
         raise UserError(f"the model maps inputs of {describe(inputs)} to {got}, but the targets are "
                         f"{describe(targets)}, so train.loss = {loss.name} needs {loss.needs(targets)} with {kind} "
-                        "targets; fix the model's output, the targets, or train.loss")
+                        f"targets; {fix}")
     if loss.ignore_index is None:
         return
     num_classes = logits.shape[class_dim(logits, targets)]

@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distrib.config import Config
+from distrib.data import samples
 from distrib.distributed.runtime import Runtime
 from distrib.training.losses import forward
 
@@ -82,7 +83,7 @@ def count_flops_per_sample(model: nn.Module, inputs, targets, loss=None) -> floa
         return None
     finally:
         model.train(was_training)
-    return total / len(targets if targets is not None else next(iter(inputs.values()))) if total else None
+    return total / samples.num_samples(targets, inputs) if total else None
 
 
 def _quantile(sorted_values, q: float) -> float:

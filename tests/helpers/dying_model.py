@@ -1,31 +1,62 @@
-"""A model factory whose worker kills itself mid-run, at an exact step
-(`model.factory = tests.helpers.dying_model:network`).
+"""Model factories whose worker kills itself mid-run, at an exact step
+(`model.factory = tests.helpers.dying_model:network`, or `:gpt` for the built-in GPT).
 
 DISTRIB_TEST_DIE_AT=N: the worker with RANK=DISTRIB_TEST_DIE_RANK (default 1) sends itself DISTRIB_TEST_DIE_SIGNAL
 (default SIGKILL) in its Nth training forward, i.e. inside optimizer step N with one micro-step: a signal at an exact
-step, however fast or slow the machine. Unset: a plain Network."""
+step, however fast or slow the machine. DISTRIB_TEST_DIE_ONCE=PATH: only if PATH does not exist yet (it is created
+first), so a restarted worker lives. Unset: the plain model."""
 
 import os
 import signal
+from pathlib import Path
 
+from distrib.models.gpt import GPT
 from distrib.models.network import Network
 
 
-class _Dying(Network):
-    def __init__(self, die_at: int, signum: signal.Signals):
-        super().__init__()
-        self.die_at, self.signum, self.num_forwards = die_at, signum, 0
+class _DiesAt:
+    """Kills its own process in the die_at-th training forward."""
+
+    die_at, signum, num_forwards = 0, signal.SIGKILL, 0
 
     def forward(self, inputs):
         if self.training:
             self.num_forwards += 1
-            if self.num_forwards == self.die_at:
+            if self.num_forwards == self.die_at and _first_death():
                 os.kill(os.getpid(), self.signum)
         return super().forward(inputs)
 
 
-def network():
+def _first_death() -> bool:
+    marker = os.environ.get("DISTRIB_TEST_DIE_ONCE")
+    if not marker:
+        return True
+    if Path(marker).exists():
+        return False
+    Path(marker).touch()
+    return True
+
+
+class _DyingNetwork(_DiesAt, Network):
+    pass
+
+
+class _DyingGPT(_DiesAt, GPT):
+    pass
+
+
+def _build(plain, dying, **kwargs):
     die_at = int(os.environ.get("DISTRIB_TEST_DIE_AT", "0"))
-    if die_at and os.environ.get("RANK", "0") == os.environ.get("DISTRIB_TEST_DIE_RANK", "1"):
-        return _Dying(die_at, signal.Signals[os.environ.get("DISTRIB_TEST_DIE_SIGNAL", "SIGKILL")])
-    return Network()
+    if not (die_at and os.environ.get("RANK", "0") == os.environ.get("DISTRIB_TEST_DIE_RANK", "1")):
+        return plain(**kwargs)
+    model = dying(**kwargs)
+    model.die_at, model.signum = die_at, signal.Signals[os.environ.get("DISTRIB_TEST_DIE_SIGNAL", "SIGKILL")]
+    return model
+
+
+def network():
+    return _build(Network, _DyingNetwork)
+
+
+def gpt(vocab_size: int, seq_len: int, n_layers: int = 1, n_heads: int = 2, dim: int = 16):
+    return _build(GPT, _DyingGPT, vocab_size=vocab_size, seq_len=seq_len, n_layers=n_layers, n_heads=n_heads, dim=dim)

@@ -102,6 +102,35 @@ def segmentation(num_train=64, num_test=24, size=8, num_classes=3):
     return (images[:num_train], masks[:num_train]), (images[num_train:], masks[num_train:])
 
 
+def multitask(num_train=128, num_test=1000, features=8):
+    """Features [N, 8] and dict targets {"label": one of 4 classes, "value": [1] float}: a two-headed model's data."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(num_train + num_test, features, generator=g)
+    targets = {"label": x[:, :4].argmax(1), "value": x[:, 4:].sum(1, keepdim=True)}
+    train = {key: value[:num_train] for key, value in targets.items()}
+    return (x[:num_train], train), (x[num_train:], {key: value[num_train:] for key, value in targets.items()})
+
+
+class RaggedTokens(Dataset):
+    """Tokenized texts of 8 to 32 ids each, unpadded, as a tokenizer gives them: {"input_ids", "labels"} of the
+    text's own length (a causal LM shifts the labels itself)."""
+
+    def __init__(self, num_samples, seed):
+        g = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(8, 33, (num_samples,), generator=g).tolist()
+        self.ids = list(text_bytes(sum(lengths), seed=seed).long().split(lengths))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, index):
+        return {"input_ids": self.ids[index], "labels": self.ids[index].clone()}
+
+
+def ragged_lm(num_train=96, num_test=40):
+    return RaggedTokens(num_train, seed=6), RaggedTokens(num_test, seed=7)
+
+
 def multilabel(num_train=128, num_test=48, features=10, labels=5):
     g = torch.Generator().manual_seed(5)
     x = torch.randn(num_train + num_test, features, generator=g)
@@ -188,6 +217,19 @@ def tagger(in_features, labels=5):
     return nn.Sequential(nn.Linear(in_features, 16), nn.ReLU(), nn.Linear(16, labels))
 
 
+class TwoHeads(nn.Module):
+    """A multi-task model: a dict of class logits [B, 4] and a value [B, 1] (len() of its output is 2)."""
+
+    def __init__(self, features=8):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(features, 16), nn.Tanh())
+        self.cls, self.reg = nn.Linear(16, 4), nn.Linear(16, 1)
+
+    def forward(self, x):
+        hidden = self.body(x)
+        return {"cls": self.cls(hidden), "reg": self.reg(hidden)}
+
+
 def gpt2(vocab_size=256, seq_len=16):
     """A Hugging Face GPT-2 from a tiny config: nothing downloaded, no dropout (world sizes must agree)."""
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -203,10 +245,24 @@ def ten_outputs(seq_len):
 '''
 
 METRICS = '''
+import torch.nn.functional as F
+
+
 def mae(outputs, targets):
     """Mean absolute error as (sum, count): summed exactly over the whole test set by distrib."""
     errors = (outputs - targets).abs()
     return {"mae": (errors.sum(), errors.numel())}
+
+
+def multitask_loss(outputs, targets):
+    """The two heads' batch means, added: cross-entropy of the classes, mse of the values."""
+    return (F.cross_entropy(outputs["cls"], targets["label"])
+            + F.mse_loss(outputs["reg"], targets["value"]))
+
+
+def label_accuracy(outputs, targets):
+    right = outputs["cls"].argmax(1) == targets["label"]
+    return {"label_accuracy": (right.sum(), right.numel())}
 
 
 def next_token_accuracy(logits, labels):

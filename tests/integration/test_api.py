@@ -16,7 +16,7 @@ def test_import_distrib_loads_no_torch():
     result = run([sys.executable, "-c", "import sys, distrib; assert 'torch' not in sys.modules, 'torch'; "
                                         "print(sorted(distrib.__all__))"], timeout=EVENT_S)
     assert_ok(result)
-    assert result.stdout.strip() == "['Config', 'fit', 'load_config']"
+    assert result.stdout.strip() == "['Config', 'Preempted', 'fit', 'load_config']"
 
 
 @pytest.mark.timeout(900)

@@ -16,7 +16,7 @@ import torch
 from distrib.config import load_config
 from distrib.worker import run_training
 from tests.helpers.processes import EVENT_S, wait_for, worker_pid
-from tests.helpers.support import assert_ok, kill_tree, max_relative_diff, torchrun_train
+from tests.helpers.support import REPO, assert_ok, kill_tree, max_relative_diff, torchrun_train
 from tests.helpers.support import run as run_cmd
 
 BASE = ["data.name=synthetic", "data.synthetic_train_size=1536", "data.synthetic_test_size=200", "run.progress=false",
@@ -197,3 +197,29 @@ def test_extending_a_run_keeps_its_schedule_only_with_schedule_steps(tmp_path):
     assert _lrs(tmp_path / "fixed") == _lrs(tmp_path / "whole")
     recomputed = _lrs(tmp_path / "recomputed")
     assert recomputed[12] == 0.0 and recomputed[13] == pytest.approx(0.5 * 0.05)  # from 0 back to half the peak
+
+
+FIT_SCRIPT = REPO / "tests" / "helpers" / "fit_preempted.py"
+FIT_LAUNCHES = {"alone": [sys.executable, str(FIT_SCRIPT)],
+                "distrib launch": [sys.executable, "-m", "distrib", "launch", "--nproc-per-node", "2", str(FIT_SCRIPT)]}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("launch", FIT_LAUNCHES)
+def test_sigterm_in_a_fit_script_exits_75_without_traceback_and_the_rerun_resumes_bitwise(tmp_path, launch):
+    """A worker of a distrib.fit script sends itself SIGTERM in step 6: every rank checkpoints, says one line and
+    ends with 75 (distrib.Preempted, a SystemExit), so does the launcher; the same command then resumes and ends
+    bitwise equal to the uninterrupted run."""
+    env = {"PYTHONPATH": str(REPO)}
+    assert_ok(run_cmd([*FIT_LAUNCHES[launch], str(tmp_path / "whole")], timeout=EVENT_S, env=env))
+    cmd = [*FIT_LAUNCHES[launch], str(tmp_path / "stopped")]
+    stopped = run_cmd(cmd, timeout=EVENT_S, env={**env, "DISTRIB_TEST_DIE_AT": "6", "DISTRIB_TEST_DIE_RANK": "0",
+                                                  "DISTRIB_TEST_DIE_SIGNAL": "SIGTERM"})
+    output = stopped.stdout + stopped.stderr
+    assert stopped.returncode == 75, output
+    stopped_at = _final(tmp_path / "stopped")["progress"]["step"]  # the first step the ranks agree at, from 6 on
+    assert "Traceback" not in output and f"distrib: preempted at step {stopped_at}; checkpoint" in output, output
+    assert 6 <= stopped_at < 16
+    assert_ok(run_cmd(cmd, timeout=EVENT_S, env=env))
+    assert _summary(tmp_path / "stopped")["resumed_from_step"] == stopped_at
+    _assert_bitwise(_final(tmp_path / "stopped"), _final(tmp_path / "whole"))

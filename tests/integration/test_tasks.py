@@ -50,6 +50,23 @@ summary = fit(DictLM, train, test, overrides={{"run.dir": sys.argv[1], **{FIT_OV
 print(f"rank done: test loss {{summary['test_loss']:.4f}}")
 '''
 
+MULTITASK_OVERRIDES = {**FIT_OVERRIDES, "train.max_steps": 6, "train.optimizer": "adam", "train.lr": 0.01,
+                       "data.eval_batch_size": 300}
+MULTITASK_SCRIPT = f'''
+"""A multi-task model with a dict output, the user's loss and metric, through distrib.fit: python train.py RUN_DIR."""
+import sys
+
+from taskpkg.data import multitask
+from taskpkg.metrics import label_accuracy, multitask_loss
+from taskpkg.models import TwoHeads
+
+from distrib import fit
+
+train, test = multitask()
+fit(TwoHeads, train, test, overrides={{"run.dir": sys.argv[1], **{MULTITASK_OVERRIDES!r}}}, loss_fn=multitask_loss,
+    metrics=[label_accuracy])
+'''
+
 
 @pytest.fixture(scope="module")
 def task_root(tmp_path_factory):
@@ -136,6 +153,36 @@ def test_dict_samples_and_the_models_own_loss_through_fit_and_torchrun(task_root
         assert summary["test_next_token_accuracy"] == right.sum().item() / right.numel()  # fit(metrics=[...])
         assert summary["test_count"] == len(test) and "test_perplexity" in summary
         assert "test_token_accuracy" not in summary  # its logits are shifted against its labels: no built-in one
+
+
+@pytest.mark.timeout(900)
+def test_a_dict_output_with_the_users_loss_and_metric_is_evaluated_exactly_at_world_sizes_1_and_2(task_root,
+                                                                                                    tmp_path):
+    """1,000 test samples in eval batches of 300 (the last of 100): every sample counted once, and the test loss is
+    the user's loss over all of them, although len() of the model's output is 2."""
+    from taskpkg.data import multitask
+    from taskpkg.metrics import label_accuracy, multitask_loss
+    from taskpkg.models import TwoHeads
+
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(MULTITASK_SCRIPT).lstrip())
+    two = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+               str(tmp_path / "two")], timeout=EVENT_S, env=_env(task_root))
+    assert_ok(two)
+    from distrib import fit
+
+    train, (test_x, test_y) = multitask()
+    fit(TwoHeads, train, (test_x, test_y), overrides={"run.dir": str(tmp_path / "one"), **MULTITASK_OVERRIDES},
+        loss_fn=multitask_loss, metrics=[label_accuracy])
+    assert max_relative_diff(load_weights(tmp_path / "two"), load_weights(tmp_path / "one")) < 1e-5
+    for name in ("one", "two"):
+        summary = _summary(tmp_path / name)
+        with torch.no_grad():  # from model.pt alone, on the whole test set in double precision
+            outputs = _trained(tmp_path / name, TwoHeads().double())(test_x.double())
+        targets = {"label": test_y["label"], "value": test_y["value"].double()}
+        assert summary["test_count"] == 1000, name
+        assert summary["test_loss"] == pytest.approx(multitask_loss(outputs, targets).item(), rel=1e-5), name
+        assert summary["test_label_accuracy"] == label_accuracy(outputs, targets)["label_accuracy"][0].item() / 1000
 
 
 @pytest.mark.timeout(900)

@@ -156,3 +156,24 @@ def test_the_rendezvous_store_binds_only_the_endpoint_address():
     finally:
         listener.close()
     assert _bound_listener("192.0.2.1", 29400) is None  # TEST-NET-1: not an address of this machine
+
+
+def test_distrib_train_takes_the_launchers_flags_with_their_meaning(monkeypatch, tmp_path):
+    """Each flag distrib train passes on is one of torch's launcher flags, with the same arity; distrib train hands
+    them to distrib launch as given, and its workers run the rest of the command line."""
+    from torch.distributed.run import get_args_parser
+
+    from distrib import cli
+
+    torchrun = {flag: action.nargs != 0 for action in get_args_parser()._actions for flag in action.option_strings}
+    assert {flag: torchrun.get(flag) for flag in launcher.TRAIN_FLAGS} == launcher.TRAIN_FLAGS
+    monkeypatch.chdir(tmp_path)  # the default run.dir is checked (not written)
+    started = []
+    monkeypatch.setattr(cli, "launch_trainer", lambda flags, argv, check: started.append((flags, argv)) or 0)
+    argv = ["train", "--nproc-per-node", "2", "--max-restarts=1", "--set", "train.max_steps=3", "--standalone",
+            "--rdzv-conf", "join_timeout=60", "--nnodes", "1"]
+    assert cli.main(argv) == 0
+    assert started == [(["--nproc-per-node", "2", "--nnodes", "1", "--max-restarts", "1", "--standalone",
+                         "--rdzv-conf", "join_timeout=60"], ["--set", "train.max_steps=3"])]
+    assert cli.main(["train", "--max-restarts", "1"]) == 0  # any of them launches (workers: one per GPU, else 1)
+    assert started[-1] == (["--max-restarts", "1"], [])

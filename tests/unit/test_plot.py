@@ -63,3 +63,14 @@ def test_plot_errors_are_one_line(tmp_path, capsys, monkeypatch):
     assert cli.main(["plot", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "distrib: error: distrib plot needs matplotlib; pip install 'distrib[plot]'"
+
+
+def test_a_regression_run_gets_no_empty_accuracy_panel(tmp_path):
+    _write_metrics(tmp_path)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    records = [{key: value for key, value in json.loads(line).items() if key != "test_accuracy"} for line in lines]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    axes = make_figure(read_records(tmp_path)).get_axes()
+    assert [a.get_title() for a in axes] == ["Loss", "Throughput"]
+    assert all(line.get_xdata().size for a in axes for line in a.get_lines())
+    assert axes[-1].get_xlabel() == "optimizer step"

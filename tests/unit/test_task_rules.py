@@ -81,6 +81,27 @@ def test_adamw_groups_leave_biases_norms_and_embeddings_undecayed_and_say_so():
     assert len(everything.param_groups) == 1
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "adamw"])
+def test_the_built_in_optimizers_run_foreach_and_step_bitwise_as_the_per_parameter_loop(optimizer):
+    """foreach (one op over all parameters) is a speed choice only: the same bits as torch's CPU default."""
+    config = _train(f"train.optimizer={optimizer}", "train.weight_decay=0.1", "train.lr=0.01")
+    torch.manual_seed(0)
+    fast, plain = _Net(), _Net()
+    plain.load_state_dict(fast.state_dict())
+    fast_opt, plain_opt = build_optimizer(fast, config), build_optimizer(plain, config)
+    assert all(group["foreach"] for group in fast_opt.param_groups)
+    for group in plain_opt.param_groups:
+        group["foreach"] = False
+    x = torch.randint(0, 10, (8, 3))
+    for _ in range(3):
+        for model, opt in ((fast, fast_opt), (plain, plain_opt)):
+            model.eval()  # no dropout draws: both see the same function
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(fast.parameters(), plain.parameters()))
+
+
 def test_a_users_optimizer_gets_the_groups_and_the_config(tmp_path, monkeypatch):
     (tmp_path / "myopt.py").write_text("import torch\n\ndef lion_like(groups, config):\n"
                                        "    return torch.optim.SGD(groups, lr=config.lr * 2)\n\n"
@@ -104,6 +125,16 @@ def test_the_task_decides_the_metrics_and_the_log_says_which():
     assert notes[0] == "loss: train.loss = cross_entropy; metrics: test_loss, test_token_accuracy, test_perplexity"
     assert "1 dropout layers (drop, ...)" in notes[1] and "differ between world sizes" in notes[1]
     assert notes[2].startswith("train.warmup_steps = 20 is longer than this run's 12 steps")
+
+
+def test_the_log_promises_top5_accuracy_only_where_the_summary_has_it():
+    loss, targets = build_loss(_train()), torch.zeros(4, dtype=torch.long)
+    four, ten = task_of(torch.zeros(4, 4), targets, loss), task_of(torch.zeros(4, 10), targets, loss)
+    assert task_notes(_train(), loss, four, _Net(), 12)[0].endswith("metrics: test_loss, test_accuracy")
+    assert task_notes(_train(), loss, ten, _Net(), 12)[0].endswith("metrics: test_loss, test_accuracy, "
+                                                                   "test_top5_accuracy")
+    with pytest.raises(UserError, match="this run reports no test_top5_accuracy"):
+        four.check_watched("train.early_stop_metric", "test_top5_accuracy")
 
 
 def test_a_user_metric_must_return_sums_and_counts():

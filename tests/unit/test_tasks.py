@@ -33,6 +33,9 @@ EARLIER = {"config.toml": b"[run]\ndir = 'earlier'\n", "model.pt": b"earlier wei
      ["{input_ids: int64 [16]} have no targets", "returned no loss"]),
     (["data.factory=taskpkg.data:regression", "model.factory=taskpkg.models:tagger", "train.loss=mse"],
      ["to [2, 5]", "targets are float32 [2]", "needs [2]"]),
+    (["data.factory=taskpkg.data:regression", "model.factory=taskpkg.models:regressor"],  # the default loss
+     ["to [2]", "targets are float32 [2]", "train.loss = cross_entropy needs [2, C]",
+      "for a regression set train.loss = mse"]),
 ])
 def test_wrong_pairings_are_one_line_naming_both_shapes_and_write_nothing(task_root, tmp_path, capsys, overrides,
                                                                           expected):

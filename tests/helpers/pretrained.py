@@ -1,0 +1,58 @@
+"""A tiny Hugging Face Llama for the model.init_from tests (nothing downloaded): saved by save_pretrained into several
+safetensors files, built from its config with random weights (`model.factory = tests.helpers.pretrained:llama`, for
+model.init_from), or loaded by from_pretrained in the factory itself (the reference); and byte windows as dict
+samples (input_ids, attention_mask, labels) for `data.factory = tests.helpers.pretrained:token_dicts`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+SIZES = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=16)
+
+
+def llama_config(**changes):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**{**SIZES, **changes})
+
+
+def llama(**changes):
+    """Random weights, to be replaced by model.init_from."""
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM(llama_config(**changes))
+
+
+def llama_from_pretrained(folder: str):
+    """The reference: a factory that loads the folder itself."""
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(folder)
+
+
+def save_llama(folder: Path, seed: int = 7, max_shard_size: str = "40KB", **changes) -> Path:
+    """A Llama of seeded weights saved in several files with model.safetensors.index.json; returns the folder."""
+    torch.manual_seed(seed)
+    llama(**changes).save_pretrained(folder, max_shard_size=max_shard_size)
+    return Path(folder)
+
+
+class TokenDicts(torch.utils.data.Dataset):
+    def __init__(self, ids: torch.Tensor):
+        self.ids = ids
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, index):
+        ids = self.ids[index]
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def token_dicts(num_train: int = 96, num_test: int = 24, seq_len: int = 16):
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, SIZES["vocab_size"], (num_train + num_test, seq_len), generator=generator)
+    return TokenDicts(ids[:num_train]), TokenDicts(ids[num_train:])

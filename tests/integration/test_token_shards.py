@@ -1,0 +1,62 @@
+"""Token shards end to end: llm.c-format shards (3 train, 1 val) through data.train_files / data.test_files train the
+same at world sizes 1 and 2, evaluate every held-out token, and a worker killed mid-run (SIGKILL, --max-restarts 1)
+is restarted and ends bitwise where the uninterrupted run ends; a truncated shard is one line and exit 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from distrib.config import load_config
+from distrib.worker import run_training
+from tests.helpers.processes import EVENT_S, clean_env
+from tests.helpers.support import REPO, assert_ok, distrib, kill_tree, max_relative_diff, sets, torchrun_train
+from tests.helpers.token_shards import learnable_stream, write_llmc, write_llmc_shards
+
+VAL_TOKENS = 700
+RUN = ["data.name=tokens", "data.vocab_size=64", "data.seq_len=16", "model.factory=tests.helpers.dying_model:gpt",
+       "train.optimizer=adamw", "train.lr=3e-3", "train.warmup_steps=4", "train.schedule=constant",
+       "train.global_batch_size=8", "train.log_every=4", "train.max_steps=12", "train.epochs=0",
+       "train.eval_every_epochs=0", "run.progress=false", "dist.device=cpu", "checkpoint.every_steps=4"]
+
+
+@pytest.mark.timeout(900)
+def test_llmc_shards_agree_across_world_sizes_count_every_val_token_and_resume_bitwise_after_a_kill(tmp_path):
+    train, val = write_llmc_shards(tmp_path / "data", learnable_stream(3 * 1500 + VAL_TOKENS), (1200, 1500, 1800))
+    run = [*RUN, f"data.train_files={train}", f"data.test_files={val}"]
+    env = {"PYTHONPATH": str(REPO)}
+    one = run_training(load_config(None, [*run, f"run.dir={tmp_path}/one"]))
+    assert_ok(torchrun_train(2, *sets(*run, f"run.dir={tmp_path}/two"), env=env, timeout=EVENT_S))
+    two = json.loads((tmp_path / "two" / "summary.json").read_text())
+    weights = {name: torch.load(tmp_path / name / "model.pt", weights_only=True) for name in ("one", "two")}
+    assert max_relative_diff(weights["one"], weights["two"]) < 1e-5
+    assert two["test_loss"] == pytest.approx(one["test_loss"], rel=1e-5)
+    assert one["test_token_count"] == two["test_token_count"] == VAL_TOKENS - 1  # all but the first have a context
+
+    # Rank 1 kills itself (SIGKILL) inside step 10 of its first attempt; the launcher restarts both workers, which
+    # resume from checkpoint 8 and end where the uninterrupted 2-worker run ended, to the bit.
+    cmd = [sys.executable, "-m", "distrib", "launch", "--nproc-per-node=2", "--max-restarts=1", "-m", "distrib",
+           "train", *sets(*run, f"run.dir={tmp_path}/killed")]
+    env.update(DISTRIB_TEST_DIE_AT="10", DISTRIB_TEST_DIE_ONCE=str(tmp_path / "died"))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=clean_env(**env))
+    try:
+        out, _ = proc.communicate(timeout=EVENT_S)
+    finally:
+        kill_tree(proc)
+    assert proc.returncode == 0 and (tmp_path / "died").exists(), out[-4000:]
+    summary = json.loads((tmp_path / "killed" / "summary.json").read_text())
+    assert (summary["restart_count"], summary["resumed_from_step"], summary["steps"]) == (1, 8, 12), summary
+    killed = torch.load(tmp_path / "killed" / "model.pt", weights_only=True)
+    assert all(torch.equal(killed[key], weights["two"][key]) for key in weights["two"])
+    assert summary["test_loss"] == two["test_loss"]
+
+    # A shard cut short (its header says more tokens than it holds): one line naming it, exit 2, nothing written.
+    write_llmc(tmp_path / "data" / "shard_train_000001.bin", learnable_stream(1000), count=1500)
+    bad = distrib("train", *sets(*run, f"run.dir={tmp_path}/bad"), timeout=EVENT_S)
+    assert bad.returncode == 2 and not (tmp_path / "bad").exists(), bad.stderr[-2000:]
+    assert bad.stderr.strip().splitlines()[-1] == (
+        f"distrib: error: data.train_files: {tmp_path}/data/shard_train_000001.bin is truncated: its header says "
+        "1500 tokens, the file holds 1000; fix: copy or write it again")

@@ -1,0 +1,110 @@
+"""Streams in one process: the plain layout (the same global batches at any world size and worker count, each
+sample once, whatever order the DataLoader delivers the workers' items in), exact restarts from a position, a
+sharded source's position in state_dict, and the one-line refusals (another world size, no train.max_steps)."""
+
+from __future__ import annotations
+
+from itertools import chain
+
+import pytest
+import torch
+from torch.utils.data import IterableDataset
+
+from distrib.config import load_config
+from distrib.data.batching import BatchPlan, Finish
+from distrib.data.stream import StreamBatches, WorkerOrder
+from distrib.data.stream_read import Layout, Shards, StreamCollate, WorkerStream
+from distrib.data.tensors import Normalizer
+from distrib.distributed.runtime import Runtime
+from distrib.errors import ConfigError, UserError
+from distrib.worker import _total_steps
+
+CPU = Runtime(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"), backend="gloo")
+
+
+def _row(i: int) -> dict[str, torch.Tensor]:
+    return {"x": torch.tensor([float(i)]), "ids": torch.tensor(i), "labels": torch.tensor(i % 3)}
+
+
+class Rows(IterableDataset):
+    def __init__(self, count: int):
+        self.count = count
+
+    def __iter__(self):
+        return (_row(i) for i in range(self.count))
+
+
+def _plain_ids(count: int, rank: int, world: int, workers: int, start: dict | None = None) -> list[list[int]]:
+    """One rank's micro-batches (as id lists) in training order; the workers' items delivered worst-first (the last
+    worker's all at once), as a DataLoader might."""
+    layout = Layout(False, rank, world, global_batch_size=8, grad_accum_steps=2, num_workers=workers)
+    stream = WorkerStream(Rows(count), layout, StreamCollate(), (start or {}).get("reader"))
+    delivered = chain.from_iterable(list(stream.read(w)) for w in reversed(range(workers)))
+    order = WorkerOrder(delivered, workers, start or {})
+    ids = []
+    while (item := order.next()) is not None:
+        ids.append(item.batch[0]["ids"].tolist())
+    return ids
+
+
+def test_a_plain_stream_gives_the_same_global_batches_at_any_world_size_and_worker_count():
+    one = _plain_ids(53, 0, 1, 1)  # 6 global batches of 8 (two micro-batches of 4), 5 samples left
+    assert one == [list(range(i, i + 4)) for i in range(0, 48, 4)]
+    ranks = [_plain_ids(53, rank, 2, 3) for rank in range(2)]  # micro-batches of 2, three workers per rank
+    for step in range(6):
+        together = sorted(i for rank in ranks for micro in rank[2 * step:2 * step + 2] for i in micro)
+        assert together == list(range(8 * step, 8 * step + 8))
+    trained = [i for rank in ranks for micro in rank for i in micro]
+    assert sorted(trained) == list(range(48))  # each once; the partial global batch is not trained
+
+
+def test_a_plain_stream_restarts_at_a_position_exactly():
+    whole = _plain_ids(53, 1, 2, 2)
+    start = {"reader": {"samples": 3 * 8}, "next": (3 * 2) % 2}  # after step 3: 6 micro-batches taken
+    assert _plain_ids(53, 1, 2, 2, start) == whole[6:]
+
+
+def _source(sharded: bool):
+    if not sharded:
+        return Rows(40)
+    return Shards([f"{first}" for first in (0, 100, 200)], lambda first: (_row(int(first) + i) for i in range(13)))
+
+
+def _take(batches: StreamBatches, plan: BatchPlan, start_step: int, count: int | None = None) -> list[list[int]]:
+    steps = batches.steps(plan, 0, start_step)
+    return [[i for inputs, _ in step for i in inputs["ids"].tolist()] for _, step in zip(range(count or 99), steps)]
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["plain", "sharded"])
+def test_the_checkpointed_position_resumes_the_pass_exactly(sharded):
+    config = load_config(None, ["data.num_workers=0"]).data
+    finish = Finish(Normalizer((), (), uint8=False), None)
+    plan = BatchPlan(None, 4, 1, 0, 1, 0)
+    whole = _take(StreamBatches(_source(sharded), CPU, config, finish, lambda line: None), plan, 0)
+    assert len(whole) == (9 if sharded else 10)  # sharded: 13 per file, 3 whole micro-batches each
+    first = StreamBatches(_source(sharded), CPU, config, finish, lambda line: None)
+    assert _take(first, plan, 0, 4) == whole[:4]
+    state = first.state_dict()
+    assert state["kind"] == ("sharded stream" if sharded else "stream") and state["step_in_epoch"] == 4
+    resumed = StreamBatches(_source(sharded), CPU, config, finish, lambda line: None)
+    resumed.load_state_dict(state)
+    assert _take(resumed, plan, 4) == whole[4:]
+
+
+def test_a_sharded_position_at_another_world_size_is_one_line():
+    config = load_config(None, ["data.num_workers=0"]).data
+    batches = StreamBatches(_source(True), CPU, config, Finish(Normalizer((), (), False), None), print)
+    saved = {"kind": "sharded stream", "world_size": 2, "num_workers": 0, "epoch": 0, "step_in_epoch": 3,
+             "ranks": [{}, {}]}
+    with pytest.raises(UserError, match=r"read by 2 ranks x 0 DataLoader workers; this run has 1 x 0") as error:
+        batches.load_state_dict(saved)
+    assert "\n" not in str(error.value) and "--nproc-per-node 2" in str(error.value)
+    with pytest.raises(UserError, match="its data position is of a stream source, this run reads a sharded"):
+        batches.load_state_dict({**saved, "kind": "stream"})
+
+
+def test_a_stream_needs_train_max_steps():
+    config = load_config(None, ["train.epochs=1"])
+    with pytest.raises(ConfigError, match=r"train.max_steps = 0: the training data is a stream"):
+        _total_steps(config, None)
+    assert _total_steps(load_config(None, ["train.max_steps=7"]), None) == 7

@@ -1,0 +1,97 @@
+"""Token shards in process (data.train_files / data.test_files): llm.c's shards and raw uint16 files read as one
+stream per split, windows across shard boundaries, every held-out token once; truncated and foreign files refused
+with one line naming them; memory maps opened anew in another process."""
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from distrib.config import load_config
+from distrib.data import eval_batches, load_data
+from distrib.data.text import IGNORE_INDEX, window_starts
+from distrib.data.token_files import TokenStream, find_shards
+from distrib.distributed.runtime import Runtime
+from distrib.errors import ConfigError, UserError
+from tests.helpers.token_shards import write_llmc, write_llmc_shards
+
+CPU = Runtime(0, 0, 1, 1, torch.device("cpu"), backend="none")
+
+
+def _load(train: str, test: str, *extra: str):
+    config = load_config(None, ["data.name=tokens", "data.vocab_size=1000", "data.seq_len=32",
+                                f"data.train_files={train}", f"data.test_files={test}", *extra])
+    return load_data(config.data, CPU, seed=1, log=lambda message: None)
+
+
+def test_llmc_shards_are_one_stream_per_split_and_every_test_token_is_a_target_once(tmp_path):
+    stream = np.random.default_rng(0).integers(0, 1000, 4000)
+    train, val = write_llmc_shards(tmp_path, stream, (1000, 700, 1300))
+    data = _load(train, val)
+    assert data.train.num_tokens == 3000 and data.test.num_tokens == 1000
+    indices = np.arange(90)  # 90 windows: some span two shards (starts within 32 tokens before 1000 or 1700)
+    inputs, targets = next(data.train.batches([torch.from_numpy(indices)], epoch=3))
+    starts = window_starts(1, 3, indices, 3000 - 32)
+    assert any(s < 1000 < s + 33 or s < 1700 < s + 33 for s in starts)
+    for row, start in enumerate(starts):
+        assert inputs[row].tolist() == stream[start:start + 32].tolist()
+        assert targets[row].tolist() == stream[start + 1:start + 33].tolist()
+    num_windows = data.test.num_samples
+    seen = [t for _, y in data.test.batches(eval_batches(num_windows, 4, 0, 1)) for t in y[y != IGNORE_INDEX].tolist()]
+    assert seen == stream[3001:].tolist()  # all of the val shard but its first token, which has no predecessor
+
+
+def test_raw_uint16_shards_read_like_llmc_ones(tmp_path):
+    stream = np.random.default_rng(1).integers(0, 1000, 3000)
+    for index, part in enumerate(np.split(stream[:2400], [1000])):
+        part.astype(np.uint16).tofile(tmp_path / f"raw_train_{index}.bin")
+    stream[2400:].astype(np.uint16).tofile(tmp_path / "raw_val.bin")
+    data = _load(str(tmp_path / "raw_train_*.bin"), str(tmp_path / "raw_val.bin"))
+    inputs, _ = next(data.train.batches([torch.arange(5)], epoch=0))
+    for row, start in enumerate(window_starts(1, 0, np.arange(5), 2400 - 32)):
+        assert inputs[row].tolist() == stream[start:start + 32].tolist()
+    assert data.test.num_tokens == 600
+
+
+def test_truncated_foreign_and_mixed_shards_are_one_line_naming_the_file(tmp_path):
+    ids = np.arange(500) % 100
+    write_llmc(tmp_path / "cut.bin", ids, count=600)
+    write_llmc(tmp_path / "v2.bin", ids, version=2)
+    (tmp_path / "odd.bin").write_bytes(b"\1\2\3")
+    write_llmc(tmp_path / "long.bin", ids, count=400)
+    cases = {"cut.bin": r"cut.bin is truncated: its header says 600 tokens, the file holds 500; fix",
+             "v2.bin": r"v2.bin is an llm.c shard of version 2; only version 1",
+             "odd.bin": r"odd.bin has 3 bytes, so it is neither uint16 token ids .* nor an llm.c shard",
+             "long.bin": r"long.bin has 1000 bytes after its header, which says 400 tokens"}
+    for name, message in cases.items():
+        with pytest.raises(UserError, match=r"^data.train_files: .*" + message) as error:
+            find_shards("data.train_files", str(tmp_path / name))
+        assert "\n" not in str(error.value)
+    write_llmc(tmp_path / "mixed" / "a.bin", ids)
+    ids.astype(np.uint16).tofile(tmp_path / "mixed" / "b.bin")
+    with pytest.raises(UserError, match=r"b.bin has no llm.c header \(magic 20240520\) though .*a.bin has one"):
+        find_shards("data.train_files", str(tmp_path / "mixed" / "*.bin"))
+    with pytest.raises(UserError, match=r"data.test_files = .*nothing\*.bin': matches no file"):
+        _load(str(tmp_path / "mixed" / "a.bin"), str(tmp_path / "nothing*.bin"))
+    with pytest.raises(UserError, match=r"a.bin is also a training file"):
+        _load(str(tmp_path / "mixed" / "a.bin"), str(tmp_path / "mixed" / "a.bin"))
+
+
+def test_token_files_config_is_checked():
+    with pytest.raises(ConfigError, match=r"data.test_files = '': data.train_files is set, so the other split"):
+        load_config(None, ["data.name=tokens", "data.vocab_size=10", "data.train_files=a*.bin"])
+    with pytest.raises(ConfigError, match=r"data.train_files = 'a\*.bin': names token shards, read only by "):
+        load_config(None, ["data.name=text", "data.train_files=a*.bin", "data.test_files=b*.bin"])
+
+
+def test_memory_maps_are_opened_per_process(tmp_path):
+    write_llmc(tmp_path / "a.bin", np.arange(100))
+    stream = TokenStream(find_shards("k", str(tmp_path / "a.bin")))
+    assert stream(np.array([[3, 4]])).tolist() == [[3, 4]]
+    copy = pickle.loads(pickle.dumps(stream))  # what a DataLoader worker (spawn) receives
+    assert copy._maps is None and copy(np.array([99])).tolist() == [99]
+    stream._pid = -2  # as after a fork: another pid maps the files itself
+    before = stream._maps
+    stream(np.array([0]))
+    assert stream._maps is not before
