@@ -39,7 +39,11 @@ class Safetensors:
     kind = "safetensors"
 
     def __init__(self, path: Path, files: list[Path]):
-        from safetensors import safe_open
+        try:
+            from safetensors import safe_open
+        except ImportError:
+            raise _refuse(path, "safetensors files, and the safetensors package is not installed (pip install "
+                                "safetensors)") from None
 
         self.path, self.handles, self.shapes = path, {}, {}
         for file in files:
