@@ -34,7 +34,7 @@ def resolve_config(config: str | Path | Config | None, overrides: Mapping[str, A
 def fit(model: nn.Module | Callable[..., nn.Module], train_data, test_data,
         config: str | Path | Config | None = None, overrides: Mapping[str, Any] | None = None,
         loss_fn: Callable | None = None, metrics: Sequence[Callable] = (), collate_fn: Callable | None = None,
-        init_from: str | Path | None = None) -> dict:
+        init_from: str | Path | None = None, val_data=None) -> dict:
     """Trains `model` on `train_data`, evaluates it exactly on `test_data`; returns the summary (as in summary.json).
 
     model: an nn.Module, or a function returning one (called after seeding, with num_classes, in_channels and
@@ -55,10 +55,13 @@ def fit(model: nn.Module | Callable[..., nn.Module], train_data, test_data,
     init_from: pretrained weights for the model (model.init_from): a Hugging Face folder or file of safetensors, a
         distrib run directory, or a checkpoint; names and shapes must match the model's, and each rank reads only
         the slices it holds.
+    val_data: a validation set, of the kinds train_data may be (or data.val_fraction holds out a share of
+        train_data): evaluated during training as val_* (what early stopping and best-k may watch); the test set is
+        then evaluated only at the end.
 
     Run as one process, or unchanged under `torchrun --nproc-per-node N` / `distrib launch`: every worker runs the
     script, fit() joins the process group the launcher set up and takes its share of each global batch. Outputs go
-    to run.dir as with `distrib train` (config.toml, metrics.jsonl, summary.json, model.pt). Called again on a
+    to run.dir as with `distrib train` (config.toml, metrics.jsonl, summary.json, weights/, model.pt). Called again on a
     finished run.dir it trains nothing, writes nothing and returns that run's summary (one line says so); a failure
     is one exception (a distrib error's one-line message), named in the launcher's last line too.
 
@@ -89,7 +92,7 @@ def fit(model: nn.Module | Callable[..., nn.Module], train_data, test_data,
         resolved = resolve_config(config, {**(overrides or {}), **extra})
         with environment_faults(), open_runtime(resolved.dist) as runtime, peers_lost(resolved, runtime):
             data = data_from_datasets(train_data, test_data, resolved.data, runtime, resolved.train.seed,
-                                      collate_fn=collate_fn)
+                                      collate_fn=collate_fn, val=val_data)
             # train_on locks the run's folders
             return train_on(resolved, runtime, data=data, model=model, loss_fn=loss_fn, metrics=tuple(metrics))
     except Preempted as e:  # a SystemExit(75): uncaught, the script ends with 75 and no traceback

@@ -49,7 +49,8 @@ LOSSES = ("cross_entropy", "mse", "l1", "bce_with_logits")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 
 # What early stopping and best-k checkpoints can watch: lower is better for losses, higher for accuracies.
-EVAL_METRICS = ("test_loss", "test_accuracy", "test_loss_ema", "test_accuracy_ema")
+EVAL_METRICS = ("test_loss", "test_accuracy", "test_loss_ema", "test_accuracy_ema", "val_loss", "val_accuracy",
+                "val_loss_ema", "val_accuracy_ema")  # val_*: with a validation set (data.val_fraction, ...)
 
 
 def _needs_ema(section: str, key: str, value: str, ema_decay: float) -> None:
@@ -80,6 +81,7 @@ class DataConfig:
     synthetic_test_size: int = 1000
     seq_len: int = 256  # text | tokens: tokens per training window (the model's context)
     test_fraction: float = 0.1  # text: the last share of the bytes, held out for evaluation
+    val_fraction: float = 0.0  # the share of the training samples held out for validation (val_*); 0 = none
     vocab_size: int = 0  # tokens: the vocabulary size (token ids < vocab_size); text is bytes: 256
     collate: str = ""  # package.module:function making a micro-batch of a list of samples; "" = distrib's padding
     pad_id: int = 0  # the input_ids of padding, when distrib pads dict samples of different lengths
@@ -113,6 +115,8 @@ class DataConfig:
 
     def _check_tokens(self):
         _at_least("data", self, "seq_len", 1)
+        if not (0.0 <= self.val_fraction < 1.0):
+            _fail("data", "val_fraction", self.val_fraction, "must be in [0, 1)", "e.g. --set data.val_fraction=0.1")
         if not (0.0 < self.test_fraction < 1.0):
             _fail("data", "test_fraction", self.test_fraction, "must be in (0, 1)",
                   "e.g. --set data.test_fraction=0.1")
@@ -182,7 +186,7 @@ class TrainConfig:
     eval_every_epochs: int = 1  # 0 = evaluate only at the end
     finite_check_every: int = 1  # steps between checks that the reduced gradients are finite; 0 = never
     sync_every: int = 10  # steps between the ranks' all-reduce of (loss, stop votes); log steps always sync
-    early_stop_metric: str = ""  # "" = off | test_loss | test_accuracy | test_loss_ema | test_accuracy_ema
+    early_stop_metric: str = ""  # "" = off | test_loss | test_accuracy | ..._ema | val_loss ... (a validation set)
     early_stop_patience: int = 3  # evaluations without improvement before every rank stops
     early_stop_min_delta: float = 0.0  # an improvement must exceed this to reset the patience
     ema_decay: float = 0.0  # exponential moving average of the weights, updated every step; 0 = off
@@ -292,7 +296,7 @@ class CheckpointConfig:
     async_save: bool = False  # fsdp: write sharded checkpoints in the background (dcp.async_save); the TOML key is
     # async_save, not async: a Python keyword cannot name a dataclass field
     keep_best: int = 0  # also keep the k best evaluations' checkpoints as best_STEP.pt (never pruned); 0 = off
-    best_metric: str = "test_loss"  # what keep_best ranks by: test_loss | test_accuracy | test_loss_ema | ..._ema
+    best_metric: str = "test_loss"  # what keep_best ranks by: test_loss | test_accuracy | ..._ema | val_loss ...
     foreign: str = "refuse"  # refuse | keep: a new run in a dir holding another run's checkpoints (kept, never pruned)
 
     def __post_init__(self):

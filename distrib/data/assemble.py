@@ -19,6 +19,7 @@ from distrib.data.stream_read import read_whole
 from distrib.data.tensors import DataInfo, Normalizer, Split, channel_stats, stats_indices
 from distrib.distributed.runtime import Runtime
 from distrib.errors import UserError
+from distrib.launch.preempt import ignore_stop_signals
 
 Stats = tuple[tuple[float, ...], tuple[float, ...]]
 STREAM_HEAD = 256  # a stream's first samples: where its kind, classes and image statistics are learnt
@@ -30,6 +31,7 @@ class Data:
     info: DataInfo
     train: BatchSource
     test: BatchSource
+    val: BatchSource | None = None  # a validation set (distrib.data.split): evaluated during training instead of test
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class Loaded:
     test: Split | Dataset
     class_names: tuple[str, ...] | None = None
     stats: Stats | None = None  # known for named sets
+    val: Split | Dataset | None = None  # a validation set given with the data (a factory's third, fit's val_data)
 
 
 def distributed(runtime: Runtime | None) -> bool:
@@ -69,9 +72,10 @@ def build(loaded: Loaded, config: DataConfig, runtime: Runtime, seed: int, log, 
     if is_stream(loaded.train) or is_stream(loaded.test):
         return build_stream(loaded, config, runtime, seed, log, collate_fn)
     device_path = _device_path(loaded, config, runtime)
-    train, test = loaded.train, loaded.test
+    train, test, val = loaded.train, loaded.test, loaded.val
     if device_path:
         train, test = materialize(train, config), materialize(test, config)
+        val = None if val is None else materialize(val, config)
     collate_fn = collate_fn or Collate(config.pad_id)
     first = first_batch(train, collate_fn)
     _same_kind(loaded.name, first, first_batch(test, collate_fn))
@@ -79,14 +83,18 @@ def build(loaded: Loaded, config: DataConfig, runtime: Runtime, seed: int, log, 
     uint8 = isinstance(first[0], torch.Tensor) and first[0].dtype == torch.uint8
     normalizer = Normalizer(info.mean, info.std, uint8)
     augment = _augment(config, seed, first[0])
+    if val is not None:
+        _same_kind(loaded.name, first, first_batch(val, collate_fn))
     if device_path:
-        sources = (DeviceBatches(train, runtime, normalizer, augment), DeviceBatches(test, runtime, normalizer))
+        sources = tuple(DeviceBatches(split, runtime, normalizer, aug) if split is not None else None
+                        for split, aug in ((train, augment), (test, None), (val, None)))
     else:
         sources = tuple(LoaderBatches(split, runtime, config.num_workers, normalizer, aug, config, collate_fn)
-                        for split, aug in ((train, augment), (test, None)))
+                        if split is not None else None for split, aug in ((train, augment), (test, None), (val, None)))
     log(_normalize_line(config, loaded, info, len(train)))
     classes = f"{info.num_classes} classes" if info.num_classes else "no classes"
-    log(f"data {info.name}: {len(train)} train / {len(test)} test samples of {info.inputs} -> {info.targets}, "
+    log(f"data {info.name}: {len(train)} train / " + (f"{len(val)} validation / " if val is not None else "")
+        + f"{len(test)} test samples of {info.inputs} -> {info.targets}, "
         f"{classes}, {'device-resident' if device_path else f'DataLoader ({config.num_workers} workers)'}"
         + (f", augment {config.augment}" if augment else ""))
     return Data(info, *sources)
@@ -96,13 +104,15 @@ def build_stream(loaded: Loaded, config: DataConfig, runtime: Runtime, seed: int
                  collate_fn: Collate | None = None) -> Data:
     """A stream for training (distrib.data.stream); its first samples stand in for the split where the data's kind,
     classes and statistics are learnt. A test stream is read whole into memory (evaluation is exact over it)."""
-    train, test = loaded.train, loaded.test
+    train, test, val = loaded.train, loaded.test, loaded.val
     collate_fn = collate_fn or Collate(config.pad_id)
     test = read_whole(test, "test data", None, collate_fn) if is_stream(test) else materialize(test, config)
+    if val is not None:  # a validation set is read whole too
+        val = read_whole(val, "val data", None, collate_fn) if is_stream(val) else materialize(val, config)
     if not is_stream(train):
         train = materialize(train, config)
-        return build(Loaded(loaded.name, train, test, loaded.class_names, loaded.stats), config, runtime, seed, log,
-                     collate_fn)
+        return build(Loaded(loaded.name, train, test, loaded.class_names, loaded.stats, val), config, runtime, seed,
+                     log, collate_fn)
     sample = read_whole(train, "train data", STREAM_HEAD, collate_fn)
     first = first_batch(sample)
     _same_kind(loaded.name, first, first_batch(test))
@@ -115,7 +125,8 @@ def build_stream(loaded: Loaded, config: DataConfig, runtime: Runtime, seed: int
     how = describe(train, runtime.data_world_size)
     log(f"data {info.name}: a {how} train stream / {len(test)} test samples of {info.inputs} -> {info.targets}, "
         f"{info.num_classes or 'no'} classes, DataLoader ({config.num_workers} workers)")
-    return Data(info, source, DeviceBatches(test, runtime, normalizer))
+    return Data(info, source, DeviceBatches(test, runtime, normalizer),
+                None if val is None else DeviceBatches(val, runtime, normalizer))
 
 
 def _normalize_line(config: DataConfig, loaded: Loaded, info: DataInfo, num_train: int) -> str:
@@ -145,7 +156,8 @@ def materialize(split: Split | Dataset, config: DataConfig) -> Split:
     """A Dataset read whole into tensors (through a DataLoader with data.num_workers), for the device path."""
     if isinstance(split, Split):
         return split
-    loader = DataLoader(split, batch_size=256, collate_fn=collate, num_workers=config.num_workers)
+    loader = DataLoader(split, batch_size=256, collate_fn=collate, num_workers=config.num_workers,
+                        worker_init_fn=ignore_stop_signals)
     inputs, targets = [], []
     for batch in loader:
         batch = _checked(batch)
@@ -277,7 +289,7 @@ def _stats(loaded: Loaded, train, inputs, config: DataConfig) -> Stats:
     if isinstance(train, Split):
         return channel_stats(train.inputs.index_select(0, chunk) for chunk in indices.split(1024))
     loader = DataLoader(torch.utils.data.Subset(train, indices.tolist()), batch_size=256, collate_fn=collate,
-                        num_workers=config.num_workers)
+                        num_workers=config.num_workers, worker_init_fn=ignore_stop_signals)
     return channel_stats(_checked(batch)[0] for batch in loader)
 
 

@@ -19,8 +19,9 @@ EXPECTED = ("(train, test): two map-style datasets of (inputs, targets) or of di
 SAMPLE = "(inputs, targets), each a tensor or a dict of tensors (or an int class), or one dict of tensors"
 
 
-def call_data_factory(spec: str, kwargs: dict) -> tuple[Any, Any]:
-    """Imports and calls the factory; anything it raises becomes one line naming it."""
+def call_data_factory(spec: str, kwargs: dict) -> tuple[Any, ...]:
+    """Imports and calls the factory; anything it raises becomes one line naming it. (train, test), or (train, val,
+    test) with a validation set."""
     module_name, _, attr = spec.partition(":")
     where = f"data.factory = {spec!r}"
     try:
@@ -37,9 +38,10 @@ def call_data_factory(spec: str, kwargs: dict) -> tuple[Any, Any]:
     except Exception as e:  # noqa: BLE001
         raise UserError(f"{where}: calling it with data.kwargs = {kwargs!r} raised {_short(e)}; fix the factory or "
                         "its data.kwargs") from None
-    if not (isinstance(result, (tuple, list)) and len(result) == 2):
-        raise UserError(f"{where}: returned {_describe(result)}; fix: make it return {EXPECTED}")
-    return result[0], result[1]
+    if not (isinstance(result, (tuple, list)) and len(result) in (2, 3)):
+        raise UserError(f"{where}: returned {_describe(result)}; fix: make it return {EXPECTED} (or (train, val, "
+                        "test) with a validation set)")
+    return tuple(result)
 
 
 def _short(e: BaseException) -> str:

@@ -35,12 +35,14 @@ def load_data(config: DataConfig, runtime: Runtime, seed: int, log: Callable[[st
 
 
 def data_from_datasets(train, test, config: DataConfig, runtime: Runtime, seed: int,
-                       log: Callable[[str], None] | None = None, collate_fn: Callable | None = None) -> Data:
+                       log: Callable[[str], None] | None = None, collate_fn: Callable | None = None,
+                       val=None) -> Data:
     """For distrib.fit(): map-style Datasets of (tensor, int label), or (inputs, labels) tensor pairs; collate_fn
-    (the user's, for the DataLoader path) wins over data.collate."""
+    (the user's, for the DataLoader path) wins over data.collate; val: a validation set, of the same kinds."""
     log = log or _main_log(runtime)
-    loaded = _on_every_rank(runtime, lambda: Loaded("custom", as_split_or_dataset(train, "train data"),
-                                                     as_split_or_dataset(test, "test data")))
+    loaded = _on_every_rank(runtime, lambda: Loaded(
+        "custom", as_split_or_dataset(train, "train data"), as_split_or_dataset(test, "test data"),
+        val=None if val is None else as_split_or_dataset(val, "fit(val_data=...)")))
     return build(loaded, config, runtime, seed, log, collate_for(config.pad_id, config.collate, collate_fn))
 
 
@@ -113,10 +115,11 @@ def _prepare(config: DataConfig, log) -> None:
 def _read(config: DataConfig) -> Loaded:
     """Every rank's part, after _prepare: reads both splits (no collectives, so a failure cannot hang a rank)."""
     if config.factory:
-        train, test = call_data_factory(config.factory, config.kwargs)
+        *train_val, test = call_data_factory(config.factory, config.kwargs)
         where = f"data.factory = {config.factory!r}"
-        return Loaded(config.factory, as_split_or_dataset(train, f"{where}: train"),
-                      as_split_or_dataset(test, f"{where}: test"))
+        val = as_split_or_dataset(train_val[1], f"{where}: val") if len(train_val) == 2 else None
+        return Loaded(config.factory, as_split_or_dataset(train_val[0], f"{where}: train"),
+                      as_split_or_dataset(test, f"{where}: test"), val=val)
     if config.name == "synthetic":
         shape, classes = tuple(config.synthetic_shape), config.num_classes or 10
         return Loaded("synthetic", named.synthetic_split(config.synthetic_train_size, 1, shape, classes),

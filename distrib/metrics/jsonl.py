@@ -59,7 +59,7 @@ def last_attempt(records: list[dict]) -> list[dict]:
         kept.append(record)
     seen, history = set(), []
     for record in reversed(kept):
-        key = (record.get("step"), record.get("event"), "test_loss" in record, "loss" in record)
+        key = (record.get("step"), record.get("event"), "test_loss" in record, "val_loss" in record, "loss" in record)
         if key not in seen:
             seen.add(key)
             history.append(record)

@@ -110,13 +110,19 @@ class Recorder:
                   + (f" MFU {100 * mfu:.2f}%" if mfu else ""))
 
     def log_eval(self, step: int, epoch: int, metrics: dict) -> None:
+        """One record; a line per evaluated split (val_*: a validation set, test_*)."""
         self.write({"step": step, "epoch": epoch, **metrics})
-        ema = metrics.get("test_accuracy_ema")
-        self.info(f"eval at step {step}: test loss {metrics['test_loss']:.4f} "
-                  + (f"accuracy {100 * metrics['test_accuracy']:.2f}% " if "test_accuracy" in metrics else "")
-                  + (f"perplexity {metrics['test_perplexity']:.4g} " if "test_perplexity" in metrics else "")
-                  + f"over {metrics['test_count']} samples"
-                  + (f" (EMA weights: {100 * ema:.2f}%)" if ema is not None else ""))
+        for split in ("val", "test"):
+            if f"{split}_loss" not in metrics:
+                continue
+            ema = metrics.get(f"{split}_accuracy_ema")
+            self.info(f"eval at step {step}: {split} loss {metrics[f'{split}_loss']:.4f} "
+                      + (f"accuracy {100 * metrics[f'{split}_accuracy']:.2f}% " if f"{split}_accuracy" in metrics
+                         else "")
+                      + (f"perplexity {metrics[f'{split}_perplexity']:.4g} " if f"{split}_perplexity" in metrics
+                         else "")
+                      + f"over {metrics[f'{split}_count']} samples"
+                      + (f" (EMA weights: {100 * ema:.2f}%)" if ema is not None else ""))
 
     def write_summary(self, summary: dict) -> None:
         if self.enabled:

@@ -53,6 +53,7 @@ def _code(data: dict) -> str:
 
 def _board_tag(key: str) -> str:
     """TensorBoard groups scalars by the part before '/': test/accuracy, train/loss, throughput/mfu."""
-    if key.startswith("test_"):
-        return f"test/{key[5:]}"
+    if key.startswith(("test_", "val_")):
+        split, _, name = key.partition("_")
+        return f"{split}/{name}"
     return f"train/{key}" if key in ("loss", "lr") else f"throughput/{key}"

@@ -74,3 +74,21 @@ def tiny_cnn(num_classes: int, in_channels: int):
 def mismatched():
     (x, y), (tx, ty) = tensors()
     return (x, y), (tx[:, :, :4], ty)
+
+
+def with_val():
+    """(train, val, test): 64, 10 and 20 synthetic Fashion-MNIST-shaped samples."""
+    from distrib.data.named import synthetic_split
+
+    splits = [synthetic_split(size, seed) for size, seed in ((64, 1), (10, 3), (20, 2))]
+    return tuple((split.inputs, split.targets) for split in splits)
+
+
+def pad_to_32(batch):
+    """A user's collate function (data.collate): token samples padded to 32 ids, labels -100 on the padding."""
+    ids = torch.zeros(len(batch), 32, dtype=torch.long)
+    labels = torch.full((len(batch), 32), -100)
+    for row, sample in enumerate(batch):
+        ids[row, :len(sample["input_ids"])] = sample["input_ids"]
+        labels[row, :len(sample["labels"])] = sample["labels"]
+    return {"input_ids": ids, "labels": labels}

@@ -22,6 +22,14 @@ SMALL = ("data.name=synthetic", "data.synthetic_train_size=256", "data.synthetic
          "checkpoint.every_steps=0")
 
 
+# SMALL with a validation set: 128 samples, 13 held out (data.val_fraction), 115 train, 3 steps an epoch of 32.
+# min_delta 1.0: the first evaluation (step 3) is the best, the next two do not improve enough, so with patience 2
+# the run stops after the evaluation at step 9.
+VALIDATED = ("data.synthetic_train_size=128", "data.synthetic_test_size=50", "data.val_fraction=0.1",
+             "train.max_steps=0", "train.epochs=10", "train.early_stop_metric=val_loss", "train.early_stop_patience=2",
+             "train.early_stop_min_delta=1.0", "train.schedule=constant")
+
+
 def sets(*overrides: str) -> list[str]:
     """["--set", item, ...] for `distrib train`."""
     return [arg for item in overrides for arg in ("--set", str(item))]
