@@ -34,7 +34,7 @@ def resolve_config(config: str | Path | Config | None, overrides: Mapping[str, A
 def fit(model: nn.Module | Callable[..., nn.Module], train_data, test_data,
         config: str | Path | Config | None = None, overrides: Mapping[str, Any] | None = None,
         loss_fn: Callable | None = None, metrics: Sequence[Callable] = (), collate_fn: Callable | None = None,
-        val_data=None, init_from: str | Path | None = None) -> dict:
+        init_from: str | Path | None = None, val_data=None) -> dict:
     """Trains `model` on `train_data`, evaluates it exactly on `test_data`; returns the summary (as in summary.json).
 
     model: an nn.Module, or a function returning one (called after seeding, with num_classes, in_channels and
@@ -42,6 +42,8 @@ def fit(model: nn.Module | Callable[..., nn.Module], train_data, test_data,
     train_data, test_data: map-style datasets of (inputs, targets) (e.g. torchvision's) or of dicts of tensors (a
         tokenized Hugging Face dataset; the dict goes to model(**batch), its "labels" are the targets), or
         (inputs, targets) pairs of tensors. Inputs and targets may be tensors of any dtype and shape, or dicts.
+        train_data may be a stream: an IterableDataset, or a Hugging Face streaming dataset (train.max_steps then
+        required; see the README's "Streams").
     config: a TOML path or a distrib.Config (default: the built-in defaults); overrides: {"train.lr": 0.1, ...}.
     loss_fn: (outputs, targets) -> scalar mean; default: the model's own outputs.loss if it returns one, else
         train.loss (cross-entropy).
@@ -50,16 +52,16 @@ def fit(model: nn.Module | Callable[..., nn.Module], train_data, test_data,
     collate_fn: list of samples -> a batch (a dict of tensors, e.g. a Hugging Face data collator's, or an (inputs,
         targets) pair), for datasets read through the DataLoader; default (and data.collate unset): dict samples of
         different lengths are right-padded per micro-batch (input_ids with data.pad_id, attention_mask 0, labels -100).
-    val_data: a validation set, of the kinds train_data may be (or data.val_fraction holds out a share of
-        train_data): evaluated during training as val_* (what early stopping and best-k may watch); the test set is
-        then evaluated only at the end.
     init_from: pretrained weights for the model (model.init_from): a Hugging Face folder or file of safetensors, a
         distrib run directory, or a checkpoint; names and shapes must match the model's, and each rank reads only
         the slices it holds.
+    val_data: a validation set, of the kinds train_data may be (or data.val_fraction holds out a share of
+        train_data): evaluated during training as val_* (what early stopping and best-k may watch); the test set is
+        then evaluated only at the end.
 
     Run as one process, or unchanged under `torchrun --nproc-per-node N` / `distrib launch`: every worker runs the
     script, fit() joins the process group the launcher set up and takes its share of each global batch. Outputs go
-    to run.dir as with `distrib train` (config.toml, metrics.jsonl, summary.json, model.pt). Called again on a
+    to run.dir as with `distrib train` (config.toml, metrics.jsonl, summary.json, weights/, model.pt). Called again on a
     finished run.dir it trains nothing, writes nothing and returns that run's summary (one line says so); a failure
     is one exception (a distrib error's one-line message), named in the launcher's last line too.
 

@@ -90,12 +90,13 @@ def _plan(args: argparse.Namespace) -> int:
         raise UserError(f"--world-size {args.world_size}: is not --nnodes {nnodes} x --nproc-per-node {nproc}; "
                         "give --world-size alone (one node), or --nnodes and --nproc-per-node")
     for name, value in (("--nnodes", nnodes), ("--nproc-per-node", nproc), ("--device-memory", args.device_memory),
+                        ("--host-memory", args.host_memory),
                         ("--intra-node-bandwidth", args.intra_node_bandwidth),
                         ("--inter-node-bandwidth", args.inter_node_bandwidth)):
         if not value > 0:
             raise UserError(f"{name} {value}: must be > 0")
     machine = Machine(nnodes, nproc, args.device_memory * GIB, args.intra_node_bandwidth * GB,
-                      args.inter_node_bandwidth * GB)
+                      args.inter_node_bandwidth * GB, args.host_memory * GIB)
     return main(config, machine, args.json)
 
 
@@ -205,6 +206,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--nproc-per-node", type=int, default=None, help="ranks per node (default 8, or --world-size)")
     plan.add_argument("--world-size", type=int, default=None, help="all ranks: one node of them unless --nnodes")
     plan.add_argument("--device-memory", type=float, default=80.0, help="GiB per device (H100: 80, H200: 141)")
+    plan.add_argument("--host-memory", type=float, default=2048.0, help="GiB of host memory per node (DGX H100: 2048)")
     plan.add_argument("--intra-node-bandwidth", type=float, default=450.0,
                       help="GB/s per rank and direction within a node (NVLink 4: 450)")
     plan.add_argument("--inter-node-bandwidth", type=float, default=50.0,

@@ -27,6 +27,7 @@ from distrib.checkpoint.format import FORMAT, VERSION, CheckpointError, FileStor
 from distrib.checkpoint.sharded import TRAINER, ShardedStorage, load_shards
 from distrib.config import CheckpointConfig
 from distrib.distributed.runtime import Runtime
+from distrib.distributed.strategies import Strategy
 from distrib.errors import EnvironmentFault, UserError
 from distrib.launch.preempt import Preempted
 
@@ -213,11 +214,12 @@ class Checkpoints:
         self.storage.close()
 
 
-def make_checkpointer(config: CheckpointConfig, strategy: str, directory: Path, runtime: Runtime,
+def make_checkpointer(config: CheckpointConfig, strategy: Strategy, directory: Path, runtime: Runtime,
                       collect: Callable[..., dict], run_config: dict | None = None) -> Checkpoints:
-    """One file by rank 0 under ddp (the whole state is on every rank); sharded directories under fsdp (and any
-    DTensor layout). The policy is the same; run_config is what a resumed checkpoint's config is checked against."""
-    storage = ShardedStorage(runtime, config.async_save) if strategy in ("fsdp", "hsdp") else FileStorage(runtime)
+    """One file by rank 0 where the strategy's state is whole on every rank (ddp); sharded directories where each
+    rank holds shards (fsdp, hsdp, tensor parallel). The policy is the same; run_config is what a resumed
+    checkpoint's config is checked against."""
+    storage = ShardedStorage(runtime, config.async_save) if strategy.sharded_state else FileStorage(runtime)
     return Checkpoints(storage, directory, runtime, collect, every_steps=config.every_steps,
                        keep_last=config.keep_last, foreign=config.foreign, config=run_config,
                        allow_config_change=config.allow_config_change)

@@ -5,7 +5,7 @@ loading reshards to any world size and mesh, or gathers whole tensors for a ddp 
     checkpoints/step_00000020/    a complete checkpoint (temporary ones are .step_00000020.tmp/, never picked)
         __0_0.distcp ...          model, optimizer and EMA shards, one file per rank that wrote (DCP)
         .metadata                 DCP's index: every tensor's global shape and where each piece of it lives
-        trainer.pt                progress, scheduler, scaler, every rank's RNGs, config, run id (with a checksum)
+        trainer.pt                progress, scheduler, scaler, every rank's RNGs and data position, config, run id
         manifest.json             written last: each file's size and sha256; a missing or changed file refuses it
 
 Which checkpoint a run resumes, prunes or keeps is not decided here but in distrib.checkpoint.policy."""

@@ -14,11 +14,12 @@ from distrib.data import samples
 from distrib.data.augment import Augment
 from distrib.data.batching import BatchSource, DeviceBatches, Failed, Finish, LoaderBatches, collate
 from distrib.data.collate import Collate
-from distrib.data.stream import StreamBatches, is_stream
-from distrib.data.stream_read import collate_stream, head
+from distrib.data.stream import StreamBatches, describe, is_stream
+from distrib.data.stream_read import read_whole
 from distrib.data.tensors import DataInfo, Normalizer, Split, channel_stats, stats_indices
 from distrib.distributed.runtime import Runtime
 from distrib.errors import UserError
+from distrib.launch.preempt import ignore_stop_signals
 
 Stats = tuple[tuple[float, ...], tuple[float, ...]]
 STREAM_HEAD = 256  # a stream's first samples: where its kind, classes and image statistics are learnt
@@ -104,42 +105,28 @@ def build_stream(loaded: Loaded, config: DataConfig, runtime: Runtime, seed: int
     """A stream for training (distrib.data.stream); its first samples stand in for the split where the data's kind,
     classes and statistics are learnt. A test stream is read whole into memory (evaluation is exact over it)."""
     train, test, val = loaded.train, loaded.test, loaded.val
-    test = read_whole(test, "test data") if is_stream(test) else materialize(test, config)
+    collate_fn = collate_fn or Collate(config.pad_id)
+    test = read_whole(test, "test data", None, collate_fn) if is_stream(test) else materialize(test, config)
     if val is not None:  # a validation set is read whole too
-        val = read_whole(val, "val data") if is_stream(val) else materialize(val, config)
+        val = read_whole(val, "val data", None, collate_fn) if is_stream(val) else materialize(val, config)
     if not is_stream(train):
         train = materialize(train, config)
         return build(Loaded(loaded.name, train, test, loaded.class_names, loaded.stats, val), config, runtime, seed,
                      log, collate_fn)
-    sample = read_whole(train, "train data", STREAM_HEAD)
+    sample = read_whole(train, "train data", STREAM_HEAD, collate_fn)
     first = first_batch(sample)
     _same_kind(loaded.name, first, first_batch(test))
     info = on_rank0(runtime, lambda: _info(loaded, sample, test, first, config))
     uint8 = isinstance(first[0], torch.Tensor) and first[0].dtype == torch.uint8
     normalizer = Normalizer(info.mean, info.std, uint8)
     augment = _augment(config, seed, first[0])
-    source = StreamBatches(train, runtime, config, Finish(normalizer, augment), log)
+    source = StreamBatches(train, runtime, config, Finish(normalizer, augment), log, collate_fn)
     log(_normalize_line(config, loaded, info, len(sample)))
-    how = (f"sharded ({train.n_shards} shards: each rank reads its own)" if source.sharded
-           else "plain (every rank reads it whole)")
+    how = describe(train, runtime.data_world_size)
     log(f"data {info.name}: a {how} train stream / {len(test)} test samples of {info.inputs} -> {info.targets}, "
         f"{info.num_classes or 'no'} classes, DataLoader ({config.num_workers} workers)")
     return Data(info, source, DeviceBatches(test, runtime, normalizer),
                 None if val is None else DeviceBatches(val, runtime, normalizer))
-
-
-def read_whole(stream, what: str, limit: int | None = None) -> Split:
-    """A stream's samples (its first `limit`) as tensors; an empty stream or a bad sample is one line."""
-    rows = head(stream, limit) if limit else list(stream)
-    if not rows:
-        raise UserError(f"{what}: an empty stream (it yielded no sample); fix: give a stream with samples (check "
-                        "its files or its filter)")
-    batch = collate_stream(rows)
-    if isinstance(batch, Failed):
-        raise UserError(f"{what}: {batch.message.removeprefix('data: ')} (among its first {len(rows)} samples)")
-    if batch[1] is None:
-        return Split(batch[0], None)
-    return Split(*batch)
 
 
 def _normalize_line(config: DataConfig, loaded: Loaded, info: DataInfo, num_train: int) -> str:
@@ -169,7 +156,8 @@ def materialize(split: Split | Dataset, config: DataConfig) -> Split:
     """A Dataset read whole into tensors (through a DataLoader with data.num_workers), for the device path."""
     if isinstance(split, Split):
         return split
-    loader = DataLoader(split, batch_size=256, collate_fn=collate, num_workers=config.num_workers)
+    loader = DataLoader(split, batch_size=256, collate_fn=collate, num_workers=config.num_workers,
+                        worker_init_fn=ignore_stop_signals)
     inputs, targets = [], []
     for batch in loader:
         batch = _checked(batch)
@@ -301,7 +289,7 @@ def _stats(loaded: Loaded, train, inputs, config: DataConfig) -> Stats:
     if isinstance(train, Split):
         return channel_stats(train.inputs.index_select(0, chunk) for chunk in indices.split(1024))
     loader = DataLoader(torch.utils.data.Subset(train, indices.tolist()), batch_size=256, collate_fn=collate,
-                        num_workers=config.num_workers)
+                        num_workers=config.num_workers, worker_init_fn=ignore_stop_signals)
     return channel_stats(_checked(batch)[0] for batch in loader)
 
 

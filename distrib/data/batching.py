@@ -16,6 +16,7 @@ from distrib.data.samples import Tree
 from distrib.data.tensors import Normalizer, Split
 from distrib.distributed.runtime import Runtime
 from distrib.errors import ConfigError, UserError
+from distrib.launch.preempt import ignore_stop_signals
 
 Batch = tuple[Tree, Tree | None]  # (inputs, targets); a dict sample's targets are its "labels" (or None)
 
@@ -240,8 +241,8 @@ class LoaderBatches:
         pin = config.pin_memory and runtime.pin_memory
         extra = dict(persistent_workers=config.persistent_workers, prefetch_factor=config.prefetch_factor)
         self.loader = DataLoader(dataset, batch_sampler=self.sampler, collate_fn=collate_fn or collate,
-                                 num_workers=num_workers,
-                                 pin_memory=pin, **(extra if num_workers else {}))
+                                 num_workers=num_workers, pin_memory=pin, worker_init_fn=ignore_stop_signals,
+                                 **(extra if num_workers else {}))
 
     def batches(self, index_lists: list[torch.Tensor], epoch: int | None = None) -> Iterator[Batch]:
         if not index_lists:

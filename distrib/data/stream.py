@@ -18,10 +18,11 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from distrib.config import DataConfig
 from distrib.data import samples
-from distrib.data.batching import Batch, BatchPlan, Failed, Finish
-from distrib.data.stream_read import Item, Layout, WorkerStream, collate_stream, head, identity, kinds_of
+from distrib.data.batching import Batch, BatchPlan, Failed, Finish, collate
+from distrib.data.stream_read import Item, Layout, StreamCollate, WorkerStream, head, identity, kinds_of
 from distrib.distributed.runtime import Runtime
 from distrib.errors import UserError
+from distrib.launch.preempt import ignore_stop_signals
 
 OK, DRY, FAILED = 1, 0, -1  # a rank's vote on the next step (the all-reduce keeps the smallest)
 
@@ -35,12 +36,29 @@ def is_sharded(value) -> bool:
     return isinstance(getattr(value, "n_shards", None), int) and callable(getattr(value, "shard", None))
 
 
+def _hugging_face(source) -> bool:
+    return type(source).__module__.startswith("datasets.")
+
+
+def describe(source, world_size: int) -> str:
+    """How the ranks read a training stream, for the data line of the log."""
+    if not is_sharded(source):
+        return "plain (every rank reads it whole)"
+    shards = source.n_shards
+    if shards % world_size == 0:
+        return f"sharded ({shards} shards: each rank reads its own)"
+    if _hugging_face(source):  # its own rule
+        return (f"sharded ({shards} shards, which do not divide among {world_size} ranks: each rank reads them all "
+                f"and keeps 1 of {world_size} samples; give a multiple of {world_size} shards)")
+    return f"sharded ({shards} shards, dealt out unevenly to {world_size} ranks)"
+
+
 def rank_part(source, rank: int, world_size: int):
     """This rank's part of a sharded source (a Hugging Face dataset whose shards do not divide among the ranks is
     read by every rank, each keeping 1 of world_size samples: its own rule)."""
     if world_size == 1:
         return source
-    if type(source).__module__.startswith("datasets."):
+    if _hugging_face(source):
         from datasets.distributed import split_dataset_by_node
 
         return split_dataset_by_node(source, rank=rank, world_size=world_size)
@@ -94,8 +112,9 @@ class StreamBatches:
 
     num_samples = None
 
-    def __init__(self, source, runtime: Runtime, config: DataConfig, finish: Finish, log: Callable[[str], None]):
-        self.sharded = is_sharded(source)
+    def __init__(self, source, runtime: Runtime, config: DataConfig, finish: Finish, log: Callable[[str], None],
+                 collate_fn: Callable = collate):
+        self.sharded, self.collate = is_sharded(source), StreamCollate(collate_fn)
         self.source, self.runtime, self.config, self.finish, self.log = source, runtime, config, finish, log
         self.kind: str | None = None  # the structure of the first micro-batch: a later change is refused
         self.position: dict = {}  # this rank's position after the last step handed out
@@ -106,7 +125,7 @@ class StreamBatches:
 
     def batches(self, index_lists: list[torch.Tensor], epoch: int | None = None) -> Iterator[Batch]:
         count = max((len(idx) for idx in index_lists), default=0)
-        batch = collate_stream(head(self.source, count))
+        batch = self.collate(head(self.source, count))
         if isinstance(batch, Failed):
             raise UserError(f"train data: {batch.message.removeprefix('data: ')}")
         inputs, targets = (samples.to_device(part, self.runtime.device) for part in batch)
@@ -123,8 +142,8 @@ class StreamBatches:
         source = rank_part(self.source, layout.rank, layout.world_size) if self.sharded else self.source
         if hasattr(source, "set_epoch"):
             source.set_epoch(epoch)  # a shuffled Hugging Face stream: the same order on every rank, a new one per pass
-        order = WorkerOrder(iter(self._loader(WorkerStream(source, layout, collate_stream, start.get("reader")))),
-                       layout.num_workers, start)
+        reader = WorkerStream(source, layout, self.collate, start.get("reader"))
+        order = WorkerOrder(iter(self._loader(reader)), layout.num_workers, start)
         self.epoch, self.step_in_epoch = epoch, start_step
         while True:
             items = [order.next() for _ in range(layout.grad_accum_steps)]
@@ -162,7 +181,7 @@ class StreamBatches:
             return iter(dataset)
         # A fresh loader per pass: its workers start from this pass's position.
         return DataLoader(dataset, batch_size=None, collate_fn=identity, num_workers=workers,
-                          prefetch_factor=self.config.prefetch_factor)
+                          prefetch_factor=self.config.prefetch_factor, worker_init_fn=ignore_stop_signals)
 
     def _vote(self, items: list[Item | None]) -> tuple[int, str]:
         failed = next((item.batch for item in items if item is not None and isinstance(item.batch, Failed)), None)

@@ -10,15 +10,16 @@ Hugging Face IterableDataset splits them among the workers itself); each worker 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import islice
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from distrib.data import samples
 from distrib.data.batching import Failed, collate
+from distrib.data.tensors import Split
+from distrib.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,6 @@ class Item:
     state: Any = None  # the worker's position after this item: a source state_dict, or samples read
     first: int = 0  # plain streams: the stream position of the micro-batch's first sample (augmentation's key)
     read: int = 0  # at the end: samples the worker read in this pass (plain streams: the stream's length)
-    extra: dict = field(default_factory=dict)
 
 
 def identity(item):
@@ -154,20 +154,47 @@ class Shards(IterableDataset):
             yield from self.read(path)
 
 
+def read_whole(stream, what: str, limit: int | None = None, collate_fn: Callable = collate) -> Split:
+    """A stream's samples (its first `limit`) as tensors, collated as training collates them (ragged samples
+    padded to the longest); an empty stream or a bad sample is one line."""
+    rows = head(stream, limit) if limit else list(stream)
+    if not rows:
+        raise UserError(f"{what}: an empty stream (it yielded no sample); fix: give a stream with samples (check "
+                        "its files or its filter)")
+    batch = StreamCollate(collate_fn)(rows)
+    if isinstance(batch, Failed):
+        raise UserError(f"{what}: {batch.message.removeprefix('data: ')} (among its first {len(rows)} samples)")
+    return Split(*batch)
+
+
 def head(source, count: int) -> list:
     """The first `count` samples of a stream, read in this process (what the data's kind is learnt from)."""
     return list(islice(iter(source), count))
 
 
 def kinds_of(batch) -> str:
-    """A collated micro-batch's structure, to compare across batches: a stream may change it halfway."""
-    inputs, targets = batch
-    return f"{samples.kind(inputs)} -> {samples.kind(targets)}"
+    """A collated micro-batch's structure (keys, dtypes and dimensions, not lengths: padding varies them), to
+    compare across batches: a stream may change it halfway."""
+    return " -> ".join(_structure(part) for part in batch)
 
 
-def collate_stream(chunk: list):
-    """The DataLoader path's collate, after Hugging Face rows of Python numbers are made tensors."""
-    return collate([as_tensors(sample) for sample in chunk])
+def _structure(tree) -> str:
+    if isinstance(tree, torch.Tensor):
+        return f"{str(tree.dtype).removeprefix('torch.')} {tree.dim() - 1}-d"
+    if isinstance(tree, dict):
+        return "{" + ", ".join(f"{key}: {_structure(value)}" for key, value in tree.items()) + "}"
+    return "none"
+
+
+class StreamCollate:
+    """The DataLoader path's collate (distrib.data.collate: padding, or the user's function), after Hugging Face rows
+    of Python numbers are made tensors. Picklable, for the worker processes."""
+
+    def __init__(self, collate_fn: Callable = collate):
+        self.collate_fn = collate_fn
+
+    def __call__(self, chunk: list):
+        return self.collate_fn([as_tensors(sample) for sample in chunk])
 
 
 def as_tensors(sample):

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from distrib.config import DistConfig
-from distrib.distributed.mesh import mesh_shape
+from distrib.distributed.mesh import MeshShape
 from distrib.distributed.peers import PeerWatch
 from distrib.errors import CollectiveTimeoutError, PeerLostError, Preempted, UserError
 from distrib.launch.lifeline import die_with_parent
@@ -87,26 +87,29 @@ class Runtime:
     backend: str
     restart_count: int = 0
     peers: PeerWatch | None = None  # the other ranks' heartbeats; None in one process
-    tensor_parallel: int = 1  # ranks of one tensor-parallel group: neighbours, reading the same micro-batches
+    mesh: MeshShape | None = None  # the run's parallel degrees (its strategy's); None: every rank a ddp replica
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def for_training(self, config: DistConfig) -> "Runtime":
-        """This runtime with the tensor-parallel groups of the run's mesh (a ConfigError if it does not tile)."""
-        shape = mesh_shape(config, self.world_size, self.local_world_size)
-        return dataclasses.replace(self, tensor_parallel=shape.tensor_parallel)
+    def with_mesh(self, mesh: MeshShape) -> "Runtime":
+        """This runtime inside a run of this mesh: the data rank and shares follow it."""
+        return dataclasses.replace(self, mesh=mesh)
+
+    @property
+    def _mesh(self) -> MeshShape:
+        return self.mesh or MeshShape("ddp", self.world_size, 1)
 
     @property
     def data_rank(self) -> int:
         """Which share of each global batch and of the test set this rank reads (its tensor-parallel group's)."""
-        return self.rank // self.tensor_parallel
+        return self._mesh.data_rank(self.rank)
 
     @property
     def data_world_size(self) -> int:
         """How many shares the data is cut into: the data-parallel ranks."""
-        return self.world_size // self.tensor_parallel
+        return self._mesh.data_parallel
 
     @property
     def ddp_device_ids(self) -> list[int] | None:

@@ -11,7 +11,8 @@ from typing import Callable, Iterator
 
 from distrib.errors import EXIT_PREEMPTED, Preempted, say
 
-__all__ = ["Preempted", "StopFlag", "exit_on_signals", "parse_signals", "signal_handlers", "stop_on_signals"]
+__all__ = ["Preempted", "StopFlag", "exit_on_signals", "ignore_stop_signals", "parse_signals", "signal_handlers",
+           "stop_on_signals"]
 
 
 class StopFlag:
@@ -68,3 +69,17 @@ def exit_on_signals(signals: list[signal.Signals], announce: Callable[[], bool] 
             os._exit(EXIT_PREEMPTED)
     with signal_handlers(signals, exit_early):
         yield
+
+
+def ignore_stop_signals(worker_id: int = 0) -> None:
+    """The worker_init_fn of every DataLoader: its worker processes ignore the stop signals, which are the training
+    process's (it checkpoints, or says which peer it lost, then ends its workers itself). Launchers signal a worker's
+    whole process group (torch's agent, distrib's lifeline), and torch's DataLoader workers die of a SIGTERM their
+    parent did not send, which made the training process raise "DataLoader worker (pid N) is killed by signal:
+    Terminated" in whatever it was doing. Should the training process die first, its workers end within seconds
+    (they watch their parent). SIGINT stays: the workers end quietly on it."""
+    from distrib.launch.lifeline import STOP_SIGNALS
+
+    for signum in STOP_SIGNALS:
+        if signum != signal.SIGINT:
+            signal.signal(signum, signal.SIG_IGN)

@@ -54,8 +54,8 @@ def dying_network():
     return _network_that(lambda: os.kill(os.getpid(), signal.SIGKILL))
 
 
-def network_dying_once(marker: str = "", at_forward: int = 0):
-    """model.factory: rank 3 is killed (SIGKILL) in its at_forward-th training forward unless `marker` exists, which
+def network_dying_once(marker: str = "", at_forward: int = 0, rank: int = 3):
+    """model.factory: `rank` is killed (SIGKILL) in its at_forward-th training forward unless `marker` exists, which
     it creates first: so the run's first attempt dies there and its restart does not. No marker: it never dies."""
     from distrib.models.network import Network
 
@@ -64,7 +64,7 @@ def network_dying_once(marker: str = "", at_forward: int = 0):
 
         def forward(self, x):
             DiesOnce.calls += self.training
-            if marker and self.training and DiesOnce.calls == at_forward and dist.get_rank() == 3 \
+            if marker and self.training and DiesOnce.calls == at_forward and dist.get_rank() == rank \
                     and not os.path.exists(marker):
                 open(marker, "w").close()
                 os.kill(os.getpid(), signal.SIGKILL)

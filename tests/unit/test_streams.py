@@ -13,7 +13,7 @@ from torch.utils.data import IterableDataset
 from distrib.config import load_config
 from distrib.data.batching import BatchPlan, Finish
 from distrib.data.stream import StreamBatches, WorkerOrder
-from distrib.data.stream_read import Layout, Shards, WorkerStream, collate_stream
+from distrib.data.stream_read import Layout, Shards, StreamCollate, WorkerStream
 from distrib.data.tensors import Normalizer
 from distrib.distributed.runtime import Runtime
 from distrib.errors import ConfigError, UserError
@@ -38,7 +38,7 @@ def _plain_ids(count: int, rank: int, world: int, workers: int, start: dict | No
     """One rank's micro-batches (as id lists) in training order; the workers' items delivered worst-first (the last
     worker's all at once), as a DataLoader might."""
     layout = Layout(False, rank, world, global_batch_size=8, grad_accum_steps=2, num_workers=workers)
-    stream = WorkerStream(Rows(count), layout, collate_stream, (start or {}).get("reader"))
+    stream = WorkerStream(Rows(count), layout, StreamCollate(), (start or {}).get("reader"))
     delivered = chain.from_iterable(list(stream.read(w)) for w in reversed(range(workers)))
     order = WorkerOrder(delivered, workers, start or {})
     ids = []
