@@ -18,6 +18,7 @@ import torch.nn as nn
 from distrib.config import Config
 from distrib.data import load_data
 from distrib.data.batching import BatchPlan
+from distrib.data.split import split_validation
 from distrib.distributed import fsdp
 from distrib.distributed.mesh import MeshShape
 from distrib.distributed.parallel import local_tensor, state_parts
@@ -183,7 +184,7 @@ def plan_run(config: Config, machine: Machine) -> dict:
     shape = strategy.dims
     device = torch.device("cpu" if config.dist.device == "cpu" else "cuda")
     one = Runtime(0, 0, 1, 1, torch.device("cpu"), "gloo")
-    data = load_data(config.data, one, config.train.seed, log=lambda message: None)
+    data = split_validation(load_data(config.data, one, config.train.seed, log=lambda message: None), config.data)
     batches = BatchPlan(data.train.num_samples, config.train.global_batch_size, config.train.grad_accum_steps, 0,
                         shape.data_parallel, config.train.seed)
     with fake_process_group(machine.world_size):

@@ -36,14 +36,14 @@ MAX_TOP_K = 5
 # ---------------------------------------------------------------- model.json
 
 
-def model_card(config: Config, info: DataInfo) -> dict:
+def model_card(config: Config, info: DataInfo, weights: str = "model.pt") -> dict:
     """What inference needs beside model.pt: how to build the model, what goes in, what comes out."""
     factory, kwargs = factory_call(config.model, info)
     model = {"factory": factory, "kwargs": json.loads(json.dumps(kwargs, default=str))}  # a TOML date as text
     if not config.model.factory:
         model["name"] = config.model.name
     return {"format": CARD_FORMAT, "version": CARD_VERSION, "distrib_version": _distrib_version(),
-            "weights": "model.pt", "model": model,
+            "weights": weights, "model": model,
             "data": info.to_dict(),
             "inputs": _card_inputs(info),
             "precision": config.train.precision}
@@ -56,9 +56,9 @@ def _card_inputs(info: DataInfo) -> str:
             "(x - mean) / std per channel; outputs: logits (N, num_classes), in class_names' order")
 
 
-def write_model_card(path: Path, config: Config, info: DataInfo) -> Path:
+def write_model_card(path: Path, config: Config, info: DataInfo, weights: str = "model.pt") -> Path:
     """Writes model.json atomically (temp file, then rename); rank 0 only, like model.pt."""
-    write_json_atomic(Path(path), model_card(config, info))
+    write_json_atomic(Path(path), model_card(config, info, weights))
     return Path(path)
 
 

@@ -24,6 +24,7 @@ from distrib.distributed.strategies import DDPStrategy, Strategy
 from distrib.errors import ConfigError, UserError
 from distrib.launch.preempt import Preempted
 from distrib.metrics import Recorder
+from distrib.training.callbacks import Callbacks
 from distrib.training.early_stop import EarlyStopping
 from distrib.training.ema import EMA
 from distrib.training.evaluation import autocast, evaluate
@@ -39,13 +40,15 @@ def build_optimizer(model: nn.Module, config: TrainConfig, log: Callable[[str], 
                     ) -> torch.optim.Optimizer:
     """train.optimizer over the model's parameters; adam and adamw in two groups when weight decay is on, so that
     biases, norms and embeddings are not decayed (train.decay = weights); a user's function gets those groups."""
+    # foreach: one op over all parameters, PyTorch's default on GPUs, here on CPUs too, where its loop over parameters
+    # (bitwise the same) pays a dispatch per op and parameter: AdamW on the bench GPT 34 -> 10 ms a step under fsdp.
     if config.optimizer == "sgd":
         return torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
-                               weight_decay=config.weight_decay)
+                               weight_decay=config.weight_decay, foreach=True)
     groups = param_groups(model, config, log or (lambda message: None))
     if config.optimizer in ("adam", "adamw"):
         cls = torch.optim.Adam if config.optimizer == "adam" else torch.optim.AdamW
-        return cls(groups, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
+        return cls(groups, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay, foreach=True)
     return user_optimizer(config, groups)
 
 
@@ -159,6 +162,7 @@ class Trainer:
     agreement: RankAgreement
     checkpointer: Checkpointer | None  # None: no checkpoints
     on_step_end: Callable[[int], None] | None = None  # called with the step after each step's bookkeeping
+    callbacks: Callbacks = field(default_factory=Callbacks)  # the user's hooks (distrib.training.callbacks)
     last_eval: tuple[int, dict] | None = field(default=None, init=False)  # (step, metrics) of the latest evaluation
 
     def step(self, micro_batches: list[Batch]) -> torch.Tensor:
@@ -246,6 +250,8 @@ class Trainer:
             self.meter.restart_clock()
         if self.on_step_end:
             self.on_step_end(progress.step)
+        if self.callbacks:
+            self.callbacks.on_step_end(progress.step, loss)
 
     def _end_epoch(self) -> None:
         progress = self.state.progress
@@ -284,6 +290,7 @@ class Trainer:
         if state.early_stop is not None and not state.early_stop.stopped and state.early_stop.update(step, metrics):
             self.recorder.info(state.early_stop.reason())
         self.last_eval = (step, metrics)
+        self.callbacks.on_evaluate(step, metrics)
         return metrics
 
     def passes_done(self) -> bool:
@@ -301,6 +308,7 @@ class Trainer:
     def train(self, train_source) -> dict:
         """Trains from the state's progress to total_steps; evaluates each eval_every_epochs and at the end."""
         progress = self.state.progress
+        self.callbacks.on_train_start(unwrap(self.state.model))
         bar = self.recorder.progress_bar(self.total_steps, initial=progress.step)
         self.meter.restart_clock()
         while progress.step < self.total_steps and not self.stopped_early() and not self.passes_done():

@@ -87,3 +87,9 @@ class _SelfInitialising(nn.Module):
 
 def self_initialising(num_classes: int = 10):
     return _SelfInitialising(num_classes)
+
+
+def wide_mlp(num_classes: int = 10, in_channels: int = 1, image_size: int = 28, width: int = 512):
+    """A wide two-layer MLP: most of its parameters in two large matrices, sharded in rows by fsdp and hsdp."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(in_channels * image_size ** 2, width), nn.ReLU(),
+                         nn.Linear(width, num_classes))

@@ -81,6 +81,27 @@ def test_adamw_groups_leave_biases_norms_and_embeddings_undecayed_and_say_so():
     assert len(everything.param_groups) == 1
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "adamw"])
+def test_the_built_in_optimizers_run_foreach_and_step_bitwise_as_the_per_parameter_loop(optimizer):
+    """foreach (one op over all parameters) is a speed choice only: the same bits as torch's CPU default."""
+    config = _train(f"train.optimizer={optimizer}", "train.weight_decay=0.1", "train.lr=0.01")
+    torch.manual_seed(0)
+    fast, plain = _Net(), _Net()
+    plain.load_state_dict(fast.state_dict())
+    fast_opt, plain_opt = build_optimizer(fast, config), build_optimizer(plain, config)
+    assert all(group["foreach"] for group in fast_opt.param_groups)
+    for group in plain_opt.param_groups:
+        group["foreach"] = False
+    x = torch.randint(0, 10, (8, 3))
+    for _ in range(3):
+        for model, opt in ((fast, fast_opt), (plain, plain_opt)):
+            model.eval()  # no dropout draws: both see the same function
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(fast.parameters(), plain.parameters()))
+
+
 def test_a_users_optimizer_gets_the_groups_and_the_config(tmp_path, monkeypatch):
     (tmp_path / "myopt.py").write_text("import torch\n\ndef lion_like(groups, config):\n"
                                        "    return torch.optim.SGD(groups, lr=config.lr * 2)\n\n"
