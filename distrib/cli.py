@@ -7,7 +7,7 @@
     distrib plot RUN_DIR [--out FILE]
     distrib eval RUN_DIR|CHECKPOINT [--config FILE] [--set ...] [--nproc-per-node N] [--out FILE]
     distrib predict RUN_DIR|CHECKPOINT --input FOLDER|test|train --out FILE [--config FILE] [--set ...] [...]
-    distrib generate RUN_DIR --prompt TEXT --max-new-tokens N [--temperature T] [--top-k K] [--seed S]
+    distrib generate RUN_DIR --prompt TEXT --max-new-tokens N [--tokenizer PATH] [--temperature T --top-k K --seed S]
 """
 
 from __future__ import annotations
@@ -155,19 +155,22 @@ def _use_worker(args: argparse.Namespace, trained) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from distrib.training.generate import generate_text
 
-    text = generate_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
+    text = generate_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed,
+                         args.tokenizer)
     sys.stdout.write(text + "\n")
     return 0
 
 
 def _generate_parser(commands) -> None:
-    generate = commands.add_parser("generate", help="continue a prompt with a text run's model (byte-level); the "
-                                                    "same text for the same --seed")
-    generate.add_argument("run_dir", metavar="RUN_DIR", help="the run.dir of a data.name = text run (model.pt)")
+    generate = commands.add_parser("generate", help="continue a prompt with a text run's model (bytes), or a tokens "
+                                                    "run's (with --tokenizer); the same text for the same --seed")
+    generate.add_argument("run_dir", metavar="RUN_DIR", help="the run.dir of a data.name = text or tokens run")
     generate.add_argument("--prompt", required=True, help="the text to continue")
-    generate.add_argument("--max-new-tokens", type=int, required=True, help="bytes to generate")
+    generate.add_argument("--max-new-tokens", type=int, required=True, help="tokens (bytes) to generate")
+    generate.add_argument("--tokenizer", metavar="PATH", help="a tokens run's tokenizer: a Hugging Face tokenizers "
+                                                              "JSON file, or a transformers tokenizer folder")
     generate.add_argument("--temperature", type=float, default=1.0, help="divides the logits; 0 = greedy")
-    generate.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest bytes; 0 = all")
+    generate.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0 = all")
     generate.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
     generate.set_defaults(func=_generate)
 

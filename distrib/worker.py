@@ -35,6 +35,7 @@ from distrib.launch.rundir import checkpoint_dir, environment_faults, own_folder
 from distrib.metrics import Recorder
 from distrib.metrics.recorder import headline
 from distrib.models.build import batchnorm_layers, build_model, data_kwargs
+from distrib.training.callbacks import Callbacks, from_config
 from distrib.training.evaluation import MetricFn, Task, evaluate
 from distrib.training.losses import Loss, LossFn, build_loss
 from distrib.training.notes import task_notes
@@ -169,15 +170,17 @@ def _model_notes(config: Config, model: nn.Module) -> list[str]:
         return []
     return [f"the model has {len(norms)} BatchNorm layers ({norms[0]}, ...): their statistics are per micro-batch, "
             "so runs at other world sizes or grad_accum_steps no longer agree exactly; on GPUs, --set "
-            "dist.sync_batchnorm=true computes them over each micro-step's global batch"]
+            "dist.sync_batchnorm=true computes them over each micro-step's global batch (frozen ones: a callback "
+            "keeps them in eval mode, README \"Callbacks\")"]
 
 
 def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None] | None = None, *,
              data: Data | None = None, model: ModelArg = None, loss_fn: LossFn | None = None,
-             metrics: tuple[MetricFn, ...] = ()) -> dict:
+             metrics: tuple[MetricFn, ...] = (), callbacks: tuple = ()) -> dict:
     """Trains inside an open process group; returns the run's summary. Everything that can fail on the user's input
     (data, model, the dry batch, the checkpoint to resume) runs before anything is written to run.dir, so a run that
-    fails leaves an earlier run's files there as they were. on_step_end(step) runs after each step's bookkeeping."""
+    fails leaves an earlier run's files there as they were. on_step_end(step) runs after each step's bookkeeping;
+    callbacks (after train.callbacks') get the hooks of distrib.training.callbacks."""
     strategy = make_strategy(config.dist, runtime.world_size, runtime.local_world_size)
     runtime = runtime.with_mesh(strategy.dims)  # the ranks of a tensor-parallel group read the same data
     start, notes = time.perf_counter(), []
@@ -202,6 +205,7 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
     task.check_watched("checkpoint.best_metric", config.checkpoint.best_metric if config.checkpoint.keep_best else "",
                        validation)
     check_user_optimizer(config.train)
+    hooks = Callbacks([*from_config(config.train.callbacks), *callbacks])
     notes += task_notes(config.train, loss, task, placed, total_steps)
     meter = meter_for(config, runtime)
     meter.flops_per_sample = flops_per_sample(placed, dry.inputs, dry.targets, loss)
@@ -241,13 +245,15 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
                                   total_steps=total_steps, evaluate=evaluator, validate=validator, recorder=recorder,
                                   meter=meter,
                                   agreement=agreement, checkpointer=checkpointer,
-                                  on_step_end=_after_step(runtime, on_step_end))
+                                  on_step_end=_after_step(runtime, on_step_end), callbacks=hooks)
                 metrics = trainer.train(data.train)
         except BaseException as e:  # flush metrics and trackers now: the CLI's os._exit skips finalisers
             recorder.close("preempted" if isinstance(e, Preempted) else "failed")
             raise
-        return _finish(config, runtime, data, state, metrics, meter, recorder, resumed_from, start,
-                       model is None)
+        summary = _finish(config, runtime, data, state, metrics, meter, recorder, resumed_from, start,
+                          model is None)
+        hooks.on_train_end(summary)
+        return summary
 
 
 def _pretrained(config: Config, model: nn.Module) -> Pretrained | None:

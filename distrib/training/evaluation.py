@@ -159,14 +159,14 @@ def _batch_stats(inputs, outputs, targets, loss: Loss, num_classes: int, task: T
 
 def evaluate(model: nn.Module, source, num_classes: int, batch_size: int, runtime: Runtime, loss: Loss | None = None,
              precision: str = "fp32", class_names: tuple[str, ...] = (), task: Task = Task()) -> dict:
-    """Exact metrics over the whole test set: every sample once, no padding, one all-reduce. Runs the unwrapped
+    """Exact metrics over the whole test set: every sample counted once, one all-reduce. Runs the unwrapped
     module, so no DDP hooks fire; every rank makes as many forward calls as the busiest (an FSDP module all-gathers in
     every forward), the extra ones not counted."""
     model, loss = unwrap(model), loss or cross_entropy()
     classes = num_classes if task.kind == "classes" else 0
     stats = torch.zeros(7 + 2 * classes + 2 * sum(len(m.names) for m in task.metrics), dtype=torch.int64,
                         device=runtime.device)
-    was_training = model.training
+    modes = [(module, module.training) for module in model.modules()]
     model.eval()
     batches = eval_batches(source.num_samples, batch_size, runtime.data_rank, runtime.data_world_size)
     num_counted = len(batches)
@@ -180,7 +180,8 @@ def evaluate(model: nn.Module, source, num_classes: int, batch_size: int, runtim
             outputs = forward(model, inputs)
             if batch_index < num_counted:
                 stats += _batch_stats(inputs, outputs, targets, loss, classes, task, runtime.device)
-    model.train(was_training)
+    for module, training in modes:  # each module's own mode back, not model.train(), which would recurse: a layer
+        module.training = training  # that a callback put in eval mode (frozen BatchNorm) stays in it
     dist.all_reduce(stats)
     stats //= runtime.world_size // runtime.data_world_size  # a tensor-parallel group's ranks counted the same batches
     return _metrics(stats.tolist(), classes, class_names, task)

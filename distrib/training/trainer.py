@@ -24,6 +24,7 @@ from distrib.distributed.strategies import DDPStrategy, Strategy
 from distrib.errors import ConfigError, UserError
 from distrib.launch.preempt import Preempted
 from distrib.metrics import Recorder
+from distrib.training.callbacks import Callbacks
 from distrib.training.early_stop import EarlyStopping
 from distrib.training.ema import EMA
 from distrib.training.evaluation import autocast, evaluate
@@ -161,6 +162,7 @@ class Trainer:
     agreement: RankAgreement
     checkpointer: Checkpointer | None  # None: no checkpoints
     on_step_end: Callable[[int], None] | None = None  # called with the step after each step's bookkeeping
+    callbacks: Callbacks = field(default_factory=Callbacks)  # the user's hooks (distrib.training.callbacks)
     last_eval: tuple[int, dict] | None = field(default=None, init=False)  # (step, metrics) of the latest evaluation
 
     def step(self, micro_batches: list[Batch]) -> torch.Tensor:
@@ -248,6 +250,8 @@ class Trainer:
             self.meter.restart_clock()
         if self.on_step_end:
             self.on_step_end(progress.step)
+        if self.callbacks:
+            self.callbacks.on_step_end(progress.step, loss)
 
     def _end_epoch(self) -> None:
         progress = self.state.progress
@@ -286,6 +290,7 @@ class Trainer:
         if state.early_stop is not None and not state.early_stop.stopped and state.early_stop.update(step, metrics):
             self.recorder.info(state.early_stop.reason())
         self.last_eval = (step, metrics)
+        self.callbacks.on_evaluate(step, metrics)
         return metrics
 
     def passes_done(self) -> bool:
@@ -303,6 +308,7 @@ class Trainer:
     def train(self, train_source) -> dict:
         """Trains from the state's progress to total_steps; evaluates each eval_every_epochs and at the end."""
         progress = self.state.progress
+        self.callbacks.on_train_start(unwrap(self.state.model))
         bar = self.recorder.progress_bar(self.total_steps, initial=progress.step)
         self.meter.restart_clock()
         while progress.step < self.total_steps and not self.stopped_early() and not self.passes_done():
