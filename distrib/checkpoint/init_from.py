@@ -39,7 +39,11 @@ class Safetensors:
     kind = "safetensors"
 
     def __init__(self, path: Path, files: list[Path]):
-        from safetensors import safe_open
+        try:
+            from safetensors import safe_open
+        except ImportError:
+            raise _refuse(path, "safetensors files, and the safetensors package is not installed (pip install "
+                                "safetensors)") from None
 
         self.path, self.handles, self.shapes = path, {}, {}
         for file in files:
@@ -184,9 +188,9 @@ def _rename(name: str, prefix: str, how: str) -> str | None:
 
 
 def _renaming(expected: set[str], names, base: str) -> tuple[str, str]:
-    """(prefix, keep | strip | add): the Hugging Face conventions (a base model's weights inside a model with a head
-    are under base_model_prefix), and DDP's or torch.compile's prefix on a state_dict saved from the wrapper; the one
-    that matches the most names, as they are on a tie."""
+    """(prefix, strip | add), the empty prefix for names as they are: the Hugging Face conventions (a base
+    model's weights inside a model with a head are under base_model_prefix), and DDP's or torch.compile's prefix on
+    a state_dict saved from the wrapper; the one that matches the most names, as they are on a tie."""
     options = [("", "strip"), ("module.", "strip"), ("_orig_mod.", "strip")]
     options += [(base + ".", "strip"), (base + ".", "add")] if base else []
     return max(options, key=lambda option: sum(_rename(n, *option) in expected for n in names))

@@ -159,7 +159,7 @@ def _batch_stats(inputs, outputs, targets, loss: Loss, num_classes: int, task: T
 
 def evaluate(model: nn.Module, source, num_classes: int, batch_size: int, runtime: Runtime, loss: Loss | None = None,
              precision: str = "fp32", class_names: tuple[str, ...] = (), task: Task = Task()) -> dict:
-    """Exact metrics over the whole test set: every sample once, no padding, one all-reduce. Runs the unwrapped
+    """Exact metrics over the whole test set: every sample counted once, one all-reduce. Runs the unwrapped
     module, so no DDP hooks fire; every rank makes as many forward calls as the busiest (an FSDP module all-gathers in
     every forward), the extra ones not counted."""
     model, loss = unwrap(model), loss or cross_entropy()
