@@ -34,7 +34,7 @@ def resolve_config(config: str | Path | Config | None, overrides: Mapping[str, A
 def fit(model: nn.Module | Callable[..., nn.Module], train_data, test_data,
         config: str | Path | Config | None = None, overrides: Mapping[str, Any] | None = None,
         loss_fn: Callable | None = None, metrics: Sequence[Callable] = (), collate_fn: Callable | None = None,
-        init_from: str | Path | None = None, val_data=None) -> dict:
+        init_from: str | Path | None = None, val_data=None, callbacks: Sequence[Any] = ()) -> dict:
     """Trains `model` on `train_data`, evaluates it exactly on `test_data`; returns the summary (as in summary.json).
 
     model: an nn.Module, or a function returning one (called after seeding, with num_classes, in_channels and
@@ -58,10 +58,13 @@ def fit(model: nn.Module | Callable[..., nn.Module], train_data, test_data,
     val_data: a validation set, of the kinds train_data may be (or data.val_fraction holds out a share of
         train_data): evaluated during training as val_* (what early stopping and best-k may watch); the test set is
         then evaluated only at the end.
+    callbacks: objects with any of the hooks on_train_start(model), on_step_end(step, loss), on_evaluate(step,
+        metrics), on_train_end(summary), called on every rank in list order (after train.callbacks'); a hook that
+        raises ends the run with one UserError naming it. See distrib.training.callbacks.Callback.
 
     Run as one process, or unchanged under `torchrun --nproc-per-node N` / `distrib launch`: every worker runs the
     script, fit() joins the process group the launcher set up and takes its share of each global batch. Outputs go
-    to run.dir as with `distrib train` (config.toml, metrics.jsonl, summary.json, model.pt). Called again on a
+    to run.dir as with `distrib train` (config.toml, metrics.jsonl, summary.json, weights/, model.pt). Called again on a
     finished run.dir it trains nothing, writes nothing and returns that run's summary (one line says so); a failure
     is one exception (a distrib error's one-line message), named in the launcher's last line too.
 
@@ -94,7 +97,8 @@ def fit(model: nn.Module | Callable[..., nn.Module], train_data, test_data,
             data = data_from_datasets(train_data, test_data, resolved.data, runtime, resolved.train.seed,
                                       collate_fn=collate_fn, val=val_data)
             # train_on locks the run's folders
-            return train_on(resolved, runtime, data=data, model=model, loss_fn=loss_fn, metrics=tuple(metrics))
+            return train_on(resolved, runtime, data=data, model=model, loss_fn=loss_fn, metrics=tuple(metrics),
+                            callbacks=tuple(callbacks))
     except Preempted as e:  # a SystemExit(75): uncaught, the script ends with 75 and no traceback
         say(e.line())
         raise

@@ -7,7 +7,7 @@
     distrib plot RUN_DIR [--out FILE]
     distrib eval RUN_DIR|CHECKPOINT [--config FILE] [--set ...] [--nproc-per-node N] [--out FILE]
     distrib predict RUN_DIR|CHECKPOINT --input FOLDER|test|train --out FILE [--config FILE] [--set ...] [...]
-    distrib generate RUN_DIR --prompt TEXT --max-new-tokens N [--temperature T] [--top-k K] [--seed S]
+    distrib generate RUN_DIR --prompt TEXT --max-new-tokens N [--tokenizer PATH] [--temperature T --top-k K --seed S]
 """
 
 from __future__ import annotations
@@ -90,12 +90,13 @@ def _plan(args: argparse.Namespace) -> int:
         raise UserError(f"--world-size {args.world_size}: is not --nnodes {nnodes} x --nproc-per-node {nproc}; "
                         "give --world-size alone (one node), or --nnodes and --nproc-per-node")
     for name, value in (("--nnodes", nnodes), ("--nproc-per-node", nproc), ("--device-memory", args.device_memory),
+                        ("--host-memory", args.host_memory),
                         ("--intra-node-bandwidth", args.intra_node_bandwidth),
                         ("--inter-node-bandwidth", args.inter_node_bandwidth)):
         if not value > 0:
             raise UserError(f"{name} {value}: must be > 0")
     machine = Machine(nnodes, nproc, args.device_memory * GIB, args.intra_node_bandwidth * GB,
-                      args.inter_node_bandwidth * GB)
+                      args.inter_node_bandwidth * GB, args.host_memory * GIB)
     return main(config, machine, args.json)
 
 
@@ -154,19 +155,22 @@ def _use_worker(args: argparse.Namespace, trained) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from distrib.training.generate import generate_text
 
-    text = generate_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
+    text = generate_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed,
+                         args.tokenizer)
     sys.stdout.write(text + "\n")
     return 0
 
 
 def _generate_parser(commands) -> None:
-    generate = commands.add_parser("generate", help="continue a prompt with a text run's model (byte-level); the "
-                                                    "same text for the same --seed")
-    generate.add_argument("run_dir", metavar="RUN_DIR", help="the run.dir of a data.name = text run (model.pt)")
+    generate = commands.add_parser("generate", help="continue a prompt with a text run's model (bytes), or a tokens "
+                                                    "run's (with --tokenizer); the same text for the same --seed")
+    generate.add_argument("run_dir", metavar="RUN_DIR", help="the run.dir of a data.name = text or tokens run")
     generate.add_argument("--prompt", required=True, help="the text to continue")
-    generate.add_argument("--max-new-tokens", type=int, required=True, help="bytes to generate")
+    generate.add_argument("--max-new-tokens", type=int, required=True, help="tokens (bytes) to generate")
+    generate.add_argument("--tokenizer", metavar="PATH", help="a tokens run's tokenizer: a Hugging Face tokenizers "
+                                                              "JSON file, or a transformers tokenizer folder")
     generate.add_argument("--temperature", type=float, default=1.0, help="divides the logits; 0 = greedy")
-    generate.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest bytes; 0 = all")
+    generate.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0 = all")
     generate.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
     generate.set_defaults(func=_generate)
 
@@ -205,6 +209,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--nproc-per-node", type=int, default=None, help="ranks per node (default 8, or --world-size)")
     plan.add_argument("--world-size", type=int, default=None, help="all ranks: one node of them unless --nnodes")
     plan.add_argument("--device-memory", type=float, default=80.0, help="GiB per device (H100: 80, H200: 141)")
+    plan.add_argument("--host-memory", type=float, default=2048.0, help="GiB of host memory per node (DGX H100: 2048)")
     plan.add_argument("--intra-node-bandwidth", type=float, default=450.0,
                       help="GB/s per rank and direction within a node (NVLink 4: 450)")
     plan.add_argument("--inter-node-bandwidth", type=float, default=50.0,

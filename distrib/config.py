@@ -193,6 +193,7 @@ class TrainConfig:
     loss: str = "cross_entropy"  # cross_entropy | mse | l1 | bce_with_logits | package.module:function (a model's
     # own outputs.loss wins over it)
     label_smoothing: float = 0.0  # cross_entropy only
+    callbacks: tuple[str, ...] = ()  # package.module:Class each, called with no arguments (distrib.training.callbacks)
 
     def __post_init__(self):
         if self.loss not in LOSSES and not _FACTORY.match(self.loss):
@@ -205,6 +206,10 @@ class TrainConfig:
             _fail("train", "betas", list(self.betas), "must be two numbers in [0, 1)",
                   "e.g. --set train.betas=[0.9,0.95]")
         _choice("train", self, "decay", ("weights", "all"))
+        for spec in self.callbacks:
+            if not _FACTORY.match(spec):
+                _fail("train", "callbacks", list(self.callbacks), f"{spec!r} must look like package.module:Class",
+                      'e.g. --set train.callbacks=["mypkg.callbacks:FreezeBatchNorm"]')
         if not (0.0 <= self.label_smoothing < 1.0):
             _fail("train", "label_smoothing", self.label_smoothing, "must be in [0, 1)",
                   "e.g. --set train.label_smoothing=0.1")

@@ -10,7 +10,7 @@ from typing import Any, Callable
 from distrib.errors import UserError
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
     text = str(error).strip()
     return f"{type(error).__name__}: {text.splitlines()[0][:300]}" if text else type(error).__name__
 
@@ -24,7 +24,7 @@ def import_object(key: str, spec: str) -> Callable:
         raise UserError(f"{key} = {spec!r}: cannot import {module_name!r} ({e}); "
                         "check the module path and that its package is on PYTHONPATH") from None
     except Exception as e:  # noqa: BLE001 - the user's module raised while being imported
-        raise UserError(f"{key} = {spec!r}: importing {module_name!r} raised {_first_line(e)}; "
+        raise UserError(f"{key} = {spec!r}: importing {module_name!r} raised {first_line(e)}; "
                         "fix that module (run `python -c 'import " + module_name + "'` to see the traceback)") from e
     for part in attr.split("."):
         obj = getattr(obj, part, None)
@@ -54,5 +54,5 @@ def call_factory(key: str, spec: str, function: Callable, kwargs: dict[str, Any]
         raise
     except Exception as e:  # noqa: BLE001 - the user's factory raised
         given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
-        raise UserError(f"{key} = {spec!r}: calling it with ({given}) raised {_first_line(e)}; "
+        raise UserError(f"{key} = {spec!r}: calling it with ({given}) raised {first_line(e)}; "
                         "fix the factory or its kwargs") from e

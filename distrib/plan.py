@@ -1,6 +1,6 @@
 """`distrib plan`: what each rank of a run of this config would hold and send, at any world size, before booking it.
 
-The model is built on the meta device (nothing allocated) and sharded by the run's own calls (shard_on_mesh) over
+The model is built on the meta device (nothing allocated) and sharded by the run's own calls (Strategy.plan_module) over
 torch's fake process group of the asked world size, so per-rank bytes are the real plan's DTensor shards; the
 optimizer steps once on meta to create its state. Activations come from one meta forward that counts the tensors
 autograd saves; collective bytes from the mesh (ring collectives, hierarchical across nodes)."""
@@ -18,10 +18,13 @@ import torch.nn as nn
 from distrib.config import Config
 from distrib.data import load_data
 from distrib.data.batching import BatchPlan
+from distrib.data.split import split_validation
 from distrib.distributed import fsdp
-from distrib.distributed.mesh import MeshShape, mesh_shape
-from distrib.distributed.parallel import local_tensor, shard_on_mesh, state_parts
+from distrib.distributed.mesh import MeshShape
+from distrib.distributed.parallel import local_tensor, state_parts
 from distrib.distributed.runtime import Runtime
+from distrib.distributed.strategies import Strategy, make_strategy
+from distrib.distributed.strategies.materialise import initialises_itself
 from distrib.models.build import build_model
 from distrib.training.trainer import build_optimizer
 
@@ -31,13 +34,14 @@ GIB, GB = 2**30, 1e9
 @dataclass(frozen=True, slots=True)
 class Machine:
     """The cluster asked about; the defaults are H100/H200 nodes (NVLink 4: 450 GB/s per GPU and direction;
-    one 400 Gb/s NIC per GPU: 50 GB/s). device_memory 0: H100's 80 GiB."""
+    one 400 Gb/s NIC per GPU: 50 GB/s; 80 GiB per GPU, 2 TiB of host memory per node)."""
 
     nnodes: int
     nproc_per_node: int
     device_memory: float = 80 * GIB
     intra_node_bandwidth: float = 450 * GB
     inter_node_bandwidth: float = 50 * GB
+    host_memory: float = 2048 * GIB  # per node: a DGX H100's 2 TiB
 
     @property
     def world_size(self) -> int:
@@ -114,52 +118,23 @@ def _meta_model(config: Config, info) -> nn.Module:
     return model.to(torch.bfloat16) if config.train.precision == "bf16" else model
 
 
-def _sharded_state(config: Config, info, machine: Machine, device: torch.device) -> tuple[dict, int]:
+def _sharded_state(config: Config, strategy: Strategy, info, machine: Machine, device: torch.device
+                   ) -> tuple[dict, int]:
     """Rank 0's bytes of parameters, gradients and optimizer state (the fullest rank: shards are chunks, rank 0's
-    the largest), and the parameters one shard group gathers (0 under ddp)."""
+    the largest), and the parameters it holds."""
     torch.manual_seed(config.train.seed)
     with torch.device("meta"):
         model = build_model(config.model, info)
-    if config.dist.sharded:
-        runtime = Runtime(0, 0, machine.world_size, machine.nproc_per_node, device, "fake")
-        model = shard_on_mesh(model, runtime, config.dist, config.train.precision, "cpu")
+    runtime = Runtime(0, 0, machine.world_size, machine.nproc_per_node, device, "fake")
+    model = strategy.plan_module(model, runtime, config.train.precision)
     optimizer = build_optimizer(model, config.train)
     for param in model.parameters():
         param.grad = torch.zeros_like(param) if param.requires_grad else None
     optimizer.step()  # creates the optimizer's state (momenta, moments, step counts) on meta, as a first step would
     local = sum(local_tensor(p).numel() for p in model.parameters())
     # dist.cpu_offload on an accelerator: the shards live in host memory, and the device holds none of them
-    offloaded = config.dist.sharded and config.dist.cpu_offload and device.type != "cpu"
+    offloaded = strategy.state_on_host and device.type != "cpu"
     return state_parts(model, optimizer, device, planned=not offloaded), local
-
-
-def _group_split(size: int, inner: int, per_node: int, nbytes: float, rounds: int) -> tuple[float, float]:
-    """(intra-node, inter-node) bytes one rank sends in a ring collective over a mesh dimension of `size` ranks
-    spaced `inner` apart (ranks numbered node by node), done hierarchically: within the node over its ranks of the
-    group, then across nodes on 1/l of the data each. rounds: 1 all-gather / reduce-scatter, 2 all-reduce."""
-    local = max(1, min(size, per_node // inner)) if per_node % inner == 0 else 1
-    nodes = size // local
-    return rounds * (local - 1) / local * nbytes, rounds * (nodes - 1) / nodes * nbytes / local
-
-
-def collective_bytes(shape: MeshShape, per_node: int, local_params: int, compute_bytes: int, grad_accum: int,
-                     reshard_after_forward: bool, tp_activation_bytes: float = 0) -> tuple[float, float]:
-    """(intra-node, inter-node) bytes each rank sends per optimizer step for the gradients and parameters:
-    ddp all-reduces fp32 gradients once; fsdp/hsdp all-gather parameters in every forward (and backward, when
-    resharded) of every micro-step and reduce-scatter fp32 gradients once; hsdp then all-reduces its gradient
-    shards across the replicas. Tensor parallel all-reduces tp_activation_bytes per micro-step in its group."""
-    tp = shape.tensor_parallel
-    activations = _group_split(tp, 1, per_node, tp_activation_bytes * grad_accum, 2) if tp > 1 else (0, 0)
-    if shape.strategy == "ddp":
-        return _group_split(shape.replicate, tp, per_node, local_params * 4, 2)
-    parts = [activations]
-    gathered = local_params * shape.shard
-    gathers = grad_accum * (2 if reshard_after_forward else 1)
-    parts += [_group_split(shape.shard, tp, per_node, gathered * compute_bytes, gathers),
-              _group_split(shape.shard, tp, per_node, gathered * 4, 1)]
-    if shape.replicate > 1:
-        parts.append(_group_split(shape.replicate, shape.shard * tp, per_node, local_params * 4, 2))
-    return sum(p[0] for p in parts), sum(p[1] for p in parts)
 
 
 def _tp_activations(model: nn.Module, shape: MeshShape, inputs: torch.Tensor) -> int:
@@ -175,29 +150,58 @@ def _tp_activations(model: nn.Module, shape: MeshShape, inputs: torch.Tensor) ->
     return 2 * sum(positions * m.out_features for m in rowwise)
 
 
+def _whole_model(config: Config, info) -> tuple[int, int, bool]:
+    """Bytes of the whole model's parameters and buffers (tied ones once), of its largest tensor, and whether it
+    initialises itself (then no rank ever builds it whole under sharded strategies)."""
+    torch.manual_seed(config.train.seed)
+    with torch.device("meta"):
+        model = build_model(config.model, info)
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(map(_nbytes, tensors)), max(map(_nbytes, tensors)), initialises_itself(model)
+
+
+def _memory_figures(config: Config, strategy: Strategy, machine: Machine, info, parts: dict, needed: int,
+                    device: torch.device) -> dict:
+    """Start-up beside steady state, device memory per rank beside host memory per node, and what does not fit."""
+    whole, largest, self_init = _whole_model(config, info)
+    params_on_host = device.type == "cpu" or strategy.state_on_host
+    startup, startup_host = strategy.startup_memory(parts["parameters"], whole, largest, self_init,
+                                                    machine.nproc_per_node, params_on_host)
+    state = sum(parts.values())
+    # In steady state the host holds each rank's all (a CPU run) or its offloaded state shards.
+    steady_host = machine.nproc_per_node * (needed if device.type == "cpu" else state if strategy.state_on_host else 0)
+    host = max(startup_host, steady_host)
+    return {"startup_bytes_per_rank": startup, "startup_host_bytes_per_node": startup_host,
+            "host_bytes_per_node": steady_host, "host_memory_bytes": machine.host_memory,
+            "whole_model_bytes": whole, "self_initialising": self_init,
+            "fits": needed <= machine.device_memory and (device.type == "cpu" or startup <= machine.device_memory),
+            "fits_host": host <= machine.host_memory}
+
+
 def plan_run(config: Config, machine: Machine) -> dict:
     """The figures of the plan, under summary.json's names where it has them. UserErrors are train's own."""
-    shape = mesh_shape(config.dist, machine.world_size, machine.nproc_per_node)
+    strategy = make_strategy(config.dist, machine.world_size, machine.nproc_per_node)
+    shape = strategy.dims
     device = torch.device("cpu" if config.dist.device == "cpu" else "cuda")
     one = Runtime(0, 0, 1, 1, torch.device("cpu"), "gloo")
-    data = load_data(config.data, one, config.train.seed, log=lambda message: None)
+    data = split_validation(load_data(config.data, one, config.train.seed, log=lambda message: None), config.data)
     batches = BatchPlan(data.train.num_samples, config.train.global_batch_size, config.train.grad_accum_steps, 0,
                         shape.data_parallel, config.train.seed)
     with fake_process_group(machine.world_size):
-        parts, local_params = _sharded_state(config, data.info, machine, device)
+        parts, local_params = _sharded_state(config, strategy, data.info, machine, device)
     model = _meta_model(config, data.info)
     inputs, targets = _meta_batch(tuple(data.info.input_shape), data.info.num_classes, batches.micro_batch_size)
     whole, recomputed = activation_bytes(model, inputs, targets, fsdp.find_blocks(model, config.dist.shard_modules))
     compute_bytes = 2 if config.train.precision == "bf16" else 4
-    intra, inter = collective_bytes(shape, machine.nproc_per_node, local_params, compute_bytes,
-                                    config.train.grad_accum_steps, config.dist.reshard_after_forward,
-                                    _tp_activations(model, shape, inputs) * compute_bytes)
+    intra, inter = strategy.step_traffic(machine.nproc_per_node, local_params, compute_bytes,
+                                         config.train.grad_accum_steps, config.dist.reshard_after_forward,
+                                         _tp_activations(model, shape, inputs) * compute_bytes)
     state = sum(parts.values())
     activations = recomputed if config.speed.activation_checkpointing == "blocks" else whole
     needed = state + activations
     return {"world_size": machine.world_size, "nnodes": machine.nnodes, "nproc_per_node": machine.nproc_per_node,
-            "strategy": config.dist.strategy, "mesh": dict(shape.dims()) if shape.strategy != "ddp" else
-            {"replicate": shape.replicate}, "num_parameters": sum(p.numel() for p in model.parameters()),
+            "strategy": config.dist.strategy, "mesh": shape.layout(),
+            "num_parameters": sum(p.numel() for p in model.parameters()),
             "parameter_bytes_per_rank": parts["parameters"], "gradient_bytes_per_rank": parts["gradients"],
             "optimizer_bytes_per_rank": parts["optimizer"], "state_bytes_per_rank": state,
             "activation_bytes_per_micro_batch": whole, "activation_bytes_per_micro_batch_checkpointed": recomputed,
@@ -205,7 +209,7 @@ def plan_run(config: Config, machine: Machine) -> dict:
             "grad_accum_steps": batches.grad_accum_steps, "data_parallel_size": shape.data_parallel,
             "collective_bytes_per_step_intra_node": intra, "collective_bytes_per_step_inter_node": inter,
             "device_memory_bytes": machine.device_memory, "memory_bytes_per_rank": needed,
-            "fits": needed <= machine.device_memory,
+            **_memory_figures(config, strategy, machine, data.info, parts, needed, device),
             "step_seconds_lower_bound": max(intra / machine.intra_node_bandwidth,
                                             inter / machine.inter_node_bandwidth)}
 
@@ -235,8 +239,15 @@ def table(figures: dict, machine: Machine) -> str:
                   f"{f['grad_accum_steps']} grad-accum steps x micro-batch {f['micro_batch_size']}"),
         ("collectives / step", f"{_size(f['collective_bytes_per_step_intra_node'])} intra-node, "
                                f"{_size(f['collective_bytes_per_step_inter_node'])} inter-node per rank"),
+        ("start-up / rank", f"{_size(f['startup_bytes_per_rank'])} while building and loading ("
+                            + ("the model initialises its own shards" if f["self_initialising"] else
+                               "rank 0 also builds the whole model in host memory") + ")"),
         ("device memory", f"{'fits' if f['fits'] else 'DOES NOT FIT'}: {_size(f['memory_bytes_per_rank'])} of "
                           f"{_size(f['device_memory_bytes'])} (state + activations of one micro-batch)"),
+        ("host memory / node", f"{'fits' if f['fits_host'] else 'DOES NOT FIT'}: "
+                               f"{_size(f['startup_host_bytes_per_node'])} at start-up, "
+                               f"{_size(f['host_bytes_per_node'])} in steady state, of "
+                               f"{_size(f['host_memory_bytes'])}"),
         ("step time >=", f"{f['step_seconds_lower_bound'] * 1e3:.1f} ms from communication at "
                          f"{machine.intra_node_bandwidth / GB:g} GB/s intra-node, "
                          f"{machine.inter_node_bandwidth / GB:g} GB/s inter-node"),

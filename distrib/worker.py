@@ -13,21 +13,21 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from distrib.checkpoint import BestCheckpoints, Checkpointer, CheckpointError, committing, make_checkpointer
 from distrib.checkpoint.format import save_atomic, set_rng_state
 from distrib.checkpoint.init_from import Pretrained, check_weights, load_weights, open_source
-from distrib.checkpoint.weights import write_run_weights
+from distrib.checkpoint.weights import WEIGHTS_DIR, write_run_weights
 from distrib.config import Config, to_dict, write_resolved
 from distrib.data import Data, load_data, make_plan
 from distrib.data.batching import load_source_state, source_state
 from distrib.data.split import split_validation
 from distrib.distributed.agreement import RankAgreement
-from distrib.distributed.parallel import memory_report, parallelize, place_model, sync_batchnorm, unwrap
+from distrib.distributed.parallel import memory_report, sync_batchnorm, unwrap
 from distrib.distributed.runtime import LaunchEnv, Runtime, collective_timeouts, open_runtime
+from distrib.distributed.strategies import Build, make_strategy
 from distrib.errors import ConfigError, say
 from distrib.factory import accepted, call_factory
 from distrib.launch.preempt import Preempted, parse_signals, stop_on_signals
@@ -35,6 +35,7 @@ from distrib.launch.rundir import checkpoint_dir, environment_faults, own_folder
 from distrib.metrics import Recorder
 from distrib.metrics.recorder import headline
 from distrib.models.build import batchnorm_layers, build_model, data_kwargs
+from distrib.training.callbacks import Callbacks, from_config
 from distrib.training.evaluation import MetricFn, Task, evaluate
 from distrib.training.losses import Loss, LossFn, build_loss
 from distrib.training.notes import task_notes
@@ -86,7 +87,7 @@ def _checkpointer(config: Config, runtime: Runtime, state: TrainState, global_ba
                 "world_size": runtime.world_size, "data_seed": config.train.seed,
                 "global_batch_size": global_batch_size, "data": data.info.to_dict(), **position}
 
-    return make_checkpointer(config.checkpoint, config.dist.strategy, checkpoint_dir(config), runtime, collect,
+    return make_checkpointer(config.checkpoint, state.strategy, checkpoint_dir(config), runtime, collect,
                              run_config=to_dict(config))
 
 
@@ -144,33 +145,44 @@ def _read_summary(path: Path, step: int) -> dict | None:
     return summary if isinstance(summary, dict) and summary.get("steps") == step else None
 
 
-def _model(config: Config, runtime: Runtime, data: Data, model: ModelArg, notes: list[str]) -> nn.Module:
-    """The config's model (or distrib.fit's), with SyncBatchNorm if asked, placed on this worker's device."""
-    torch.manual_seed(config.train.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's too)
-    if model is None:
-        model = build_model(config.model, data.info)
-    elif not isinstance(model, nn.Module):
+def _build(config: Config, runtime: Runtime, data: Data, model: ModelArg, notes: list[str]) -> Build:
+    """How the strategy builds the config's model (or distrib.fit's: a module as it is, or a function of the data's
+    sizes), with SyncBatchNorm if asked."""
+    def with_norms(built: nn.Module) -> nn.Module:
+        return sync_batchnorm(built, runtime) if config.dist.sync_batchnorm else built
+
+    def factory() -> nn.Module:
+        if model is None:
+            return with_norms(build_model(config.model, data.info))
         spec = getattr(model, "__qualname__", repr(model))
-        model = call_factory("fit(model=...)", spec, model, accepted(model, data_kwargs(data.info)))
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"fit(model=...): {spec} returned {type(model).__name__}, not an nn.Module")
+        built = call_factory("fit(model=...)", spec, model, accepted(model, data_kwargs(data.info)))
+        if not isinstance(built, nn.Module):
+            raise TypeError(f"fit(model=...): {spec} returned {type(built).__name__}, not an nn.Module")
+        return with_norms(built)
+
+    given = with_norms(model) if isinstance(model, nn.Module) else None
+    return Build(factory, config.train.seed, config.speed, config.train.precision, given=given, log=notes.append)
+
+
+def _model_notes(config: Config, model: nn.Module) -> list[str]:
     norms = batchnorm_layers(model)
-    if config.dist.sync_batchnorm:
-        model = sync_batchnorm(model, runtime)
-    elif norms:
-        notes.append(f"the model has {len(norms)} BatchNorm layers ({norms[0]}, ...): their statistics are per "
-                     "micro-batch, so runs at other world sizes or grad_accum_steps no longer agree exactly; on "
-                     "GPUs, --set dist.sync_batchnorm=true computes them over each micro-step's global batch")
-    return place_model(model, runtime.device)
+    if config.dist.sync_batchnorm or not norms:
+        return []
+    return [f"the model has {len(norms)} BatchNorm layers ({norms[0]}, ...): their statistics are per micro-batch, "
+            "so runs at other world sizes or grad_accum_steps no longer agree exactly; on GPUs, --set "
+            "dist.sync_batchnorm=true computes them over each micro-step's global batch (frozen ones: a callback "
+            "keeps them in eval mode, README \"Callbacks\")"]
 
 
 def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None] | None = None, *,
              data: Data | None = None, model: ModelArg = None, loss_fn: LossFn | None = None,
-             metrics: tuple[MetricFn, ...] = ()) -> dict:
+             metrics: tuple[MetricFn, ...] = (), callbacks: tuple = ()) -> dict:
     """Trains inside an open process group; returns the run's summary. Everything that can fail on the user's input
     (data, model, the dry batch, the checkpoint to resume) runs before anything is written to run.dir, so a run that
-    fails leaves an earlier run's files there as they were. on_step_end(step) runs after each step's bookkeeping."""
-    runtime = runtime.for_training(config.dist)  # the ranks of a tensor-parallel group read the same data
+    fails leaves an earlier run's files there as they were. on_step_end(step) runs after each step's bookkeeping;
+    callbacks (after train.callbacks') get the hooks of distrib.training.callbacks."""
+    strategy = make_strategy(config.dist, runtime.world_size, runtime.local_world_size)
+    runtime = runtime.with_mesh(strategy.dims)  # the ranks of a tensor-parallel group read the same data
     start, notes = time.perf_counter(), []
     data = split_validation(data or load_data(config.data, runtime, config.train.seed), config.data)
     if data.val is not None:
@@ -180,7 +192,11 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
                      "at the end")
     plan = make_plan(data.train.num_samples, config.train, runtime)
     total_steps = _total_steps(config, plan.steps_per_epoch)
-    placed = _model(config, runtime, data, model, notes)
+    # Built, materialised (under sharded strategies: only this rank's shards), placed and wrapped; the checks below
+    # run the plain module under the wrappers.
+    wrapped = strategy.setup_module(_build(config, runtime, data, model, notes), runtime)
+    placed = unwrap(wrapped)
+    notes += _model_notes(config, placed)
     pretrained = _pretrained(config, placed)  # names and shapes checked now; read once the model is sharded
     dry = dry_batch(placed, data.train, data.info, runtime.device, build_loss(config.train, loss_fn))
     loss, task = dry.loss, task_for(dry, config.metrics.eval, metrics)
@@ -189,6 +205,7 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
     task.check_watched("checkpoint.best_metric", config.checkpoint.best_metric if config.checkpoint.keep_best else "",
                        validation)
     check_user_optimizer(config.train)
+    hooks = Callbacks([*from_config(config.train.callbacks), *callbacks])
     notes += task_notes(config.train, loss, task, placed, total_steps)
     meter = meter_for(config, runtime)
     meter.flops_per_sample = flops_per_sample(placed, dry.inputs, dry.targets, loss)
@@ -196,9 +213,8 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
     # Only now, once the user's input passed: rank 0 locks run.dir and checkpoint.dir for the rest of the run (a
     # refused run wrote nothing, not even a lock file); the resume choice below is made under the lock.
     with own_folders(config, runtime):
-        # Placed before sharding (in _model), so the device-mismatch listing sees the whole model.
-        state = new_state(parallelize(placed, runtime, config.speed, config.dist, config.train.precision), config.train,
-                          total_steps, runtime.device, best=_best(config, runtime), log=notes.append)
+        state = new_state(wrapped, config.train, total_steps, runtime.device, best=_best(config, runtime),
+                          log=notes.append, strategy=strategy)
         checkpointer = _checkpointer(config, runtime, state, plan.global_batch_size, data)
         resumed_from = _resume(state, config, runtime, checkpointer, plan.global_batch_size, data, notes)
         if pretrained is not None and resumed_from is None:  # a resumed checkpoint wins over model.init_from
@@ -229,13 +245,15 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
                                   total_steps=total_steps, evaluate=evaluator, validate=validator, recorder=recorder,
                                   meter=meter,
                                   agreement=agreement, checkpointer=checkpointer,
-                                  on_step_end=_after_step(runtime, on_step_end))
+                                  on_step_end=_after_step(runtime, on_step_end), callbacks=hooks)
                 metrics = trainer.train(data.train)
         except BaseException as e:  # flush metrics and trackers now: the CLI's os._exit skips finalisers
             recorder.close("preempted" if isinstance(e, Preempted) else "failed")
             raise
-        return _finish(config, runtime, data, state, metrics, meter, recorder, resumed_from, start,
-                       model is None)
+        summary = _finish(config, runtime, data, state, metrics, meter, recorder, resumed_from, start,
+                          model is None)
+        hooks.on_train_end(summary)
+        return summary
 
 
 def _pretrained(config: Config, model: nn.Module) -> Pretrained | None:
@@ -294,7 +312,7 @@ def _finish(config: Config, runtime: Runtime, data: Data, state: TrainState, met
     """The weights (weights/, and model.pt where it is cheap), model.json (which says how to rebuild a config's
     model), summary.json, the last log line."""
     run_dir = Path(config.run.dir)
-    written = write_run_weights(unwrap(state.model), state.ema, run_dir, runtime.rank, config.dist.sharded)
+    written = write_run_weights(unwrap(state.model), state.ema, run_dir, runtime.rank, state.strategy)
     memory = _memory(config, runtime, state, recorder)
     if runtime.is_main:
         for name, whole in written.items():
@@ -302,7 +320,8 @@ def _finish(config: Config, runtime: Runtime, data: Data, state: TrainState, met
         if from_config:  # a model given to distrib.fit in Python has no factory that model.json could name
             from distrib.training.inference import write_model_card
 
-            write_model_card(run_dir / "model.json", config, data.info)
+            write_model_card(run_dir / "model.json", config, data.info,
+                             "model.pt" if "model.pt" in written else f"{WEIGHTS_DIR}/")
     elapsed = time.perf_counter() - start
     summary = {"world_size": runtime.world_size, "device": str(runtime.device), "backend": runtime.backend,
                "steps": state.progress.step, "epochs": state.progress.epoch, **metrics,

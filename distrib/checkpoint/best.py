@@ -1,6 +1,7 @@
 """Best-k checkpoints (checkpoint.keep_best): after each evaluation, a checkpoint of the k best evaluations by
-checkpoint.best_metric is kept as best_STEP (best_STEP.pt under ddp, a best_STEP/ directory under fsdp), in the
-verified format of the periodic ones, so `checkpoint.resume=PATH` can name one; keep_last never prunes them.
+checkpoint.best_metric is kept as best_STEP (best_STEP.pt under ddp, a best_STEP/ directory under fsdp; best_STEP-RUNID
+beside another run's checkpoints), in the verified format of the periodic ones, so `checkpoint.resume=PATH` can name
+one; keep_last never prunes them.
 
 The set travels in every checkpoint, so a restart keeps it; the metrics are identical on every rank, so every rank
 decides alike whether to save (a collective) without asking the others."""
@@ -33,14 +34,16 @@ class BestCheckpoints:
         value = metrics[self.metric]
         if any(entry["step"] == step for entry in self.entries):
             return None  # this step is kept already (its evaluation redone after a restart)
-        entries = sorted([*self.entries, {"step": step, "value": value}], key=self._rank)
-        if {"step": step, "value": value} not in entries[:self.keep]:
+        # Its name goes into the set before the save, so the checkpoint's own copy of the set names it too.
+        new = {"step": step, "value": value, "name": checkpointer.name(step, best=True)}
+        entries = sorted([*self.entries, new], key=self._rank)
+        if new not in entries[:self.keep]:
             return None
         self.entries, dropped = entries[:self.keep], entries[self.keep:]
         path = checkpointer.save(step, best=True)
         if self.is_main:  # only after the new one is safely in place
             for entry in dropped:
-                old = find(self.directory, best_name(entry["step"]))
+                old = find(self.directory, _name(entry))
                 if old is not None:
                     remove(old)
         return path
@@ -66,6 +69,11 @@ class BestCheckpoints:
                 remove(path)
 
     def describe(self) -> list[dict]:
-        return [{**entry, "path": str(find(self.directory, best_name(entry["step"]))
-                                      or self.directory / f"{best_name(entry['step'])}.pt")}
+        return [{"step": entry["step"], "value": entry["value"],
+                 "path": str(find(self.directory, _name(entry)) or self.directory / f"{_name(entry)}.pt")}
                 for entry in self.entries]
+
+
+def _name(entry: dict) -> str:
+    """An entry's checkpoint name; entries saved before names carried run ids have none: best_STEP."""
+    return entry.get("name") or best_name(entry["step"])

@@ -19,6 +19,10 @@ class Checkpointer(Protocol):
     def due(self, step: int) -> bool:
         """Whether a periodic checkpoint is due after `step`."""
 
+    def name(self, step: int, *, best: bool = False) -> str:
+        """The name save(step) gives its checkpoint, without the format's suffix: step_N (best_N), or step_N-RUNID
+        when the run writes beside another run's checkpoints."""
+
     def save(self, step: int, *, best: bool = False) -> Path:
         """Writes the state at `step`: a periodic step_N (pruned to keep_last) or, best, a best_N (keep_best)."""
 

@@ -1,6 +1,6 @@
 """What a checkpoint.dir holds, in either format: the complete checkpoints by step (files step_N.pt, directories
-step_N), the run id each one records, reading and removing either kind, the folder's owner, and the temporary files
-of writers that died."""
+step_N; step_N-RUNID beside another run's), the run id each one records, reading and removing either kind, the
+folder's owner, and the temporary files of writers that died."""
 
 from __future__ import annotations
 
@@ -10,34 +10,35 @@ from pathlib import Path
 
 import torch
 
-from distrib.checkpoint.format import is_held, read_checkpoint, run_id_of, save_atomic_text
+from distrib.checkpoint.format import NAME, is_held, read_checkpoint, run_id_of, save_atomic_text
 from distrib.checkpoint.sharded import TRAINER, WRITER, verify
 
-_NAME = re.compile(r"^(step|best)_(\d{8})(\.pt)?$")
-# .step_00000002.pt.<run id>.<pid>.tmp (a file being written), .step_00000020.tmp/ (a directory), best_ alike
-_TEMP = re.compile(r"^\.(step|best)_\d{8}(\.pt\..+)?\.tmp$")
+# .step_00000002.pt.<run id>.<pid>.tmp (a file being written), .step_00000020.tmp/ (a directory), best_ and -RUNID
+# names alike
+_TEMP = re.compile(r"^\.(step|best)_\d{8}(-[0-9a-f]+)?(\.pt\..+)?\.tmp$")
 OWNER_NAME = ".distrib-run"  # in checkpoint.dir: the id of the run whose checkpoints resume=auto continues
 
 
 def step_of(path: Path) -> int:
-    return int(_NAME.match(Path(path).name).group(2))
+    return int(NAME.match(Path(path).name).group(2))
 
 
 def listing(directory: Path, prefix: str = "step") -> list[Path]:
-    """Complete checkpoints of both formats (temporary ones never match the name), the newest step first."""
+    """Complete checkpoints of both formats and every run (temporary ones never match the name), the newest step
+    first."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
     found = []
     for path in directory.iterdir():
-        match = _NAME.match(path.name)
-        if match and match.group(1) == prefix and path.is_dir() != bool(match.group(3)):
+        match = NAME.match(path.name)
+        if match and match.group(1) == prefix and path.is_dir() != bool(match.group(4)):
             found.append(path)
     return sorted(found, key=lambda path: (step_of(path), path.name), reverse=True)
 
 
 def find(directory: Path, name: str) -> Path | None:
-    """The checkpoint called `name` (best_00000008, say) in either format, if there is one."""
+    """The checkpoint called `name` (best_00000008, best_00000008-RUNID) in either format, if there is one."""
     for path in (Path(directory) / f"{name}.pt", Path(directory) / name):
         if path.exists():
             return path

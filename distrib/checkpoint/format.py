@@ -22,7 +22,16 @@ from distrib.distributed.runtime import Runtime
 from distrib.errors import EnvironmentFault, UserError
 
 FORMAT, VERSION = "distrib.checkpoint", 1
-_NAME = re.compile(r"^step_(\d{8})\.pt$")
+# A checkpoint's name, in both formats: step_00000004 (best_00000004 for keep_best), then -RUNID when the run writes
+# beside another run's checkpoints (checkpoint.foreign = keep), so that no run's save ever takes another's name; .pt
+# for a file (ddp), nothing for a directory (fsdp). Groups: kind, step, run id or None, ".pt" or None.
+NAME = re.compile(r"^(step|best)_(\d{8})(?:-([0-9a-f]+))?(\.pt)?$")
+
+
+def checkpoint_name(kind: str, step: int, run_id: str = "") -> str:
+    """The name of a checkpoint of `kind` (step | best) at `step`, without the format's suffix; run_id: when the run
+    writes beside another run's checkpoints."""
+    return f"{kind}_{step:08d}" + (f"-{run_id}" if run_id else "")
 
 
 class CheckpointError(UserError):
@@ -189,11 +198,13 @@ def checkpoint_path(directory: Path, step: int) -> Path:
 
 
 def list_checkpoints(directory: Path) -> list[Path]:
-    """Complete checkpoints (temp files never match the name), newest first."""
+    """Complete one-file step checkpoints, any run's (temp files never match the name), newest first."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    return sorted((p for p in directory.iterdir() if _NAME.match(p.name)), reverse=True)
+    found = [(int(m.group(2)), p) for p in directory.iterdir()
+             if (m := NAME.match(p.name)) and m.group(1) == "step" and m.group(4)]
+    return [p for _, p in sorted(found, key=lambda item: (item[0], item[1].name), reverse=True)]
 
 
 def run_id_of(path: Path) -> str | None:

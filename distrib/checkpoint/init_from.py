@@ -39,7 +39,11 @@ class Safetensors:
     kind = "safetensors"
 
     def __init__(self, path: Path, files: list[Path]):
-        from safetensors import safe_open
+        try:
+            from safetensors import safe_open
+        except ImportError:
+            raise _refuse(path, "safetensors files, and the safetensors package is not installed (pip install "
+                                "safetensors)") from None
 
         self.path, self.handles, self.shapes = path, {}, {}
         for file in files:
@@ -52,8 +56,10 @@ class Safetensors:
         part = self.handles[name].get_slice(name)
         return part[slices] if slices else self.handles[name].get_tensor(name)
 
-    def load(self, targets: dict[str, torch.Tensor]) -> None:
-        _copy_blocks(self, targets)
+    def load(self, targets: dict[str, torch.Tensor]) -> int:
+        read = _copy_blocks(self, targets)
+        self.handles = {}  # unmapped: the pages read would otherwise stay in this process's resident memory
+        return read
 
 
 class TorchFile:
@@ -69,8 +75,10 @@ class TorchFile:
     def read(self, name: str, slices: tuple[slice, ...]) -> torch.Tensor:
         return self.state[name][slices]
 
-    def load(self, targets: dict[str, torch.Tensor]) -> None:
-        _copy_blocks(self, targets)
+    def load(self, targets: dict[str, torch.Tensor]) -> int:
+        read = _copy_blocks(self, targets)
+        self.state = {}  # unmapped, as above
+        return read
 
 
 class DcpCheckpoint:
@@ -88,18 +96,25 @@ class DcpCheckpoint:
         self.shapes = {key[len("model."):]: tuple(value.size) for key, value in metadata.items()
                        if key.startswith("model.") and isinstance(value, TensorStorageMetadata)}
 
-    def load(self, targets: dict[str, torch.Tensor]) -> None:
+    def load(self, targets: dict[str, torch.Tensor]) -> int:
         import torch.distributed.checkpoint as dcp
 
-        dcp.load({"model": targets}, checkpoint_id=self.path)
+        dcp.load({"model": targets}, checkpoint_id=self.path)  # DCP reads this rank's blocks: those of the plan
+        return sum(_nbytes(sizes, targets[name]) for name, (_, sizes) in read_plan(targets).items())
 
 
-def _copy_blocks(source, targets: dict[str, torch.Tensor]) -> None:
+def _copy_blocks(source, targets: dict[str, torch.Tensor]) -> int:
+    """Each target's block of the plan, read and copied into this rank's part; returns the bytes read (counted on
+    what the source handed over, in the file's dtype)."""
+    read = 0
     with torch.no_grad():
         for name, (offsets, sizes) in read_plan(targets).items():
             part = local_part(targets[name])
             if part.numel():
-                part.copy_(source.read(name, block_slices(offsets, sizes)))
+                block = source.read(name, block_slices(offsets, sizes))
+                part.copy_(block)
+                read += block.numel() * block.element_size()
+    return read
 
 
 def read_plan(targets: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -173,9 +188,9 @@ def _rename(name: str, prefix: str, how: str) -> str | None:
 
 
 def _renaming(expected: set[str], names, base: str) -> tuple[str, str]:
-    """(prefix, keep | strip | add): the Hugging Face conventions (a base model's weights inside a model with a head
-    are under base_model_prefix), and DDP's or torch.compile's prefix on a state_dict saved from the wrapper; the one
-    that matches the most names, as they are on a tie."""
+    """(prefix, strip | add), the empty prefix for names as they are: the Hugging Face conventions (a base
+    model's weights inside a model with a head are under base_model_prefix), and DDP's or torch.compile's prefix on
+    a state_dict saved from the wrapper; the one that matches the most names, as they are on a tie."""
     options = [("", "strip"), ("module.", "strip"), ("_orig_mod.", "strip")]
     options += [(base + ".", "strip"), (base + ".", "add")] if base else []
     return max(options, key=lambda option: sum(_rename(n, *option) in expected for n in names))
@@ -229,12 +244,10 @@ def check_weights(model: nn.Module, source) -> Pretrained:
 def load_weights(model: nn.Module, pretrained: Pretrained) -> str:
     """Every rank (a collective): reads its blocks of the checked weights into the built model in place (DTensor
     shards under fsdp, hsdp and tensor parallel; whole tensors under ddp). Returns the log line: what was read, and
-    how many bytes each rank read."""
+    how many bytes each rank read (of the whole, in the model's dtype)."""
     state = model.state_dict()
     targets = {original: state[name] for name, original in pretrained.names.items()}
-    pretrained.source.load(targets)
-    plan = read_plan(targets)
-    mine = sum(_nbytes(sizes, targets[name]) for name, (_, sizes) in plan.items())
+    mine = pretrained.source.load(targets)
     whole = sum(_nbytes(tensor.shape, tensor) for tensor in targets.values())
     per_rank = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -23,10 +23,19 @@ from distrib.checkpoint.folder import (
     stored_run_id,
     write_owner,
 )
-from distrib.checkpoint.format import FORMAT, VERSION, CheckpointError, FileStorage, read_checkpoint, rng_state
+from distrib.checkpoint.format import (
+    FORMAT,
+    VERSION,
+    CheckpointError,
+    FileStorage,
+    checkpoint_name,
+    read_checkpoint,
+    rng_state,
+)
 from distrib.checkpoint.sharded import TRAINER, ShardedStorage, load_shards
 from distrib.config import CheckpointConfig
 from distrib.distributed.runtime import Runtime
+from distrib.distributed.strategies import Strategy
 from distrib.errors import EnvironmentFault, UserError
 from distrib.launch.preempt import Preempted
 
@@ -82,17 +91,20 @@ def _refuse_others(resume: str, directory: Path, others: list[Path]) -> None:
 
 
 def decide(resume: str, foreign: str, directory: Path, device: torch.device,
-           say) -> tuple[Path | None, dict | None, str, list[Path]]:
-    """Rank 0: the checkpoint to resume (if any), the run id this run writes, and its checkpoints in the folder,
-    oldest first (the only ones it will ever prune)."""
+           say) -> tuple[Path | None, dict | None, str, list[Path], bool]:
+    """Rank 0: the checkpoint to resume (if any), the run id this run writes, its checkpoints in the folder, oldest
+    first (the only ones it will ever prune), and whether its names carry its run id: when the folder holds another
+    run's checkpoints (checkpoint.foreign = keep), so that no save of this run ever takes one of their names."""
     path, state = choose(resume, directory, device, say)
-    if state is not None and state.get("run_id"):
-        run_id = state["run_id"]
-        return path, state, run_id, [p for p in reversed(listing(directory)) if stored_run_id(p) == run_id]
-    others = listing(directory)
-    if state is None and others and foreign == "refuse":
-        _refuse_others(resume, directory, others)
-    return path, state, uuid.uuid4().hex[:12], []
+    run_id = state.get("run_id") if state is not None else None
+    if not run_id:
+        others = listing(directory)
+        if state is None and others and foreign == "refuse":
+            _refuse_others(resume, directory, others)
+        run_id = uuid.uuid4().hex[:12]
+    stored = {p: stored_run_id(p) for p in [*listing(directory), *listing(directory, "best")]}
+    owned = [p for p in reversed(listing(directory)) if stored[p] == run_id]
+    return path, state, run_id, owned, any(other != run_id for other in stored.values())
 
 
 class Checkpoints:
@@ -107,10 +119,14 @@ class Checkpoints:
         self.every_steps, self.keep_last, self.foreign = every_steps, keep_last, foreign
         self.config, self.allow_config_change = config, allow_config_change  # config: checked against a resume's
         self.run_id, self.resumed_from = "", None
+        self.tagged = False  # whether this run's checkpoint names carry its run id (set by load)
         self.owned: list[Path] = []  # rank 0: this run's periodic checkpoints in `directory`, oldest first
 
     def due(self, step: int) -> bool:
         return bool(self.every_steps) and step % self.every_steps == 0
+
+    def name(self, step: int, *, best: bool = False) -> str:
+        return checkpoint_name("best" if best else "step", step, self.run_id if self.tagged else "")
 
     def load(self, resume: str, say: Callable[[str], None]) -> dict | None:
         """Rank 0 picks the checkpoint and the run id and broadcasts them; each rank loads the checkpoint; all check
@@ -118,17 +134,20 @@ class Checkpoints:
         path, state, error = None, None, None
         if self.runtime.is_main:
             try:
-                path, state, self.run_id, self.owned = decide(resume, self.foreign, self.directory,
-                                                              self.runtime.device, say)
+                path, state, self.run_id, self.owned, self.tagged = decide(resume, self.foreign, self.directory,
+                                                                           self.runtime.device, say)
                 for name in remove_dead_temps(self.directory):  # only once the folder is known to be this run's
                     say(f"checkpoint.dir: removed {name}, left by a writer that died")
+                if self.tagged:
+                    say(f"checkpoint.dir = '{self.directory}' holds another run's checkpoints: this run's are named "
+                        f"step_N-{self.run_id} (best_N-{self.run_id}), so that no run's ever takes another's name")
             except CheckpointError as e:
                 error = str(e)
-        choice = [str(path) if path else None, self.run_id, error]
+        choice = [str(path) if path else None, self.run_id, error, self.tagged]
         dist.broadcast_object_list(choice, src=0)  # every rank takes part: this is also where the others wait
         if choice[2]:
             raise CheckpointError(choice[2])
-        self.run_id, self.resumed_from = choice[1], (Path(choice[0]) if choice[0] else None)
+        self.run_id, self.resumed_from, self.tagged = choice[1], (Path(choice[0]) if choice[0] else None), choice[3]
         if self.resumed_from and state is None:
             try:
                 state = read_checkpoint(self.resumed_from / TRAINER if self.resumed_from.is_dir()
@@ -168,7 +187,7 @@ class Checkpoints:
         self.storage.wait()  # the previous write (and its pruning) is done before the next one begins
         rngs = [None] * self.runtime.world_size
         dist.all_gather_object(rngs, rng_state(self.runtime))
-        path = self.storage.target(self.directory, f"{'best' if best else 'step'}_{step:08d}")
+        path = self.storage.target(self.directory, self.name(step, best=best))
         verdict = [None, ""]
         if self.runtime.is_main:
             try:
@@ -213,11 +232,12 @@ class Checkpoints:
         self.storage.close()
 
 
-def make_checkpointer(config: CheckpointConfig, strategy: str, directory: Path, runtime: Runtime,
+def make_checkpointer(config: CheckpointConfig, strategy: Strategy, directory: Path, runtime: Runtime,
                       collect: Callable[..., dict], run_config: dict | None = None) -> Checkpoints:
-    """One file by rank 0 under ddp (the whole state is on every rank); sharded directories under fsdp (and any
-    DTensor layout). The policy is the same; run_config is what a resumed checkpoint's config is checked against."""
-    storage = ShardedStorage(runtime, config.async_save) if strategy in ("fsdp", "hsdp") else FileStorage(runtime)
+    """One file by rank 0 where the strategy's state is whole on every rank (ddp); sharded directories where each
+    rank holds shards (fsdp, hsdp, tensor parallel). The policy is the same; run_config is what a resumed
+    checkpoint's config is checked against."""
+    storage = ShardedStorage(runtime, config.async_save) if strategy.sharded_state else FileStorage(runtime)
     return Checkpoints(storage, directory, runtime, collect, every_steps=config.every_steps,
                        keep_last=config.keep_last, foreign=config.foreign, config=run_config,
                        allow_config_change=config.allow_config_change)

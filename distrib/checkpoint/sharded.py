@@ -2,7 +2,8 @@
 torch.distributed.checkpoint into a temporary directory that rank 0 verifies, fsyncs and renames into place;
 loading reshards to any world size and mesh, or gathers whole tensors for a ddp run.
 
-    checkpoints/step_00000020/    a complete checkpoint (temporary ones are .step_00000020.tmp/, never picked)
+    checkpoints/step_00000020/    a complete checkpoint (temporary ones are .step_00000020.tmp/, never picked);
+                                  step_00000020-RUNID/ beside another run's (distrib.checkpoint.format.NAME)
         __0_0.distcp ...          model, optimizer and EMA shards, one file per rank that wrote (DCP)
         .metadata                 DCP's index: every tensor's global shape and where each piece of it lives
         trainer.pt                progress, scheduler, scaler, every rank's RNGs and data position, config, run id
@@ -16,7 +17,6 @@ import ctypes
 import hashlib
 import json
 import os
-import re
 import shutil
 import threading
 from pathlib import Path
@@ -28,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 
 from distrib.checkpoint.format import (
     FORMAT,
+    NAME,
     VERSION,
     CheckpointError,
     _fsync_dir,
@@ -39,7 +40,6 @@ from distrib.checkpoint.format import (
 from distrib.distributed.runtime import Runtime
 from distrib.errors import UserError
 
-_NAME = re.compile(r"^step_(\d{8})$")
 MANIFEST, TRAINER = "manifest.json", "trainer.pt"
 WRITER = ".writer.lock"  # in a temporary directory: rank 0 holds its lock until the directory is committed
 SHARDED = ("model", "optimizer", "ema")  # the parts DCP writes (ema: when on); the rest goes into trainer.pt
@@ -50,11 +50,13 @@ def step_dir(directory: Path, step: int) -> Path:
 
 
 def list_sharded(directory: Path) -> list[Path]:
-    """Committed checkpoint directories (temporary ones never match the name), newest first."""
+    """Committed step checkpoint directories, any run's (temporary ones never match the name), newest first."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    return sorted((p for p in directory.iterdir() if _NAME.match(p.name) and p.is_dir()), reverse=True)
+    found = [(int(m.group(2)), p) for p in directory.iterdir()
+             if (m := NAME.match(p.name)) and m.group(1) == "step" and not m.group(4) and p.is_dir()]
+    return [p for _, p in sorted(found, key=lambda item: (item[0], item[1].name), reverse=True)]
 
 
 def _sha256(path: Path) -> str:

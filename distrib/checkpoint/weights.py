@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from distrib.distributed.parallel import full_model_state
+from distrib.distributed.strategies import Strategy
 from distrib.errors import EnvironmentFault, UserError
 
 WEIGHTS_DIR, SINGLE, INDEX = "weights", "model.safetensors", "model.safetensors.index.json"
@@ -275,17 +275,17 @@ def model_pt_is_cheap(tensors: dict[str, torch.Tensor], sharded: bool) -> bool:
     return not sharded or sum(t.numel() * t.element_size() for t in tensors.values()) <= MODEL_PT_MAX_BYTES
 
 
-def write_run_weights(model: nn.Module, ema, run_dir: Path, rank: int, sharded: bool) -> dict[str, dict]:
+def write_run_weights(model: nn.Module, ema, run_dir: Path, rank: int, strategy: Strategy) -> dict[str, dict]:
     """Every rank: the unwrapped model's weights into run_dir/weights/ (and the EMA's into weights_ema/), shard by
-    shard. Returns what rank 0 then writes whole: {"model.pt": ..., "model_ema.pt": ...} where model_pt_is_cheap,
-    else {} (also on the other ranks)."""
+    shard (the strategy's save of trained weights). Returns what rank 0 then writes whole: {"model.pt": ...,
+    "model_ema.pt": ...} where model_pt_is_cheap, else {} (also on the other ranks)."""
     tensors = model_tensors(model)
     save_weights(tensors, Path(run_dir) / WEIGHTS_DIR, rank, hf_config(model))
     if ema is not None:
         save_weights(ema.state_dict(), Path(run_dir) / f"{WEIGHTS_DIR}_ema", rank)
-    if not model_pt_is_cheap(tensors, sharded):
+    if not model_pt_is_cheap(tensors, strategy.sharded_state):
         return {}
-    whole = {"model.pt": full_model_state(model)}  # every rank: under fsdp a gather onto rank 0
+    whole = {"model.pt": strategy.full_model_state(model)}  # every rank: a sharded model is gathered onto rank 0
     if ema is not None:
         whole["model_ema.pt"] = ema.full_state_dict()  # every rank: a gather under fsdp
     return whole if rank == 0 else {}

@@ -104,13 +104,15 @@ def build_stream(loaded: Loaded, config: DataConfig, runtime: Runtime, seed: int
                  collate_fn: Collate | None = None) -> Data:
     """A stream for training (distrib.data.stream); its first samples stand in for the split where the data's kind,
     classes and statistics are learnt. A test stream is read whole into memory (evaluation is exact over it)."""
-    train, test = loaded.train, loaded.test
+    train, test, val = loaded.train, loaded.test, loaded.val
     collate_fn = collate_fn or Collate(config.pad_id)
     test = read_whole(test, "test data", None, collate_fn) if is_stream(test) else materialize(test, config)
+    if val is not None:  # a validation set is read whole too
+        val = read_whole(val, "val data", None, collate_fn) if is_stream(val) else materialize(val, config)
     if not is_stream(train):
         train = materialize(train, config)
-        return build(Loaded(loaded.name, train, test, loaded.class_names, loaded.stats), config, runtime, seed, log,
-                     collate_fn)
+        return build(Loaded(loaded.name, train, test, loaded.class_names, loaded.stats, val), config, runtime, seed,
+                     log, collate_fn)
     sample = read_whole(train, "train data", STREAM_HEAD, collate_fn)
     first = first_batch(sample)
     _same_kind(loaded.name, first, first_batch(test))
@@ -123,7 +125,8 @@ def build_stream(loaded: Loaded, config: DataConfig, runtime: Runtime, seed: int
     how = describe(train, runtime.data_world_size)
     log(f"data {info.name}: a {how} train stream / {len(test)} test samples of {info.inputs} -> {info.targets}, "
         f"{info.num_classes or 'no'} classes, DataLoader ({config.num_workers} workers)")
-    return Data(info, source, DeviceBatches(test, runtime, normalizer))
+    return Data(info, source, DeviceBatches(test, runtime, normalizer),
+                None if val is None else DeviceBatches(val, runtime, normalizer))
 
 
 def _normalize_line(config: DataConfig, loaded: Loaded, info: DataInfo, num_train: int) -> str:

@@ -33,22 +33,28 @@ class BatchSource(Protocol):
     def batches(self, index_lists: list[torch.Tensor], epoch: int | None = None) -> Iterator[Batch]: ...
 
 
+class Indexed:
+    """A map-style source's part of a checkpoint, the interface streams share (distrib.data.stream): the position
+    is index arithmetic on (seed, epoch, step_in_epoch), which the progress holds, so the state names only the kind."""
+
+    def state_dict(self) -> dict:
+        return {"kind": "indexed"}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        kind = (state or {}).get("kind", "indexed")  # a checkpoint from before data positions: indexed
+        if kind != "indexed":
+            raise UserError(f"checkpoint: its data position is of a {kind} source, this run reads indexed (map-style) "
+                            "data; resume with the data it was taken with, or start afresh with a new run.dir")
+
+
 def source_state(source: BatchSource) -> dict:
-    """The training source's part of a checkpoint (every rank calls it: a stream gathers every rank's position).
-    Map-style sources keep their position as index arithmetic on (seed, epoch, step_in_epoch), which the
-    progress holds."""
-    state_dict = getattr(source, "state_dict", None)
-    return state_dict() if callable(state_dict) else {"kind": "indexed"}
+    """The training source's part of a checkpoint (every rank calls it: a stream gathers every rank's position)."""
+    return (source if hasattr(source, "state_dict") else Indexed()).state_dict()
 
 
 def load_source_state(source: BatchSource, state: dict | None) -> None:
-    """A checkpoint's data position into the training source (a checkpoint from before it had one: indexed)."""
-    load = getattr(source, "load_state_dict", None)
-    if callable(load):
-        load(state)
-    elif (state or {}).get("kind", "indexed") != "indexed":
-        raise UserError(f"checkpoint: its data position is of a {state['kind']} source, this run reads indexed "
-                        "(map-style) data; resume with the data it was taken with, or start afresh with a new run.dir")
+    """A checkpoint's data position into the training source."""
+    (source if hasattr(source, "load_state_dict") else Indexed()).load_state_dict(state)
 
 
 # ---------------------------------------------------------------- the batch plan
@@ -137,7 +143,7 @@ class Finish:
         return samples.resolve(self.normalizer(inputs), targets)
 
 
-class DeviceBatches:
+class DeviceBatches(Indexed):
     """The whole split moved to the device once (uint8 images stay uint8); batches are sliced by index there."""
 
     def __init__(self, split: Split, runtime: Runtime, normalizer: Normalizer | None = None,
@@ -224,7 +230,7 @@ class _Lists(Sampler):
         return len(self.lists)
 
 
-class LoaderBatches:
+class LoaderBatches(Indexed):
     """A DataLoader for data that stays on the host (file-backed sets, or sets too big for the device): the same
     indices as the device path, loaded by data.num_workers processes, then finished on the device."""
 

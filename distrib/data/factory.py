@@ -1,6 +1,6 @@
 """The user's data: `data.factory = "package.module:function"` called with data.kwargs, or datasets handed to
-distrib.fit(); each split becomes an in-memory Split (tensors) or stays a Dataset for the DataLoader path, or
-stays a stream (an IterableDataset, distrib.data.stream)."""
+distrib.fit(); each split becomes an in-memory Split (tensors) or stays a Dataset for the DataLoader path (a Hugging
+Face datasets.Dataset read through distrib.data.hf), or stays a stream (an IterableDataset, distrib.data.stream)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
-from distrib.data import samples
+from distrib.data import hf, samples
 from distrib.data.tensors import Split, check_inputs
 from distrib.errors import UserError
 
@@ -58,6 +58,9 @@ def _describe(value) -> str:
 def as_split_or_dataset(value, what: str) -> Split | Dataset:
     """A pair of tensors (or dicts of tensors) or a TensorDataset -> a Split; another map-style Dataset stays one (its
     first sample is checked here); anything else is a UserError naming `what`."""
+    rows = hf.as_rows(value, what)  # a Hugging Face datasets.Dataset, as it is
+    if rows is not None:
+        return rows
     if isinstance(value, IterableDataset):  # a stream (distrib.data.stream): checked as it is read
         return value
     if isinstance(value, TensorDataset) and len(value.tensors) == 2:

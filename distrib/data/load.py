@@ -31,6 +31,7 @@ def load_data(config: DataConfig, runtime: Runtime, seed: int, log: Callable[[st
         return _token_data(config, runtime, seed, log)
     on_rank0(runtime, lambda: _prepare(config, log))
     loaded = _on_every_rank(runtime, lambda: _read(config))
+    _columns_note(loaded, log)
     return build(loaded, config, runtime, seed, log, collate_for(config.pad_id, config.collate))
 
 
@@ -43,7 +44,15 @@ def data_from_datasets(train, test, config: DataConfig, runtime: Runtime, seed: 
     loaded = _on_every_rank(runtime, lambda: Loaded(
         "custom", as_split_or_dataset(train, "train data"), as_split_or_dataset(test, "test data"),
         val=None if val is None else as_split_or_dataset(val, "fit(val_data=...)")))
+    _columns_note(loaded, log)
     return build(loaded, config, runtime, seed, log, collate_for(config.pad_id, config.collate, collate_fn))
+
+
+def _columns_note(loaded: Loaded, log) -> None:
+    """Which columns of a Hugging Face dataset are the targets and which were dropped: said once, for train."""
+    note = getattr(loaded.train, "note", None)
+    if isinstance(note, str):
+        log(note)
 
 
 def _token_data(config: DataConfig, runtime: Runtime, seed: int, log) -> Data:

@@ -45,6 +45,10 @@ def split_validation(data: Data, config: DataConfig) -> Data:
     if data.val is not None:
         raise UserError(f"{where}: the data has a validation set of its own already (from the factory or "
                         "fit(val_data=...)); fix: --set data.val_fraction=0, or give no validation set")
+    if data.train.num_samples is None:
+        raise UserError(f"{where}: the training data is a stream, whose samples have no index to hold some out by; "
+                        "fix: --set data.val_fraction=0 and give a validation set (a data.factory's (train, val, "
+                        "test), or fit(val_data=...))")
     if config.name in ("text", "tokens") and not config.factory:
         raise UserError(f"{where}: {config.name} windows start anywhere in the stream, so held-out windows would "
                         "overlap trained ones; fix: --set data.val_fraction=0 (the test stream is evaluated)")

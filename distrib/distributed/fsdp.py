@@ -1,5 +1,6 @@
-"""The fsdp and hsdp strategies (FSDP2): fully_shard on each block then the root, its mixed-precision and offload
-policies, and the state dicts of a sharded model (sharded for checkpoints, gathered on rank 0 for model.pt).
+"""FSDP2's mechanics for the sharded strategies (distrib.distributed.strategies.fsdp): fully_shard on each block then
+the root, its mixed-precision and offload policies, and the state dicts of a sharded model (sharded for checkpoints,
+gathered on rank 0 for model.pt).
 
 Blocks (dist.shard_modules) are also what speed.activation_checkpointing recomputes, under either strategy."""
 
@@ -79,9 +80,8 @@ def checkpoint_activations(model: nn.Module, spec: str | tuple[str, ...]) -> int
 
 def shard(model: nn.Module, runtime: Runtime, config: DistConfig, precision: str, mesh: DeviceMesh) -> FSDPModule:
     """fully_shard on each block, then on the root (which takes the rest), over the data-parallel dimensions of the
-    mesh: one dimension (fsdp) shards, two (hsdp) replicate over the first and shard over the second. Every rank
-    holds the same initial weights (the worker seeds before building) and keeps its own slice of each: no
-    broadcast is needed.
+    mesh: one dimension (fsdp) shards, two (hsdp) replicate over the first and shard over the second. On a model on
+    the meta device (as the strategy builds it) nothing is allocated: the shards are materialised afterwards.
 
     Under bf16, each BatchNorm is a unit of its own that computes in fp32 (its parameters and inputs; autocast casts
     its output back for the next layer): its running statistics are fp32 buffers, which FSDP does not cast, and
@@ -102,15 +102,16 @@ def shard(model: nn.Module, runtime: Runtime, config: DistConfig, precision: str
     return fully_shard(model, **options)
 
 
-def is_sharded(model: nn.Module) -> bool:
-    return isinstance(getattr(model, "_orig_mod", model), FSDPModule)
-
-
 def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """Model and optimizer state keyed by parameter names (no prefixes), as DTensors holding this rank's shards of a
     sharded model, or plain tensors of a plain one: what torch.distributed.checkpoint saves and reshards on load."""
     model_state, optimizer_state = get_state_dict(model, optimizer)
     return {"model": model_state, "optimizer": optimizer_state}
+
+
+def keyed_by_name(optimizer_state: dict) -> bool:
+    """Whether an optimizer state_dict is keyed by parameter names (a sharded checkpoint's) or by integer ids."""
+    return any(isinstance(key, str) for group in optimizer_state["param_groups"] for key in group["params"])
 
 
 def load_sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:

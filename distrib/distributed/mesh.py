@@ -37,12 +37,16 @@ class MeshShape:
         return named + ((("tp", self.tensor_parallel),) if self.tensor_parallel > 1 else ())
 
     def data_rank(self, rank: int) -> int:
-        """Which micro-batch stream a rank reads: its index among the data-parallel ranks."""
+        """Which micro-batch stream a rank reads: its index among the data-parallel ranks (the ranks of one
+        tensor-parallel group are neighbours and read the same)."""
         return rank // self.tensor_parallel
 
+    def layout(self) -> dict[str, int]:
+        """{dimension: size}: the mesh torch builds, or ddp's replicas (ddp builds none)."""
+        return dict(self.dims()) if self.strategy != "ddp" else {"replicate": self.replicate}
+
     def describe(self) -> str:
-        return " x ".join(f"{name} {size}" for name, size in self.dims()) if self.strategy != "ddp" \
-            else f"replicate {self.replicate}"
+        return " x ".join(f"{name} {size}" for name, size in self.layout().items())
 
 
 def mesh_shape(config: DistConfig, world_size: int, local_world_size: int) -> MeshShape:
@@ -72,6 +76,15 @@ def build_mesh(shape: MeshShape, device_type: str):
 
     names, sizes = zip(*shape.dims())
     return init_device_mesh(device_type, sizes, mesh_dim_names=names)
+
+
+def group_split(size: int, inner: int, per_node: int, nbytes: float, rounds: int) -> tuple[float, float]:
+    """(intra-node, inter-node) bytes one rank sends in a ring collective over a mesh dimension of `size` ranks
+    spaced `inner` apart (ranks numbered node by node), done hierarchically: within the node over its ranks of the
+    group, then across nodes on 1/l of the data each. rounds: 1 all-gather / reduce-scatter, 2 all-reduce."""
+    local = max(1, min(size, per_node // inner)) if per_node % inner == 0 else 1
+    nodes = size // local
+    return rounds * (local - 1) / local * nbytes, rounds * (nodes - 1) / nodes * nbytes / local
 
 
 def data_parallel_mesh(mesh):

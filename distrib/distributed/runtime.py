@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
 import platform
 import re
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from distrib.config import DistConfig
-from distrib.distributed.mesh import mesh_shape
+from distrib.distributed.mesh import MeshShape
 from distrib.distributed.peers import PeerWatch
 from distrib.errors import CollectiveTimeoutError, PeerLostError, Preempted, UserError
 from distrib.launch.lifeline import die_with_parent
@@ -87,26 +88,29 @@ class Runtime:
     backend: str
     restart_count: int = 0
     peers: PeerWatch | None = None  # the other ranks' heartbeats; None in one process
-    tensor_parallel: int = 1  # ranks of one tensor-parallel group: neighbours, reading the same micro-batches
+    mesh: MeshShape | None = None  # the run's parallel degrees (its strategy's); None: every rank a ddp replica
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def for_training(self, config: DistConfig) -> "Runtime":
-        """This runtime with the tensor-parallel groups of the run's mesh (a ConfigError if it does not tile)."""
-        shape = mesh_shape(config, self.world_size, self.local_world_size)
-        return dataclasses.replace(self, tensor_parallel=shape.tensor_parallel)
+    def with_mesh(self, mesh: MeshShape) -> "Runtime":
+        """This runtime inside a run of this mesh: the data rank and shares follow it."""
+        return dataclasses.replace(self, mesh=mesh)
+
+    @property
+    def _mesh(self) -> MeshShape:
+        return self.mesh or MeshShape("ddp", self.world_size, 1)
 
     @property
     def data_rank(self) -> int:
         """Which share of each global batch and of the test set this rank reads (its tensor-parallel group's)."""
-        return self.rank // self.tensor_parallel
+        return self._mesh.data_rank(self.rank)
 
     @property
     def data_world_size(self) -> int:
         """How many shares the data is cut into: the data-parallel ranks."""
-        return self.world_size // self.tensor_parallel
+        return self._mesh.data_parallel
 
     @property
     def ddp_device_ids(self) -> list[int] | None:
@@ -178,31 +182,37 @@ def select_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def _store_prefix(env: LaunchEnv) -> str:
-    return f"distrib/restart_{env.restart_count}"
+# Process groups this process opened: a script may call distrib.fit more than once, and every rank does so alike.
+_OPENED = itertools.count()
 
 
-def _peer_watch(env: LaunchEnv, timeout: timedelta) -> PeerWatch:
+def _store_prefix(env: LaunchEnv, session: int) -> str:
+    """Keys private to this restart and to this process group of it (the n-th one this process opened)."""
+    return f"distrib/restart_{env.restart_count}/group_{session}"
+
+
+def _peer_watch(env: LaunchEnv, timeout: timedelta, session: int) -> PeerWatch:
     """Heartbeats over a connection of their own to the launcher's store (the one env:// names); its operations
     time out in 10 s at most, so a diagnosis never waits long on a store whose host is gone."""
     def connect() -> dist.Store:
         store = dist.TCPStore(env.master_addr, env.master_port, is_master=False,
                               timeout=min(timeout, timedelta(seconds=10)))
-        return dist.PrefixStore(f"{_store_prefix(env)}/peers", store)
+        return dist.PrefixStore(f"{_store_prefix(env, session)}/peers", store)
     return PeerWatch(connect, env.rank, env.world_size, timeout.total_seconds())
 
 
-def _init_process_group(env: LaunchEnv, device: torch.device, backend: str, timeout: timedelta) -> None:
+def _init_process_group(env: LaunchEnv, device: torch.device, backend: str, timeout: timedelta,
+                        session: int) -> None:
     kwargs = dict(backend=backend, timeout=timeout, rank=env.rank, world_size=env.world_size)
     if device.type == "cuda":
         # A group that knows its device avoids barriers on the wrong GPU (pytorch#124714).
         kwargs["device_id"] = device
     if env.launched:
-        # torch's env:// store (the elastic agent's, under torchrun), with keys private to this restart: the agent
-        # keeps one store across restarts, and a stale peer address left by the previous attempt makes gloo's
-        # connect hang or fail.
+        # torch's env:// store (the elastic agent's, under torchrun), with keys private to this restart and group:
+        # the agent keeps one store across restarts, and a stale peer address left by the previous attempt (or by
+        # an earlier fit() of the same script) makes gloo's connect hang or fail.
         store, _, _ = next(dist.rendezvous("env://", rank=env.rank, world_size=env.world_size, timeout=timeout))
-        dist.init_process_group(store=dist.PrefixStore(_store_prefix(env), store), **kwargs)
+        dist.init_process_group(store=dist.PrefixStore(_store_prefix(env, session), store), **kwargs)
     else:
         # One process, no launcher: an in-memory store, so no port is needed and none can clash.
         dist.init_process_group(store=dist.HashStore(), **kwargs)
@@ -222,10 +232,11 @@ def open_runtime(config: DistConfig, env: LaunchEnv | None = None) -> Iterator[R
         torch.cuda.set_device(device)  # before any CUDA work, or every rank allocates on GPU 0
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=config.timeout_s)
-    _init_process_group(env, device, backend, timeout)
+    session = next(_OPENED)
+    _init_process_group(env, device, backend, timeout, session)
     ok, peers = False, None
     try:
-        peers = _peer_watch(env, timeout).start() if env.launched and env.world_size > 1 else None
+        peers = _peer_watch(env, timeout, session).start() if env.launched and env.world_size > 1 else None
         yield Runtime(env.rank, env.local_rank, env.world_size, env.local_world_size, device, backend,
                       env.restart_count, peers)
         ok = True

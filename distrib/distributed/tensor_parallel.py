@@ -36,8 +36,8 @@ def tensor_parallel_plan(model: nn.Module, size: int) -> dict[str, str]:
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh) -> nn.Module:
-    """Splits the planned layers over tp_mesh in place (every rank of the group holds the same initial weights, so
-    each keeps its own slice: nothing is broadcast); their outputs are plain tensors again."""
+    """Splits the planned layers over tp_mesh in place (on the meta device, as the strategy builds it: each rank's
+    slices are materialised afterwards); their outputs are plain tensors again."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}

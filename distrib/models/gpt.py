@@ -112,14 +112,19 @@ class GPT(nn.Module):
                                     for _ in range(n_layers))
         self.norm = nn.RMSNorm(dim, eps=norm_eps)
         self.output = nn.Linear(dim, vocab_size, bias=False)
-        self.tie_weights = tie_weights
-        cos, sin = rotary_tables(seq_len, dim // n_heads, rope_base)
-        self.register_buffer("rope_cos", cos, persistent=False)  # recomputed on build: not in model.pt
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.tie_weights, self.rope_base = tie_weights, rope_base
+        # recomputed on build (reset_parameters): not in model.pt
+        self.register_buffer("rope_cos", torch.empty(seq_len, dim // n_heads), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(seq_len, dim // n_heads), persistent=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """GPT-2's initialisation: normal(0, 0.02), the residual projections scaled by 1 / sqrt(2 x n_layers)."""
+        """GPT-2's initialisation: normal(0, 0.02), the residual projections scaled by 1 / sqrt(2 x n_layers); and
+        the rotary tables. It writes every parameter and buffer, so a sharded run initialises each rank's shards
+        from the seed (distrib.distributed.strategies.materialise), never holding the model whole."""
+        cos, sin = rotary_tables(self.seq_len, self.dim // self.n_heads, self.rope_base)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
         for name, param in self.named_parameters():
             if param.dim() == 1:
                 nn.init.ones_(param)  # the RMSNorm gains

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distrib.data import eval_batches, samples
-from distrib.distributed.parallel import is_sharded, unwrap
+from distrib.distributed.parallel import unwrap
 from distrib.distributed.runtime import Runtime
 from distrib.errors import UserError
 from distrib.training.losses import (
@@ -159,29 +159,31 @@ def _batch_stats(inputs, outputs, targets, loss: Loss, num_classes: int, task: T
 
 def evaluate(model: nn.Module, source, num_classes: int, batch_size: int, runtime: Runtime, loss: Loss | None = None,
              precision: str = "fp32", class_names: tuple[str, ...] = (), task: Task = Task()) -> dict:
-    """Exact metrics over the whole test set: every sample once, no padding, one all-reduce. Runs the unwrapped
-    module, so no DDP hooks fire and ranks may see different numbers of batches (an FSDP module all-gathers in every
-    forward, so there each rank makes as many forward calls as the busiest, the extra ones not counted)."""
+    """Exact metrics over the whole test set: every sample counted once, one all-reduce. Runs the unwrapped
+    module, so no DDP hooks fire; every rank makes as many forward calls as the busiest (an FSDP module all-gathers in
+    every forward), the extra ones not counted."""
     model, loss = unwrap(model), loss or cross_entropy()
     classes = num_classes if task.kind == "classes" else 0
     stats = torch.zeros(7 + 2 * classes + 2 * sum(len(m.names) for m in task.metrics), dtype=torch.int64,
                         device=runtime.device)
-    was_training = model.training
+    modes = [(module, module.training) for module in model.modules()]
     model.eval()
     batches = eval_batches(source.num_samples, batch_size, runtime.data_rank, runtime.data_world_size)
     num_counted = len(batches)
-    if is_sharded(model):  # pad with one-sample batches
-        busiest = max(len(eval_batches(source.num_samples, batch_size, r, runtime.data_world_size))
-                      for r in range(runtime.data_world_size))
-        batches = batches + [torch.arange(1)] * (busiest - num_counted)
+    # Every rank makes as many forward calls as the busiest (one-sample batches, not counted): a sharded model's
+    # forward is a collective. Under ddp the unwrapped module makes none, and the few extra samples cost nothing.
+    busiest = max(len(eval_batches(source.num_samples, batch_size, r, runtime.data_world_size))
+                  for r in range(runtime.data_world_size))
+    batches = batches + [torch.arange(1)] * (busiest - num_counted)
     with torch.no_grad(), autocast(precision, runtime.device):
         for batch_index, (inputs, targets) in enumerate(source.batches(batches)):
             outputs = forward(model, inputs)
             if batch_index < num_counted:
                 stats += _batch_stats(inputs, outputs, targets, loss, classes, task, runtime.device)
-    model.train(was_training)
+    for module, training in modes:  # each module's own mode back, not model.train(), which would recurse: a layer
+        module.training = training  # that a callback put in eval mode (frozen BatchNorm) stays in it
     dist.all_reduce(stats)
-    stats //= runtime.tensor_parallel  # each tensor-parallel group's ranks counted the same batches, to the bit
+    stats //= runtime.world_size // runtime.data_world_size  # a tensor-parallel group's ranks counted the same batches
     return _metrics(stats.tolist(), classes, class_names, task)
 
 

@@ -18,8 +18,9 @@ from distrib.checkpoint.format import list_checkpoints, load_failure, read_check
 from distrib.checkpoint.weights import WEIGHTS_DIR, aliases_of, read_weights
 from distrib.config import Config, load_config
 from distrib.data import DataInfo, eval_batches, load_data, load_inputs
-from distrib.distributed.parallel import parallelize, place_model, unwrap
+from distrib.distributed.parallel import place_model, unwrap
 from distrib.distributed.runtime import Runtime
+from distrib.distributed.strategies import ddp
 from distrib.errors import UserError
 from distrib.metrics import write_json_atomic
 from distrib.models.build import build_model, factory_call
@@ -35,14 +36,14 @@ MAX_TOP_K = 5
 # ---------------------------------------------------------------- model.json
 
 
-def model_card(config: Config, info: DataInfo) -> dict:
+def model_card(config: Config, info: DataInfo, weights: str = "model.pt") -> dict:
     """What inference needs beside model.pt: how to build the model, what goes in, what comes out."""
     factory, kwargs = factory_call(config.model, info)
     model = {"factory": factory, "kwargs": json.loads(json.dumps(kwargs, default=str))}  # a TOML date as text
     if not config.model.factory:
         model["name"] = config.model.name
     return {"format": CARD_FORMAT, "version": CARD_VERSION, "distrib_version": _distrib_version(),
-            "weights": "model.pt", "model": model,
+            "weights": weights, "model": model,
             "data": info.to_dict(),
             "inputs": _card_inputs(info),
             "precision": config.train.precision}
@@ -55,9 +56,9 @@ def _card_inputs(info: DataInfo) -> str:
             "(x - mean) / std per channel; outputs: logits (N, num_classes), in class_names' order")
 
 
-def write_model_card(path: Path, config: Config, info: DataInfo) -> Path:
+def write_model_card(path: Path, config: Config, info: DataInfo, weights: str = "model.pt") -> Path:
     """Writes model.json atomically (temp file, then rename); rank 0 only, like model.pt."""
-    write_json_atomic(Path(path), model_card(config, info))
+    write_json_atomic(Path(path), model_card(config, info, weights))
     return Path(path)
 
 
@@ -169,7 +170,8 @@ def rebuilt_model(trained: Trained, info: DataInfo) -> nn.Module:
 def placed_model(trained: Trained, info: DataInfo, runtime: Runtime) -> nn.Module:
     """The trained model placed and wrapped exactly as training did (channels_last and all), so that its logits,
     and the metrics computed from them, are the same bits as at the end of training."""
-    return parallelize(place_model(rebuilt_model(trained, info), runtime.device), runtime, trained.config.speed)
+    return ddp.wrap(place_model(rebuilt_model(trained, info), runtime.device), runtime, trained.config.speed,
+                    trained.config.dist.shard_modules)
 
 
 def check_rebuildable(trained: Trained, input_arg: str | None = None) -> None:

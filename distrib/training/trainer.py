@@ -19,18 +19,12 @@ from distrib.config import TrainConfig
 from distrib.data import Batch, BatchPlan, epoch_steps
 from distrib.data.samples import named
 from distrib.distributed.agreement import RankAgreement
-from distrib.distributed.parallel import (
-    clip_grad_norm,
-    explain_device_errors,
-    grad_sync,
-    load_training_state,
-    local_tensor,
-    training_state,
-    unwrap,
-)
+from distrib.distributed.parallel import clip_grad_norm, explain_device_errors, local_tensor, unwrap
+from distrib.distributed.strategies import DDPStrategy, Strategy
 from distrib.errors import ConfigError, UserError
 from distrib.launch.preempt import Preempted
 from distrib.metrics import Recorder
+from distrib.training.callbacks import Callbacks
 from distrib.training.early_stop import EarlyStopping
 from distrib.training.ema import EMA
 from distrib.training.evaluation import autocast, evaluate
@@ -102,12 +96,13 @@ class TrainState:
     early_stop: EarlyStopping | None = None  # train.early_stop_metric set (distrib.early_stop)
     best: BestCheckpoints | None = None  # checkpoint.keep_best > 0 (distrib.best)
     tracker_ids: dict = field(default_factory=dict)  # logger name -> its run id (the Recorder fills it)
+    strategy: Strategy = field(default_factory=DDPStrategy)  # how the model's state is gathered and loaded
 
     def state_dict(self, global_batch_size: int, named: bool = False) -> dict:
         """Everything but the RNGs (gathered from every rank by the Checkpointer); no module. prefixes. named: the
         optimizer keyed by parameter names under ddp too (what a sharded checkpoint is read into)."""
         p = self.progress
-        return {**training_state(self.model, self.optimizer, named),  # under FSDP: this rank's shards (DTensors)
+        return {**self.strategy.training_state(self.model, self.optimizer, named),  # sharded: this rank's DTensors
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "progress": {"step": p.step, "epoch": p.epoch, "step_in_epoch": p.step_in_epoch,
                              "samples_in_epoch": p.step_in_epoch * global_batch_size},
@@ -120,7 +115,7 @@ class TrainState:
         return {name: part for name, part in parts.items() if part is not None}
 
     def load_state_dict(self, state: dict, global_batch_size: int) -> None:
-        load_training_state(self.model, self.optimizer, state)
+        self.strategy.load_training_state(self.model, self.optimizer, state)
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         saved = state["progress"]
@@ -135,14 +130,16 @@ class TrainState:
 
 
 def new_state(model: nn.Module, config: TrainConfig, total_steps: int, device: torch.device,
-              best: BestCheckpoints | None = None, log: Callable[[str], None] | None = None) -> TrainState:
+              best: BestCheckpoints | None = None, log: Callable[[str], None] | None = None,
+              strategy: Strategy | None = None) -> TrainState:
+    """A fresh state for a model that `strategy` set up (ddp when none is given: a plain or DDP-wrapped model)."""
     optimizer = build_optimizer(model, config, log)
     scaler = torch.amp.GradScaler(device.type, enabled=config.precision == "fp16")
     ema = EMA(unwrap(model), config.ema_decay) if config.ema_decay else None
     early_stop = EarlyStopping(config.early_stop_metric, config.early_stop_patience,
                                config.early_stop_min_delta) if config.early_stop_metric else None
     return TrainState(model, optimizer, build_scheduler(optimizer, total_steps, config), scaler, ema=ema,
-                      early_stop=early_stop, best=best)
+                      early_stop=early_stop, best=best, strategy=strategy or DDPStrategy())
 
 
 @dataclass(kw_only=True)
@@ -165,6 +162,7 @@ class Trainer:
     agreement: RankAgreement
     checkpointer: Checkpointer | None  # None: no checkpoints
     on_step_end: Callable[[int], None] | None = None  # called with the step after each step's bookkeeping
+    callbacks: Callbacks = field(default_factory=Callbacks)  # the user's hooks (distrib.training.callbacks)
     last_eval: tuple[int, dict] | None = field(default=None, init=False)  # (step, metrics) of the latest evaluation
 
     def step(self, micro_batches: list[Batch]) -> torch.Tensor:
@@ -195,7 +193,7 @@ class Trainer:
         model = self.state.model
         # Sync off for the whole forward+backward of non-final micro-steps: DDP decides in the forward.
         batch = {**named(inputs, "inputs"), **named(targets, "targets")}
-        with grad_sync(model, sync), explain_device_errors(model, self.device, batch):
+        with self.state.strategy.grad_sync(model, sync), explain_device_errors(model, self.device, batch):
             with autocast(self.config.precision, self.device):
                 outputs = forward(model, inputs)
                 # The sum x world_size / global count: DDP and FSDP then average gradients over ranks.
@@ -252,6 +250,8 @@ class Trainer:
             self.meter.restart_clock()
         if self.on_step_end:
             self.on_step_end(progress.step)
+        if self.callbacks:
+            self.callbacks.on_step_end(progress.step, loss)
 
     def _end_epoch(self) -> None:
         progress = self.state.progress
@@ -290,6 +290,7 @@ class Trainer:
         if state.early_stop is not None and not state.early_stop.stopped and state.early_stop.update(step, metrics):
             self.recorder.info(state.early_stop.reason())
         self.last_eval = (step, metrics)
+        self.callbacks.on_evaluate(step, metrics)
         return metrics
 
     def passes_done(self) -> bool:
@@ -307,6 +308,7 @@ class Trainer:
     def train(self, train_source) -> dict:
         """Trains from the state's progress to total_steps; evaluates each eval_every_epochs and at the end."""
         progress = self.state.progress
+        self.callbacks.on_train_start(unwrap(self.state.model))
         bar = self.recorder.progress_bar(self.total_steps, initial=progress.step)
         self.meter.restart_clock()
         while progress.step < self.total_steps and not self.stopped_early() and not self.passes_done():

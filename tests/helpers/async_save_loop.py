@@ -10,16 +10,17 @@ import torch.nn as nn
 
 from distrib.checkpoint import Checkpoints, ShardedStorage
 from distrib.config import DistConfig
-from distrib.distributed.parallel import shard_on_mesh, training_state
 from distrib.distributed.runtime import open_runtime
+from distrib.distributed.strategies import make_strategy
 
 if __name__ == "__main__":
     with open_runtime(DistConfig(device="cpu")) as runtime:
-        model = shard_on_mesh(nn.Linear(2048, 2048), runtime, DistConfig(strategy="fsdp"), "fp32", "cpu")
+        strategy = make_strategy(DistConfig(strategy="fsdp"), runtime.world_size, runtime.local_world_size)
+        model = strategy.shard(nn.Linear(2048, 2048), runtime, "fp32", "cpu")
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         progress = {"step": 0}
         checkpointer = Checkpoints(ShardedStorage(runtime, async_save=True), sys.argv[1], runtime,
-                                   lambda: {**training_state(model, optimizer), "progress": dict(progress)},
+                                   lambda: {**strategy.training_state(model, optimizer), "progress": dict(progress)},
                                    every_steps=1, keep_last=2)
         while True:
             progress["step"] += 1

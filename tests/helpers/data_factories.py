@@ -82,3 +82,13 @@ def with_val():
 
     splits = [synthetic_split(size, seed) for size, seed in ((64, 1), (10, 3), (20, 2))]
     return tuple((split.inputs, split.targets) for split in splits)
+
+
+def pad_to_32(batch):
+    """A user's collate function (data.collate): token samples padded to 32 ids, labels -100 on the padding."""
+    ids = torch.zeros(len(batch), 32, dtype=torch.long)
+    labels = torch.full((len(batch), 32), -100)
+    for row, sample in enumerate(batch):
+        ids[row, :len(sample["input_ids"])] = sample["input_ids"]
+        labels[row, :len(sample["labels"])] = sample["labels"]
+    return {"input_ids": ids, "labels": labels}

@@ -62,3 +62,34 @@ class _NanGradInOneShard(Network):
 
 def nan_grad_in_one_shard():
     return _NanGradInOneShard()
+
+
+class _SelfInitialising(nn.Module):
+    """A user's model with its own reset_parameters() that writes every parameter and buffer (a normal, a
+    layer's own reset, a constant buffer): sharded runs initialise its shards without building it whole."""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.body = nn.Linear(28 * 28, 48)
+        self.head = nn.Linear(48, num_classes)
+        self.register_buffer("scale", torch.empty(1))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        nn.init.normal_(self.body.weight, std=0.05)
+        nn.init.zeros_(self.body.bias)
+        self.head.reset_parameters()
+        self.scale.fill_(0.5)
+
+    def forward(self, t):
+        return self.head(torch.relu(self.body(t.flatten(1)))) * self.scale
+
+
+def self_initialising(num_classes: int = 10):
+    return _SelfInitialising(num_classes)
+
+
+def wide_mlp(num_classes: int = 10, in_channels: int = 1, image_size: int = 28, width: int = 512):
+    """A wide two-layer MLP: most of its parameters in two large matrices, sharded in rows by fsdp and hsdp."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(in_channels * image_size ** 2, width), nn.ReLU(),
+                         nn.Linear(width, num_classes))

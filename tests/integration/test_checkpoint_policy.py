@@ -56,22 +56,29 @@ def test_a_second_run_in_one_checkpoint_dir_is_refused_or_keeps_the_first_runs_c
         _train(tmp_path, strategy, "train.max_steps=6", "checkpoint.every_steps=2", "checkpoint.resume=never")
     assert _bytes(folder) == theirs  # refused before it wrote or deleted anything
 
-    # Told to keep them: B trains beside them and prunes only its own (step 1 of 1, 2, 3 with keep_last = 2).
-    _train(tmp_path, strategy, "train.max_steps=3", "checkpoint.every_steps=1", "checkpoint.resume=never",
-           "checkpoint.foreign=keep")
+    # Told to keep them: B trains beside them to the end, through saves at A's step numbers (4 and 6), under names
+    # of its own (step_N-RUNID), and prunes only its own (keep_last = 2: steps 5 and 6 stay).
+    summary = _train(tmp_path, strategy, "train.max_steps=6", "checkpoint.every_steps=1", "checkpoint.resume=never",
+                     "checkpoint.foreign=keep")
+    assert summary["steps"] == 6
     after = _bytes(folder)
     assert {name: after[name] for name in theirs if name != ".distrib-run"} == \
-        {name: data for name, data in theirs.items() if name != ".distrib-run"}
-    assert _names(folder) == [f"step_0000000{s}{suffix}" for s in (2, 3, 4, 6)]
-    ours = {stored_run_id(p) for p in listing(folder) if p.name.startswith(("step_00000002", "step_00000003"))}
-    assert len(ours) == 1 and their_id not in ours
+        {name: data for name, data in theirs.items() if name != ".distrib-run"}  # A's, byte for byte
+    ours = {stored_run_id(p) for p in listing(folder)} - {their_id}
+    assert len(ours) == 1
+    (our_id,) = ours
+    assert _names(folder) == sorted([f"step_00000004{suffix}", f"step_00000006{suffix}",
+                                     f"step_00000005-{our_id}{suffix}", f"step_00000006-{our_id}{suffix}"])
 
-    # A third run whose save would land on one of A's names is refused at that save, and A's stay as they were.
-    with pytest.raises(CheckpointError, match=r"step_00000004\S* is another run's checkpoint"):
-        _train(tmp_path, strategy, "train.max_steps=4", "checkpoint.every_steps=4", "checkpoint.resume=never",
-               "checkpoint.foreign=keep")
-    after = _bytes(folder)
-    assert all(after[name] == data for name, data in theirs.items() if name != ".distrib-run")
+    # The folder stays shared: A resumes by path and extends to step 8 (its saves are named with its id now), B
+    # then resumes automatically (it saved last), and neither touches the other's checkpoints.
+    _train(tmp_path, strategy, "train.max_steps=8", "checkpoint.every_steps=2", "checkpoint.foreign=keep",
+           f"checkpoint.resume={folder / f'step_00000006{suffix}'}")
+    assert _names(folder) == sorted([f"step_00000006{suffix}", f"step_00000008-{their_id}{suffix}",
+                                     f"step_00000005-{our_id}{suffix}", f"step_00000006-{our_id}{suffix}"])
+    assert _train(tmp_path, strategy, "train.max_steps=8", "checkpoint.every_steps=2", "checkpoint.foreign=keep",
+                  f"checkpoint.resume={folder / f'step_00000006-{our_id}{suffix}'}")["resumed_from_step"] == 6
+    assert {stored_run_id(p) for p in listing(folder)} == {their_id, our_id}
 
 
 def _crash_at(step: int):

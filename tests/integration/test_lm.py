@@ -1,7 +1,7 @@
 """Language models end to end: the built-in GPT on `data.name = text` learns a real text (it beats the text's unigram
 model by a clear margin) and `distrib generate` repeats itself for one seed; a `tokens` dataset trains at world size
 2 under fsdp as at world size 1, and a worker killed mid-run is restarted and ends bitwise where the uninterrupted
-run ends."""
+run ends; `distrib generate --tokenizer` decodes a tokens run's continuation, the same twice."""
 
 import collections
 import math
@@ -106,3 +106,30 @@ def test_tokens_under_fsdp_agree_with_one_process_and_resume_bitwise_after_a_kil
     assert proc.returncode == 0, out[-4000:]
     killed = torch.load(tmp_path / "killed" / "model.pt", weights_only=True)
     assert killed.keys() == whole.keys() and all(torch.equal(killed[k], whole[k]) for k in whole)
+
+
+@pytest.mark.timeout(900)
+def test_generate_with_the_tokenizer_of_a_tokens_run_prints_decoded_text_the_same_twice(tmp_path):
+    from transformers import PreTrainedTokenizerFast
+
+    from distrib.training.generate import generate_text
+    from tests.helpers.tokenizer import write_tokenizer_and_ids
+
+    tokenizer, vocab_size = write_tokenizer_and_ids(tmp_path / "data")
+    run_training(load_config(None, [*COMMON, "data.name=tokens", f"data.root={tmp_path / 'data'}",
+                                    f"data.vocab_size={vocab_size}", "data.seq_len=32", "model.kwargs={n_layers = 1, "
+                                    "n_heads = 2, dim = 32}", "train.lr=3e-3", "train.warmup_steps=5",
+                                    "train.max_steps=30", "train.global_batch_size=16", "train.log_every=10",
+                                    f"run.dir={tmp_path / 'run'}"]))
+    prompt = ["generate", str(tmp_path / "run"), "--prompt", "The ", "--max-new-tokens", "24", "--seed", "3"]
+    first, second = (distrib(*prompt, "--tokenizer", str(tokenizer), timeout=EVENT_S) for _ in range(2))
+    assert_ok(first)
+    assert first.stdout == second.stdout and len(first.stdout.strip()) >= 10, first.stdout
+    # Decoded text, not ids: the tokenizer's decoding of 24 sampled ids.
+    assert not first.stdout.strip().replace(" ", "").isdigit()
+    bare = distrib(*prompt, timeout=EVENT_S)  # without the tokenizer: one line naming it
+    assert bare.returncode == 2 and "--tokenizer" in bare.stderr and "Traceback" not in bare.stderr
+    # The same tokenizer as a transformers folder gives the same text for the seed.
+    PreTrainedTokenizerFast(tokenizer_file=str(tokenizer)).save_pretrained(tmp_path / "folder")
+    folder = generate_text(str(tmp_path / "run"), "The ", 24, seed=3, tokenizer=str(tmp_path / "folder"))
+    assert folder + "\n" == first.stdout

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from distrib import cli
+from distrib.checkpoint.folder import step_of
 from distrib.checkpoint.format import list_checkpoints, run_id_of
 from distrib.config import load_config
 from distrib.launch.rundir import LOCK_NAME, FolderBusyError, lock_folder
@@ -156,15 +157,16 @@ def test_told_to_keep_them_a_new_run_prunes_only_its_own_and_sigterm_names_a_che
         kill_tree(proc)
     assert proc.returncode == 75, out[-3000:]
     named = Path(re.search(r"checkpoint (\S+\.pt)", out).group(1))
-    stopped_at = int(named.stem.split("_")[1])
-    assert named.exists() and stopped_at >= 12
+    stopped_at, our_id = step_of(named), run_id_of(named)
+    assert named.exists() and stopped_at >= 12 and our_id != their_id
     ours = [p for p in list_checkpoints(tmp_path / "checkpoints") if f"checkpoints/{p.name}" not in theirs]
     previous = (stopped_at - 1) // 4 * 4
-    assert [p.name for p in ours] == [f"step_{s:08d}.pt" for s in (stopped_at, previous)]  # keep_last = 2
-    assert {run_id_of(p) for p in ours} != {their_id}
+    # keep_last = 2, named with this run's id beside the other run's
+    assert [p.name for p in ours] == [f"step_{s:08d}-{our_id}.pt" for s in (stopped_at, previous)]
+    assert {run_id_of(p) for p in ours} == {our_id}
     # resume=auto continues this run (the folder's owner now), not the other run's higher-numbered checkpoint.
     resumed = _train(tmp_path, "train.epochs=0", f"train.max_steps={stopped_at + 4}", "checkpoint.every_steps=4", dying)
     assert resumed["resumed_from_step"] == stopped_at and resumed["steps"] == stopped_at + 4
-    assert run_id_of(tmp_path / "checkpoints" / f"step_{stopped_at + 4:08d}.pt") == run_id_of(ours[0])
+    assert run_id_of(tmp_path / "checkpoints" / f"step_{stopped_at + 4:08d}-{our_id}.pt") == our_id
     after = snapshot(tmp_path)
     assert {name: after[name] for name in theirs} == theirs  # the other run's checkpoints, byte for byte

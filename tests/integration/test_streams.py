@@ -1,7 +1,7 @@
 """Streams through `distrib train`: a plain IterableDataset over 10 shard files read by 2 DataLoader workers (world 1
 = world 2, every sample of the pass trained once, SIGTERM and rerun bitwise equal to an uninterrupted run); a Hugging
-Face streaming dataset over 4 JSON-lines files of unequal lengths (no hang, no sample twice, what each rank left,
-SIGTERM and rerun bitwise); bad streams (a wrong structure halfway, an empty stream): one line, exit 2."""
+Face streaming dataset over 4 JSON-lines files of unequal lengths under fsdp (no hang, no sample twice, what each
+rank left, SIGTERM and rerun bitwise); bad streams (a wrong structure halfway, an empty stream): one line, exit 2."""
 
 from __future__ import annotations
 
@@ -78,15 +78,16 @@ def test_a_sharded_hugging_face_stream_ends_together_and_resumes_exactly(tmp_pat
     folder = tmp_path / "jsonl"
     write_jsonl_shards(folder, [100, 300, 150, 50])  # rank 0 reads files 0 and 2 (250), rank 1 files 1 and 3 (350)
     runs = {name: tmp_path / name for name in ("two", "stopped")}
+    fsdp = "dist.strategy=fsdp"  # sharded checkpoints: the workers' positions go into trainer.pt
     done = _run_all(tmp_path / "logs", [
-        (_command(2, runs["two"], "hugging_face", folder), _env(tmp_path / "ids")),
-        (_command(2, runs["stopped"], "hugging_face", folder), _env(die_at=12))])
+        (_command(2, runs["two"], "hugging_face", folder, fsdp), _env(tmp_path / "ids")),
+        (_command(2, runs["stopped"], "hugging_face", folder, fsdp), _env(die_at=12))])
     assert [d.returncode for d in done] == [0, 75], "\n".join(d.text() for d in done)
     # rank 0's workers: 100 -> 12 micro-batches of 8 (4 left), 150 -> 18 (6 left); 30 steps; rank 1 leaves the rest
     assert "samples left untrained per rank [10, 110]" in done[0].stderr, done[0].text()
     trained = _trained_ids(tmp_path / "ids")
     assert sum(trained.values()) == 30 * 16 and set(trained.values()) == {1}  # no sample twice
-    rerun = _run_all(tmp_path / "logs2", [(_command(2, runs["stopped"], "hugging_face", folder), _env())])[0]
+    rerun = _run_all(tmp_path / "logs2", [(_command(2, runs["stopped"], "hugging_face", folder, fsdp), _env())])[0]
     assert rerun.returncode == 0 and "resumed at step" in rerun.stderr, rerun.text()
     _assert_bitwise(runs["stopped"], runs["two"])
 

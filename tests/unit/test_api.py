@@ -51,3 +51,41 @@ def test_bad_arguments_are_one_line_errors(tmp_path):
         fit(_model, train, train, overrides={"train.lrr": 0.1})
     with pytest.raises(ConfigError, match=r"^fit\(config=int\): give a TOML path, a distrib.Config or None"):
         fit(_model, train, train, config=42)
+
+
+@pytest.mark.timeout(120)
+def test_fit_init_from_equals_a_model_that_loads_the_weights_itself(tmp_path):
+    """fit(..., init_from=PATH): the same trained weights, bit for bit, as a function that loads PATH itself; weights
+    of another model are refused before run.dir is touched; a resumed checkpoint wins over init_from."""
+    from distrib.errors import UserError
+
+    train, test = _tensors(192, 0), _tensors(64, 1)
+    torch.manual_seed(5)
+    pretrained = _model(2, 3, 6).state_dict()
+    torch.save(pretrained, tmp_path / "pretrained.pt")
+
+    def loads_itself(in_channels, num_classes, image_size):
+        model = _model(in_channels, num_classes, image_size)
+        model.load_state_dict(torch.load(tmp_path / "pretrained.pt", weights_only=True))
+        return model
+
+    fit(loads_itself, train, test, overrides={**OVERRIDES, "run.dir": str(tmp_path / "itself")})
+    fit(_model, train, test, overrides={**OVERRIDES, "run.dir": str(tmp_path / "init")},
+        init_from=tmp_path / "pretrained.pt")
+    itself, init = load_weights(tmp_path / "itself"), load_weights(tmp_path / "init")
+    assert all(torch.equal(itself[k], init[k]) for k in itself)
+    assert not torch.equal(init["1.weight"], pretrained["1.weight"])  # trained from there
+    with pytest.raises(UserError, match=r"init_from = .*pretrained.pt.*1 mis-shaped \(first 1.weight: \[16, 72\]"):
+        fit(lambda: _model(1, 3, 6), train, test, overrides={**OVERRIDES, "run.dir": str(tmp_path / "other")},
+            init_from=tmp_path / "pretrained.pt")
+    assert not (tmp_path / "other").exists()
+
+    # A resumed checkpoint wins: 6 steps from `pretrained`, then a restart given other weights of the same shapes
+    # continues the checkpoint, ending bitwise where the uninterrupted run ends.
+    torch.save(_model(2, 3, 6).state_dict(), tmp_path / "other.pt")
+    halves = {**OVERRIDES, "run.dir": str(tmp_path / "halves"), "checkpoint.every_steps": 6, "train.schedule_steps": 12}
+    fit(_model, train, test, overrides={**halves, "train.max_steps": 6}, init_from=tmp_path / "pretrained.pt")
+    resumed = fit(_model, train, test, overrides=halves, init_from=tmp_path / "other.pt")
+    assert resumed["resumed_from_step"] == 6
+    halves = load_weights(tmp_path / "halves")
+    assert all(torch.equal(halves[k], init[k]) for k in init)

@@ -170,3 +170,38 @@ def test_only_temporary_files_that_no_live_writer_holds_are_removed(tmp_path):
     finally:
         os.close(fd)
     assert remove_dead_temps(tmp_path) == [".step_00000008.pt.feedfeedfeed.1.tmp"]  # once its writer let go
+
+
+def _write_of_run(directory: Path, name: str, step: int, run_id: str) -> Path:
+    state = {"format": FORMAT, "version": VERSION, "run_id": run_id, "progress": {"step": step}}
+    state["checksum"] = digest(state)
+    return save_atomic(state, directory / f"{name}.pt")
+
+
+def test_names_carry_the_run_id_only_beside_another_runs_and_old_names_still_resume(tmp_path):
+    """A folder of the old names (step_N.pt, from before names could carry run ids) resumes as it is; a run that
+    starts beside another run's checkpoints (checkpoint.foreign = keep) names its own step_N-RUNID, so no save of
+    either ever lands on the other's name; each run prunes only its own."""
+    from distrib.checkpoint.folder import listing, write_owner
+    from distrib.checkpoint.format import checkpoint_name
+    from distrib.checkpoint.policy import decide
+
+    said = []
+    old = [_write_of_run(tmp_path, f"step_{step:08d}", step, "aaaaaaaaaaaa") for step in (4, 8)]
+    write_owner(tmp_path, "aaaaaaaaaaaa")
+    path, state, run_id, owned, tagged = decide("auto", "refuse", tmp_path, CPU, said.append)
+    assert (path, run_id, owned, tagged) == (old[1], "aaaaaaaaaaaa", old, False) and state["progress"]["step"] == 8
+
+    path, state, new_id, owned, tagged = decide("never", "keep", tmp_path, CPU, said.append)
+    assert path is None and state is None and new_id != run_id and owned == [] and tagged
+    name = checkpoint_name("step", 4, new_id)
+    assert name == f"step_00000004-{new_id}"
+    new = _write_of_run(tmp_path, name, 4, new_id)
+    assert listing(tmp_path) == [old[1], old[0], new]  # the newest step first (at one step, by name)
+
+    write_owner(tmp_path, new_id)  # the new run saved last: resume=auto continues it, the old run resumes by path
+    path, _, resumed_id, owned, tagged = decide("auto", "keep", tmp_path, CPU, said.append)
+    assert (path, resumed_id, owned, tagged) == (new, new_id, [new], True)
+    path, _, resumed_id, owned, tagged = decide(str(old[1]), "keep", tmp_path, CPU, said.append)
+    assert (path, resumed_id, owned, tagged) == (old[1], "aaaaaaaaaaaa", old, True)
+    assert said == []

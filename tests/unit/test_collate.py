@@ -71,6 +71,11 @@ def test_a_hugging_face_collator_makes_the_batches_and_a_broken_one_is_one_line(
     assert inputs["input_ids"].shape == (3, longest) and targets is inputs["labels"]
     assert (inputs["labels"][inputs["attention_mask"] == 0] == -100).all()
 
+    config = load_config(None, ["data.collate=tests.helpers.data_factories:pad_to_32"]).data
+    data = data_from_datasets(Ragged(8), Ragged(3, seed=1), config, CPU, seed=0, log=lambda m: None)
+    (inputs, targets), = data.train.batches([torch.tensor([1, 2])])
+    assert inputs["input_ids"].shape == (2, 32) and (targets[0, len(Ragged(8).ids[1]):] == -100).all()
+
     broken = Collate(user=lambda batch: 1 / 0, where="data.collate = 'pkg.mod:fn'")([train[0], train[1]])
     assert isinstance(broken, Failed) and broken.message.startswith(
         "data.collate = 'pkg.mod:fn': raised ZeroDivisionError: division by zero on a batch of 2 samples")

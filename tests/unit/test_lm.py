@@ -206,14 +206,41 @@ def test_tokens_per_second_is_samples_per_second_times_the_sequence_length():
     assert "tokens_per_second" not in Throughput(8, 1).summary()  # image runs: no token keys
 
 
-def test_generate_refuses_a_tokens_run_and_bad_sampling_in_one_line(tmp_path):
-    from distrib.training.generate import check_sampling, text_model
+def test_generate_needs_the_tokenizer_of_a_tokens_run_and_refuses_bad_sampling_in_one_line(tmp_path):
+    from distrib.training.generate import check_sampling, load_tokenizer, text_model
     from distrib.training.inference import Trained
 
     config = load_config(None, ["data.name=tokens", "data.vocab_size=100", "model.name=gpt"])
-    with pytest.raises(UserError, match=r"trained on data.name = 'tokens', and generate reads and writes bytes"):
+    with pytest.raises(UserError, match=r"trained on data.name = 'tokens' \(token ids\); fix: give the tokenizer that "
+                                        r"made them, --tokenizer tokenizer.json"):
         text_model(Trained(tmp_path, config, {}, None, None))
+    text = load_config(None, ["data.name=text", "model.name=gpt"])
+    with pytest.raises(UserError, match=r"^--tokenizer t.json: .* trained on data.name = 'text', which reads and "
+                                        r"writes bytes; drop --tokenizer"):
+        text_model(Trained(tmp_path, text, {}, None, None), "t.json")
+    (tmp_path / "broken.json").write_text("{}")
+    for path, message in ((tmp_path / "none.json", r"no such file or folder"),
+                          (tmp_path / "broken.json", r"tokenizers cannot read it \(.*\); give a tokenizer.json")):
+        with pytest.raises(UserError, match=rf"^--tokenizer {path}: {message}"):
+            load_tokenizer(str(path))
     for args, message in (((0, 1.0, 0), r"--max-new-tokens 0: must be at least 1"),
                           ((5, -1.0, 0), r"--temperature -1.0: must be >= 0"), ((5, 1.0, -2), r"--top-k -2")):
         with pytest.raises(UserError, match=message):
             check_sampling(*args)
+
+
+def test_a_tokenizer_file_and_its_transformers_folder_encode_and_decode_alike(tmp_path):
+    from transformers import PreTrainedTokenizerFast
+
+    from distrib.training.generate import continuation, load_tokenizer
+    from tests.helpers.tokenizer import write_tokenizer_and_ids
+
+    path, vocab_size = write_tokenizer_and_ids(tmp_path / "data", vocab_size=300)
+    PreTrainedTokenizerFast(tokenizer_file=str(path)).save_pretrained(tmp_path / "folder")
+    encode, decode = load_tokenizer(str(path))
+    encode_folder, decode_folder = load_tokenizer(str(tmp_path / "folder"))
+    prompt = "The program is free "
+    ids = encode(prompt)
+    assert ids == encode_folder(prompt) and max(ids) < vocab_size and decode(ids) == prompt
+    new = encode("software, for all its users.")
+    assert continuation(decode, ids, new) == continuation(decode_folder, ids, new) == "software, for all its users."

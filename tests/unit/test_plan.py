@@ -4,8 +4,14 @@ refused in one line."""
 import pytest
 
 from distrib.cli import main
+from distrib.config import DistConfig
 from distrib.distributed.mesh import MeshShape
-from distrib.plan import _group_split, collective_bytes
+from distrib.distributed.mesh import group_split as _group_split
+from distrib.distributed.strategies import FSDPStrategy
+
+
+def collective_bytes(shape: MeshShape, *args):
+    return FSDPStrategy(DistConfig(strategy=shape.strategy), shape).step_traffic(*args)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -40,3 +46,24 @@ def test_offloaded_shards_are_not_on_the_device():
     on_gpu = plan_run(load_config(None, [*base, "dist.device=cuda"]), Machine(1, 2))
     on_cpu = plan_run(load_config(None, [*base, "dist.device=cpu"]), Machine(1, 2))
     assert on_gpu["state_bytes_per_rank"] == 0 < on_cpu["state_bytes_per_rank"]  # host memory is the CPU's device
+
+
+def test_start_up_is_told_from_steady_state():
+    """Under fsdp a self-initialising GPT holds its shards and one whole tensor at start-up; a model that cannot
+    initialise itself is built whole once, on rank 0's host; ddp builds it whole on every rank of a node."""
+    from distrib.config import load_config
+    from distrib.plan import GIB, Machine, plan_run
+
+    gpt = ["model.name=gpt", "model.kwargs={n_layers = 2, n_heads = 4, dim = 64}", "data.name=text",
+           "data.root=/usr/share/common-licenses/GPL-3", "data.seq_len=32", "train.global_batch_size=8"]
+    fsdp = plan_run(load_config(None, [*gpt, "dist.strategy=fsdp", "dist.device=cuda"]), Machine(1, 4))
+    largest = 256 * 64 * 4  # the (tied) embedding
+    assert fsdp["self_initialising"] and fsdp["startup_bytes_per_rank"] == fsdp["parameter_bytes_per_rank"] + largest
+    assert fsdp["startup_host_bytes_per_node"] == 4 * largest and fsdp["host_bytes_per_node"] == 0
+    ddp = plan_run(load_config(None, [*gpt, "dist.device=cuda"]), Machine(1, 4))
+    assert ddp["startup_bytes_per_rank"] == ddp["whole_model_bytes"] == fsdp["whole_model_bytes"]
+    assert ddp["startup_host_bytes_per_node"] == 4 * ddp["whole_model_bytes"]
+    cnn = plan_run(load_config(None, ["data.name=synthetic", "dist.strategy=fsdp", "dist.device=cuda"]),
+                   Machine(1, 2, host_memory=1e-6 * GIB))
+    assert not cnn["self_initialising"] and not cnn["fits_host"] and cnn["fits"]
+    assert cnn["startup_bytes_per_rank"] == cnn["parameter_bytes_per_rank"] + cnn["whole_model_bytes"]

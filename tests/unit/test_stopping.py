@@ -45,31 +45,40 @@ def test_bad_settings_are_one_line_naming_the_key(overrides, message):
 
 
 class _FakeCheckpointer:
-    def __init__(self, directory: Path):
-        self.directory = directory
+    def __init__(self, directory: Path, run_id: str = ""):
+        self.directory, self.run_id = directory, run_id
+
+    def name(self, step: int, *, best: bool = False) -> str:
+        from distrib.checkpoint.format import checkpoint_name
+
+        return checkpoint_name("best" if best else "step", step, self.run_id)
 
     def save(self, step: int, *, best: bool = False) -> Path:
-        path = self.directory / f"{'best' if best else 'step'}_{step:08d}.pt"
+        path = self.directory / f"{self.name(step, best=best)}.pt"
         path.write_text(str(step))
         return path
 
 
-def test_best_set_keeps_the_k_best_and_an_automatic_resume_drops_the_abandoned_future(tmp_path):
+@pytest.mark.parametrize("run_id", ["", "0123456789ab"], ids=["alone", "beside another run"])
+def test_best_set_keeps_the_k_best_and_an_automatic_resume_drops_the_abandoned_future(tmp_path, run_id):
     from distrib.checkpoint.best import BestCheckpoints
 
     best = BestCheckpoints(2, "test_accuracy", tmp_path, is_main=True)
     for step, accuracy in ((4, 0.5), (8, 0.7), (12, 0.6), (16, 0.6), (20, 0.4)):
-        best.consider(step, {"test_accuracy": accuracy}, _FakeCheckpointer(tmp_path))
+        best.consider(step, {"test_accuracy": accuracy}, _FakeCheckpointer(tmp_path, run_id))
     assert [e["step"] for e in best.entries] == [8, 12]  # 16 ties with 12: the earlier stays
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["best_00000008.pt", "best_00000012.pt"]
+    tag = f"-{run_id}" if run_id else ""
+    kept = [f"best_00000008{tag}.pt", f"best_00000012{tag}.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == kept
+    assert [entry["path"] for entry in best.describe()] == [str(tmp_path / name) for name in kept]
     saved = best.state_dict()
 
-    (tmp_path / "best_00000024.pt").write_text("from the killed attempt, past its last checkpoint")
+    (tmp_path / f"best_00000024{tag}.pt").write_text("from the killed attempt, past its last checkpoint")
     restarted = BestCheckpoints(2, "test_accuracy", tmp_path, is_main=True)
     restarted.load_state_dict(saved)
     restarted.drop_abandoned(resumed_step=20, run_id="any")
     assert restarted.entries == best.entries
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["best_00000008.pt", "best_00000012.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == kept
 
 
 def test_readers_see_one_history_after_restarts():

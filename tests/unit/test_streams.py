@@ -1,6 +1,7 @@
 """Streams in one process: the plain layout (the same global batches at any world size and worker count, each
 sample once, whatever order the DataLoader delivers the workers' items in), exact restarts from a position, a
-sharded source's position in state_dict, and the one-line refusals (another world size, no train.max_steps)."""
+sharded source's position in state_dict, the one-line refusals (another world size, another kind of source, no
+train.max_steps), and fit on a stream bitwise equal to the same samples in memory."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ import torch
 from torch.utils.data import IterableDataset
 
 from distrib.config import load_config
-from distrib.data.batching import BatchPlan, Finish
+from distrib.data.batching import BatchPlan, DeviceBatches, Finish, load_source_state
 from distrib.data.stream import StreamBatches, WorkerOrder
 from distrib.data.stream_read import Layout, Shards, StreamCollate, WorkerStream
-from distrib.data.tensors import Normalizer
+from distrib.data.tensors import Normalizer, Split
 from distrib.distributed.runtime import Runtime
 from distrib.errors import ConfigError, UserError
 from distrib.worker import _total_steps
@@ -101,6 +102,8 @@ def test_a_sharded_position_at_another_world_size_is_one_line():
     assert "\n" not in str(error.value) and "--nproc-per-node 2" in str(error.value)
     with pytest.raises(UserError, match="its data position is of a stream source, this run reads a sharded"):
         batches.load_state_dict({**saved, "kind": "stream"})
+    with pytest.raises(UserError, match="its data position is of a sharded stream source, this run reads indexed"):
+        load_source_state(DeviceBatches(Split(torch.zeros(4, 1), torch.zeros(4)), CPU), saved)
 
 
 def test_a_stream_needs_train_max_steps():
@@ -108,3 +111,39 @@ def test_a_stream_needs_train_max_steps():
     with pytest.raises(ConfigError, match=r"train.max_steps = 0: the training data is a stream"):
         _total_steps(config, None)
     assert _total_steps(load_config(None, ["train.max_steps=7"]), None) == 7
+
+
+class Pairs(IterableDataset):
+    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+        self.x, self.y = x, y
+
+    def __iter__(self):
+        return zip(self.x, self.y)
+
+
+@pytest.mark.timeout(300)
+def test_fit_on_a_plain_stream_trains_as_the_same_samples_in_memory(tmp_path, capfd):
+    """distrib.fit with a stream that yields the map-style run's first-epoch order: the same weights, bitwise; one
+    pass (train.epochs = 1) ends the run at the stream's end, its partial global batch counted."""
+    from distrib import fit
+    from tests.helpers.support import load_weights
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(200, 6, generator=g), torch.randint(0, 3, (200,), generator=g)
+    test = (x[:40], y[:40])
+    common = {"train.global_batch_size": 32, "train.warmup_steps": 2, "train.schedule": "constant",
+              "run.progress": False, "dist.device": "cpu",
+              "checkpoint.every_steps": 0, "data.num_classes": 3}
+    order = BatchPlan(200, 32, 1, 0, 1, load_config(None, []).train.seed).order(0)
+
+    def model():
+        return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+    memory = fit(model, (x, y), test, overrides={**common, "train.max_steps": 6, "train.epochs": 0,
+                                                 "run.dir": str(tmp_path / "memory")})
+    stream = fit(model, Pairs(x[order], y[order]), test,
+                 overrides={**common, "train.max_steps": 100, "train.epochs": 1, "run.dir": str(tmp_path / "stream")})
+    assert memory["steps"] == stream["steps"] == 6 and stream["epochs"] == 1
+    weights = load_weights(tmp_path / "memory"), load_weights(tmp_path / "stream")
+    assert all(torch.equal(weights[0][key], weights[1][key]) for key in weights[0])
+    assert "stream pass 0 ended after 200 samples: 6 steps of 32 trained, the last 8" in capfd.readouterr().err

@@ -108,12 +108,13 @@ def test_rank_1_of_fsdp_2_reads_only_its_rows(tmp_path, monkeypatch):
         pretrained = check_weights(model, open_source(str(folder)))
         plan = read_plan(model.state_dict())
         assert plan["model.embed_tokens.weight"] == ((128, 0), (128, 32))  # 256 rows: rank 1 reads 128..255
-        load_weights(model, pretrained)
+        note = load_weights(model, pretrained)
         for name, tensor in model.state_dict().items():
             half = reference[name].shape[0] // 2
             assert torch.equal(tensor.to_local(), reference[name][half:]), name
     assert len(read) == len(reference)
     assert sum(t.numel() for t in read) * 2 == sum(t.numel() for t in reference.values())
+    assert f"each rank read {sum(t.numel() * 4 for t in read) / 2**20:.2f}" in note  # the log counts the same bytes
 
 
 def test_rank_3_of_tensor_parallel_2_by_fsdp_2_reads_its_block_of_a_torch_file(tmp_path):
@@ -192,3 +193,27 @@ def test_a_path_that_holds_no_weights_is_refused(tmp_path):
                       (tmp_path / "notes.txt", "not readable as safetensors or a torch file")):
         with pytest.raises(UserError, match=f"model.init_from = .*: {why}.*; give a Hugging Face folder"):
             open_source(str(path))
+
+
+def test_eval_predict_and_generate_read_weights_when_there_is_no_model_pt(tmp_path):
+    """A large sharded run writes weights/ only (model.pt only where model_pt_is_cheap): load_trained reads it, and
+    the model is rebuilt with those weights."""
+    from distrib.checkpoint.weights import MODEL_PT_MAX_BYTES, model_pt_is_cheap
+    from distrib.config import write_resolved
+    from distrib.data import DataInfo
+    from distrib.models.network import Network
+    from distrib.training.inference import load_trained, rebuilt_model
+    from tests.helpers.support import small_config
+
+    write_resolved(small_config(tmp_path), tmp_path)
+    torch.manual_seed(3)
+    model = Network()
+    save_weights(model_tensors(model), tmp_path / "weights", 0)
+    trained = load_trained(str(tmp_path))
+    assert _equal(trained.weights, model.state_dict())
+    assert load_trained(str(tmp_path / "weights")).source == tmp_path
+    info = DataInfo(name="synthetic", input_shape=(1, 28, 28), num_classes=10,
+                    class_names=tuple(str(i) for i in range(10)), mean=(), std=())
+    assert _equal(rebuilt_model(trained, info).state_dict(), model.state_dict())
+    big = {"w": torch.empty(MODEL_PT_MAX_BYTES // 4 + 1, device="meta")}
+    assert model_pt_is_cheap(big, sharded=False) and not model_pt_is_cheap(big, sharded=True)

@@ -1,0 +1,100 @@
+"""The contract every strategy keeps: how the model is built, materialised, placed and wrapped, how gradients sync,
+how the training state is gathered, loaded and saved, and what `distrib plan` reports for it.
+
+A strategy holds the run's MeshShape (every parallel degree; the Runtime reads its data rank from the same object).
+The worker, trainer, checkpoint package, evaluation and plan talk to this interface only, never to a strategy's name."""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, ClassVar
+
+import torch
+import torch.nn as nn
+
+from distrib.config import DistConfig, SpeedConfig
+from distrib.distributed.mesh import MeshShape
+from distrib.distributed.runtime import Runtime
+
+# Loads weights into the built, materialised (possibly sharded) model in place of its initialisation: the hook that
+# model.init_from uses (each rank loads its own slices of a sharded model). None: the model's own initialisation.
+LoadWeights = Callable[[nn.Module], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Build:
+    """How to build the model: `factory` makes it (the config's model or distrib.fit's, SyncBatchNorm included) on
+    whatever device torch's default says (a strategy calls it under torch.device("meta") to build without memory);
+    `seed` is train.seed, set before the factory and before a self-initialising model's init; `speed` and
+    `precision` the [speed] options and train.precision the wrapping applies; `given`: a module that exists already
+    (given to distrib.fit), used as it is; `load_weights` see LoadWeights; `log` takes lines for the run's log."""
+
+    factory: Callable[[], nn.Module]
+    seed: int
+    speed: SpeedConfig = SpeedConfig()
+    precision: str = "fp32"
+    given: nn.Module | None = None
+    load_weights: LoadWeights | None = None
+    log: Callable[[str], None] = print
+
+
+class Strategy(ABC):
+    """One data- (and tensor-) parallel strategy. Subclasses: distrib.distributed.strategies.ddp and .fsdp."""
+
+    name: ClassVar[str]
+    # Whether the training state is DTensor shards (each rank saves its own: DCP checkpoints) or whole on every rank
+    # (one file, written by rank 0).
+    sharded_state: ClassVar[bool] = False
+
+    def __init__(self, config: DistConfig, dims: MeshShape):
+        self.config, self.dims = config, dims
+
+    # ---------------------------------------------------------------- the model's life
+
+    @abstractmethod
+    def setup_module(self, build: Build, runtime: Runtime) -> nn.Module:
+        """The model built from `build`, its weights initialised (or loaded by build.load_weights) identically at
+        every world size, on this worker's device, wrapped and compiled: ready for the optimizer."""
+
+    @abstractmethod
+    def grad_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        """Wraps the whole forward AND backward of a micro-step; enabled only in the last one of a step."""
+
+    @abstractmethod
+    def training_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, named: bool = False) -> dict:
+        """{"model", "optimizer"} as this strategy checkpoints them (no module. or _orig_mod. prefixes). named: the
+        optimizer keyed by parameter names (the view a sharded checkpoint is loaded into)."""
+
+    @abstractmethod
+    def load_training_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Any strategy's saved state (one file: whole tensors; DCP: resharded to this model) into this model."""
+
+    @abstractmethod
+    def full_model_state(self, model: nn.Module) -> dict:
+        """What model.pt holds: the whole plain state_dict on rank 0 (a collective where the model is sharded; the
+        other ranks may get {})."""
+
+    # ---------------------------------------------------------------- distrib plan
+
+    def plan_module(self, model: nn.Module, runtime: Runtime, precision: str) -> nn.Module:
+        """The meta-device model as each rank of this strategy holds it (sharded by the run's own calls)."""
+        return model
+
+    @property
+    def state_on_host(self) -> bool:
+        """Whether the parameter, gradient and optimizer state lives in host memory (dist.cpu_offload)."""
+        return False
+
+    @abstractmethod
+    def step_traffic(self, per_node: int, local_params: int, compute_bytes: int, grad_accum: int,
+                     reshard_after_forward: bool, tp_activation_bytes: float = 0) -> tuple[float, float]:
+        """(intra-node, inter-node) bytes each rank sends per optimizer step for gradients and parameters."""
+
+    @abstractmethod
+    def startup_memory(self, parameter_bytes_per_rank: int, whole_bytes: int, largest_tensor_bytes: int,
+                       self_initialising: bool, nproc_per_node: int, params_on_host: bool) -> tuple[int, int]:
+        """(bytes the fullest rank holds while building and loading, before the first step; host bytes of the fullest
+        node meanwhile). whole_bytes: the model's parameters and buffers; params_on_host: the device is the CPU, or
+        dist.cpu_offload keeps the shards there."""

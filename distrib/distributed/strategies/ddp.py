@@ -1,0 +1,96 @@
+"""The ddp strategy: every rank builds and holds the whole model (on the host, then on its device), DDP all-reduces
+the gradients in buckets during the last micro-step's backward, and rank 0 alone writes the whole state to one file."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distrib.config import DistConfig, SpeedConfig
+from distrib.distributed import fsdp
+from distrib.distributed.mesh import MeshShape, group_split
+from distrib.distributed.parallel import place_model, unwrap
+from distrib.distributed.runtime import Runtime
+from distrib.distributed.strategies.base import Build, Strategy
+from distrib.distributed.strategies.materialise import build_whole
+
+
+def wrap_ddp(model: nn.Module, runtime: Runtime, **options) -> DDP:
+    """DDP over a model already on the worker's device; rank 0's initial weights are broadcast to all ranks."""
+    return DDP(model, device_ids=runtime.ddp_device_ids, **options)
+
+
+def _inputs_channels_last(module: nn.Module, args: tuple) -> tuple:
+    return tuple(a.contiguous(memory_format=torch.channels_last) if isinstance(a, torch.Tensor) and a.dim() == 4
+                 else a for a in args)
+
+
+def prepare(model: nn.Module, speed: SpeedConfig, shard_modules) -> None:
+    """The [speed] options that change the module itself, before any wrapping: channels_last and activation
+    checkpointing (both also work on a model still on the meta device)."""
+    if speed.channels_last:
+        model.to(memory_format=torch.channels_last)
+        model.register_forward_pre_hook(_inputs_channels_last)  # inputs follow, whoever feeds the model
+    if speed.activation_checkpointing == "blocks":
+        fsdp.checkpoint_activations(model, shard_modules)
+
+
+def compiled(model: nn.Module, speed: SpeedConfig) -> nn.Module:
+    """torch.compile over the wrapped module (not the reverse): dynamo then splits graphs at DDP's buckets, so
+    all-reduce overlaps."""
+    return torch.compile(model, mode=speed.compile_mode) if speed.compile else model
+
+
+def wrap(model: nn.Module, runtime: Runtime, speed: SpeedConfig, shard_modules="auto") -> nn.Module:
+    """A placed whole model made ready to train or evaluate as ddp: the [speed] options, DDP, torch.compile. What
+    distrib eval and predict run too."""
+    prepare(model, speed, shard_modules)
+    return compiled(wrap_ddp(model, runtime, gradient_as_bucket_view=speed.gradient_as_bucket_view,
+                             static_graph=speed.static_graph, bucket_cap_mb=speed.bucket_cap_mb or None), speed)
+
+
+class DDPStrategy(Strategy):
+    name = "ddp"
+    sharded_state = False
+
+    def __init__(self, config: DistConfig = DistConfig(), dims: MeshShape = MeshShape("ddp", 1, 1)):
+        super().__init__(config, dims)
+
+    def setup_module(self, build: Build, runtime: Runtime) -> nn.Module:
+        model = build.given if build.given is not None else build_whole(build.factory, build.seed)
+        if build.load_weights is not None:
+            build.load_weights(model)
+        return wrap(place_model(model, runtime.device), runtime, build.speed, self.config.shard_modules)
+
+    def grad_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        wrapped = getattr(model, "_orig_mod", model)  # torch.compile wraps the DDP module
+        # DDP decides in the forward whether to all-reduce, hence around forward and backward both.
+        return wrapped.no_sync() if not enabled and isinstance(wrapped, DDP) else contextlib.nullcontext()
+
+    def training_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, named: bool = False) -> dict:
+        if named:  # the parameter-name view a sharded checkpoint is loaded into
+            return fsdp.sharded_state(unwrap(model), optimizer)
+        return {"model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict()}
+
+    def load_training_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        if fsdp.keyed_by_name(state["optimizer"]):  # a sharded checkpoint, gathered whole by DCP
+            fsdp.load_sharded_state(unwrap(model), optimizer, state)
+        else:
+            unwrap(model).load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+
+    def full_model_state(self, model: nn.Module) -> dict:
+        return unwrap(model).state_dict()
+
+    def step_traffic(self, per_node: int, local_params: int, compute_bytes: int, grad_accum: int,
+                     reshard_after_forward: bool, tp_activation_bytes: float = 0) -> tuple[float, float]:
+        # one all-reduce of the fp32 gradients per step
+        return group_split(self.dims.replicate, 1, per_node, local_params * 4, 2)
+
+    def startup_memory(self, parameter_bytes_per_rank: int, whole_bytes: int, largest_tensor_bytes: int,
+                       self_initialising: bool, nproc_per_node: int, params_on_host: bool) -> tuple[int, int]:
+        # Every rank builds the whole model on its host, then moves it to its device tensor by tensor.
+        return whole_bytes, nproc_per_node * whole_bytes

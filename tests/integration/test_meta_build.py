@@ -1,0 +1,70 @@
+"""Sharded strategies build on the meta device and materialise only each rank's shards, yet start from bitwise the
+weights one process builds with the same seed: the built-in GPT and a user's model that initialise their own shards
+(no whole copy anywhere), and a model that cannot (built whole once, on rank 0's host); and no rank of the fsdp run
+holds the model whole (peak resident memory above a tiny model's, per fp32 model byte)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from distrib.config import load_config
+from distrib.data import load_data
+from distrib.distributed.runtime import Runtime
+from distrib.distributed.strategies.materialise import build_whole
+from distrib.models.build import build_model
+from tests.helpers.support import assert_ok, run, sets
+
+TEXT = Path("/usr/share/common-licenses/GPL-3")
+GPT = ["model.name=gpt", "data.name=text", f"data.root={TEXT}", "data.seq_len=32", "dist.device=cpu"]
+TINY = "model.kwargs={n_layers = 2, n_heads = 4, dim = 32}"
+MEDIUM = "model.kwargs={n_layers = 8, n_heads = 8, dim = 512}"  # 25.4M parameters, 102 MB in fp32
+SYNTHETIC = ["data.name=synthetic", "data.synthetic_train_size=64", "data.synthetic_test_size=16", "dist.device=cpu"]
+
+
+def _probe(out: Path, nproc: int, *overrides: str) -> tuple[dict, list[dict]]:
+    out.mkdir(parents=True)
+    cmd = ["python3", "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "tests/helpers/build_probe.py", str(out), *sets(*overrides)]
+    assert_ok(run(cmd, 300))
+    ranks = [json.loads((out / f"rss_{rank}.json").read_text()) for rank in range(nproc)]
+    return torch.load(out / "weights.pt", weights_only=True), ranks
+
+
+def _one_process(*overrides: str) -> dict:
+    config = load_config(None, list(overrides))
+    data = load_data(config.data, Runtime(0, 0, 1, 1, torch.device("cpu"), "gloo"), config.train.seed,
+                     log=lambda message: None)
+    return build_whole(lambda: build_model(config.model, data.info), config.train.seed).state_dict()
+
+
+def _assert_bitwise(weights: dict, reference: dict) -> None:
+    assert weights.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert torch.equal(weights[name], tensor), name
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("nproc, overrides, whole_on_rank0", [
+    (4, [*GPT, TINY, "dist.strategy=hsdp", "dist.shard_size=1", "dist.tensor_parallel=2"], False),
+    (2, [*SYNTHETIC, "model.factory=tests.helpers.factories:self_initialising", "dist.strategy=fsdp"], False),
+    (2, [*SYNTHETIC, "dist.strategy=fsdp"], True),  # the built-in CNN has no reset_parameters of its own
+], ids=["gpt-tp2-hsdp", "user-self-init-fsdp", "cnn-from-rank0"])
+def test_sharded_runs_start_from_the_weights_of_one_process(tmp_path, nproc, overrides, whole_on_rank0):
+    weights, ranks = _probe(tmp_path / "probe", nproc, *overrides)
+    _assert_bitwise(weights, _one_process(*overrides))
+    said = [line for line in ranks[0]["log"] if "built it whole once in host memory" in line]
+    assert bool(said) == whole_on_rank0 and not any(rank["log"] for rank in ranks[1:])
+
+
+@pytest.mark.timeout(900)
+def test_no_fsdp_rank_holds_the_gpt_whole(tmp_path):
+    """Each rank's peak RSS above that of the same run with a tiny GPT, per fp32 byte of the model: a whole model
+    on a rank would be 1.0 at least (before this change: 1.5 to 1.7)."""
+    weights, medium = _probe(tmp_path / "medium", 4, *GPT, MEDIUM, "dist.strategy=fsdp")
+    _, tiny = _probe(tmp_path / "tiny", 4, *GPT, TINY, "dist.strategy=fsdp")
+    _assert_bitwise(weights, _one_process(*GPT, MEDIUM))
+    model_bytes = sum(t.numel() * 4 for name, t in weights.items() if name != "output.weight")  # tied: once
+    ratios = [(m["peak_rss_bytes"] - t["peak_rss_bytes"]) / model_bytes for m, t in zip(medium, tiny)]
+    assert max(ratios) < 0.75, ratios
