@@ -3,7 +3,7 @@ above that of the same run with a tiny GPT, divided by the model's fp32 bytes, a
 end of the first step; for the built-in GPT (default: dim 1024, 16 layers, 8 heads on bytes, 203M parameters), SGD
 without momentum, 2 steps.
 
-    python scripts/bench_startup.py [--world-size 4] [--strategies ddp,fsdp,hsdp,tp] [--code DIR] [--json FILE]
+    python scripts/bench_startup.py [--world-size 4] [--strategies ddp,fsdp,hsdp,tp] [--code DIR] [--mmap-threshold N]
 --code runs another checkout's distrib (e.g. the main branch, for the figures before a change). Target (issue 21):
 under fsdp at world size 4, at most 1.0 for three of four workers and 2.0 for all. Each run is one torchrun of this
 file as the worker, which trains through distrib.worker.train_on and writes its peak RSS (getrusage) and times."""
@@ -46,7 +46,7 @@ def worker(out: Path, overrides: list[str]) -> None:
         (out / f"rank_{runtime.rank}.json").write_text(json.dumps(figures))
 
 
-def _run(out: Path, world_size: int, kwargs: str, strategy: list[str], code: Path) -> list[dict]:
+def _run(out: Path, world_size: int, kwargs: str, strategy: list[str], code: Path, mmap_threshold: int) -> list[dict]:
     out.mkdir(parents=True)
     sets = ["model.name=gpt", f"model.kwargs={kwargs}", "data.name=text", f"data.root={TEXT}", "data.seq_len=128",
             "train.optimizer=sgd", "train.momentum=0", "train.max_steps=2", "train.global_batch_size=8",
@@ -55,6 +55,8 @@ def _run(out: Path, world_size: int, kwargs: str, strategy: list[str], code: Pat
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
            __file__, "--worker", str(out), *sets]
     env = {**os.environ, "PYTHONPATH": str(code), "OMP_NUM_THREADS": "1"}
+    if mmap_threshold:  # glibc then returns every freed block above it (FSDP's gathered parameters) to the system
+        env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if result.returncode != 0:
         sys.exit(f"bench_startup: {' '.join(cmd)} failed\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
@@ -67,6 +69,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--strategies", default="ddp,fsdp,hsdp,tp")
     parser.add_argument("--model", default=LARGE, help="the large GPT's model.kwargs")
     parser.add_argument("--code", default=str(REPO), help="the checkout whose distrib runs")
+    parser.add_argument("--mmap-threshold", type=int, default=0,
+                        help="MALLOC_MMAP_THRESHOLD_ for the workers (0: glibc's default, whose threshold grows to "
+                             "32 MiB, so freed all-gather buffers below it stay resident)")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args(argv)
     sys.path.insert(0, args.code)
@@ -81,8 +86,10 @@ def main(argv: list[str] | None = None) -> None:
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench_startup_") as tmp:
         for name in args.strategies.split(","):
-            large = _run(Path(tmp) / f"{name}_large", args.world_size, args.model, STRATEGIES[name], Path(args.code))
-            tiny = _run(Path(tmp) / f"{name}_tiny", args.world_size, TINY, STRATEGIES[name], Path(args.code))
+            large = _run(Path(tmp) / f"{name}_large", args.world_size, args.model, STRATEGIES[name], Path(args.code),
+                         args.mmap_threshold)
+            tiny = _run(Path(tmp) / f"{name}_tiny", args.world_size, TINY, STRATEGIES[name], Path(args.code),
+                         args.mmap_threshold)
             ratios = [(a["peak_rss_bytes"] - b["peak_rss_bytes"]) / model_bytes for a, b in zip(large, tiny)]
             seconds = max(rank["seconds_to_first_step"] for rank in large)
             results[name] = {"ratios": ratios, "seconds_to_first_step": seconds,
