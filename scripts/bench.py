@@ -349,6 +349,8 @@ def _gpt_headlines(result: dict) -> list[str]:
     for ws, by in result["ratios"].items():
         ratios = {name: by[label] for name, label in (("ddp", "trainer / hand"), ("fsdp", "fsdp / hand"))
                   if label in by}
+        if not ratios:  # --variants without the hand loop, ddp or fsdp: nothing to say
+            continue
         lines.append(f"distrib / hand loop tokens/s at world size {ws}, median of {result['settings']['repeats']} "
                      "alternating pairs: " + ", ".join(f"{name} {r['paired_wall']:.3f} (cpu clock "
                                                        f"{r['paired_cpu']:.3f})" for name, r in ratios.items()))

@@ -34,10 +34,12 @@ class GptHandLoop:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         from distrib.data import BatchPlan
+        from distrib.distributed.strategies.materialise import build_whole
         from distrib.models.gpt import GPT
 
-        torch.manual_seed(0)  # as the worker seeds before building the model: the same initial weights
-        self.model = DDP(GPT(vocab_size=256, seq_len=args.seq_len, **GPT_KWARGS))
+        # Seeded as every strategy builds a self-initialising model (seed, build, seed, init): the same initial weights
+        model = build_whole(lambda: GPT(vocab_size=256, seq_len=args.seq_len, **GPT_KWARGS), seed=0)
+        self.model = DDP(model)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR, weight_decay=0.0)
         self.stream, self.seq_len = stream, args.seq_len
         self.plan = BatchPlan((len(stream) - 1) // args.seq_len, args.batch, 1, runtime.rank, runtime.world_size, 0)

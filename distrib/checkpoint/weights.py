@@ -181,12 +181,13 @@ def _write_blocks(tmp: Path, files: dict[str, dict], tensors: dict[str, torch.Te
     returns the bytes written. One block in host memory at a time."""
     written = 0
     for file, spec in files.items():
+        mine = {name: at for name, at in spec["at"].items() if writes_block(tensors[name], rank)}
+        if not mine:  # never touch a file (or, under ddp, the folder) this rank has no bytes for
+            continue
         fd = os.open(tmp / file, os.O_WRONLY)
         try:
-            for name, at in spec["at"].items():
+            for name, at in mine.items():
                 tensor = tensors[name]
-                if not writes_block(tensor, rank):
-                    continue
                 offsets, sizes = local_block(tensor)
                 data = local_part(tensor).detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
                 for start, local, length in byte_runs(offsets, sizes, tuple(tensor.shape), tensor.element_size()):
@@ -209,7 +210,6 @@ def _finish(tmp: Path, folder: Path, files: dict[str, dict], config) -> None:
     old = folder.with_name(f".{folder.name}.old")
     shutil.rmtree(old, ignore_errors=True)
     if folder.exists():  # a run's earlier weights: replaced whole, never mixed with these
-
         os.replace(folder, old)
     os.replace(tmp, folder)
     shutil.rmtree(old, ignore_errors=True)
