@@ -16,10 +16,14 @@ RUN = ("data.name=synthetic", "data.synthetic_train_size=128", "data.synthetic_t
 
 @pytest.mark.timeout(900)
 def test_fsdp_bf16_trains_a_batchnorm_model_like_ddp(tmp_path):
-    for strategy in ("ddp", "fsdp"):
-        assert main(["train", *sets(*RUN, f"dist.strategy={strategy}", f"run.dir={tmp_path / strategy}")]) == 0
-    fsdp, ddp = load_weights(tmp_path / "fsdp"), load_weights(tmp_path / "ddp")
+    for strategy, precision in (("ddp", "bf16"), ("fsdp", "bf16"), ("ddp", "fp32")):
+        assert main(["train", *sets(*RUN, f"dist.strategy={strategy}", f"train.precision={precision}",
+                                    f"run.dir={tmp_path / (strategy + precision)}")]) == 0
+    fsdp, ddp, fp32 = (load_weights(tmp_path / name) for name in ("fsdpbf16", "ddpbf16", "ddpfp32"))
     assert all(value.dtype == torch.float32 for value in fsdp.values() if value.is_floating_point())
     # bf16 rounds every op to 3 significant digits, and the two round in other places (BatchNorm outputs: bf16 under
-    # ddp's autocast, fp32 under fsdp); measured 5e-3 apart after 6 steps, while ddp + fp32 is 3e-2 from both.
-    assert max_relative_diff(fsdp, ddp) < 1e-2, max_relative_diff(fsdp, ddp)
+    # ddp's autocast, fp32 under fsdp), by how much depends on the CPU's bf16 kernels: measured 5e-3 apart after 6
+    # steps on one machine, 1.2e-2 on another, where ddp + fp32 was 3e-2 from ddp + bf16 on both. So the bound is
+    # bf16's own distance from fp32, measured here: fsdp + bf16 must be well inside it.
+    bf16_noise = max_relative_diff(fp32, ddp)
+    assert max_relative_diff(fsdp, ddp) < 0.5 * bf16_noise, (max_relative_diff(fsdp, ddp), bf16_noise)
