@@ -14,7 +14,7 @@ from distrib.data import load_data
 from distrib.distributed.runtime import Runtime
 from distrib.distributed.strategies.materialise import build_whole
 from distrib.models.build import build_model
-from tests.helpers.support import assert_ok, run, sets
+from tests.helpers.support import REPO, assert_ok, run, sets
 
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 GPT = ["model.name=gpt", "data.name=text", f"data.root={TEXT}", "data.seq_len=32", "dist.device=cpu"]
@@ -27,7 +27,8 @@ def _probe(out: Path, nproc: int, *overrides: str) -> tuple[dict, list[dict]]:
     out.mkdir(parents=True)
     cmd = ["python3", "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "tests/helpers/build_probe.py", str(out), *sets(*overrides)]
-    assert_ok(run(cmd, 300))
+    # a script's own folder heads sys.path, not the repo's: the test factories (tests.helpers.*) need it named
+    assert_ok(run(cmd, 300, env={"PYTHONPATH": str(REPO)}))
     ranks = [json.loads((out / f"rss_{rank}.json").read_text()) for rank in range(nproc)]
     return torch.load(out / "weights.pt", weights_only=True), ranks
 
