@@ -1,8 +1,9 @@
 """Builds a config's model as its strategy does (distrib.distributed.strategies), under torchrun, and writes what
-rank 0 gathers of the starting weights (OUT/weights.pt) and each rank's peak resident memory (OUT/rss_RANK.json),
-without training: for the tests that sharded runs start from one process's weights and hold no whole model.
+rank 0 gathers of the weights (OUT/weights.pt) and each rank's peak resident memory (OUT/rss_RANK.json) after
+building; with --steps N, the weights and the peak after N SGD steps that follow (the byte-level GPT on random tokens,
+no trainer): for the tests that sharded runs start from one process's weights and hold no whole model.
 
-argv: OUT --set section.key=value ..."""
+argv: OUT [--steps N] --set section.key=value ..."""
 
 import json
 import resource
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from distrib.config import load_config
 from distrib.data import load_data
@@ -17,8 +19,26 @@ from distrib.distributed.runtime import open_runtime
 from distrib.distributed.strategies import Build, make_strategy
 from distrib.models.build import build_model
 
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def train_steps(model: torch.nn.Module, steps: int, seq_len: int) -> None:
+    """Forward, backward and an SGD step on the same 2 windows of random bytes on every rank (so any world size
+    trains the weights one process does): a training step's gathers and gradients."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    tokens = torch.randint(0, 256, (2, seq_len + 1), generator=torch.Generator().manual_seed(0))
+    for _ in range(steps):
+        logits = model(tokens[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
 if __name__ == "__main__":
-    out, overrides = Path(sys.argv[1]), sys.argv[3::2]
+    out, counted = Path(sys.argv[1]), sys.argv[2] == "--steps"
+    steps, overrides = (int(sys.argv[3]), sys.argv[5::2]) if counted else (0, sys.argv[3::2])
     config = load_config(None, overrides)
     with open_runtime(config.dist) as runtime:
         strategy = make_strategy(config.dist, runtime.world_size, runtime.local_world_size)
@@ -27,8 +47,10 @@ if __name__ == "__main__":
         lines = []
         model = strategy.setup_module(Build(lambda: build_model(config.model, data.info), config.train.seed,
                                             log=lines.append), runtime)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-        weights = strategy.full_model_state(model)
+        built = peak_rss()
+        train_steps(model, steps, config.data.seq_len)
+        figures = {"peak_rss_bytes": built, "steps_peak_rss_bytes": peak_rss(), "log": lines}
+        weights = strategy.full_model_state(model)  # after the peaks: rank 0 gathers the whole model
         if runtime.is_main:
             torch.save(weights, out / "weights.pt")
-        (out / f"rss_{runtime.rank}.json").write_text(json.dumps({"peak_rss_bytes": peak, "log": lines}))
+        (out / f"rss_{runtime.rank}.json").write_text(json.dumps(figures))
