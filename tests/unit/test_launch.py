@@ -8,9 +8,10 @@ import os
 import signal
 
 import pytest
+import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from distrib.distributed.runtime import collective_timeouts
+from distrib.distributed.runtime import collective_timeouts, return_freed_host_memory
 from distrib.errors import EXIT_HUNG, EXIT_PREEMPTED, CollectiveTimeoutError, PeerLostError, UserError
 from distrib.launch import launcher
 
@@ -96,6 +97,25 @@ def test_cpu_workers_share_the_cores_unless_the_user_chose():
     assert launcher.cpu_threads({}, 10 * cores, num_gpus=0) == "1"
     assert launcher.cpu_threads({"OMP_NUM_THREADS": "7"}, 2, num_gpus=0) is None
     assert launcher.cpu_threads({}, 2, num_gpus=2) is None  # GPU workers: torchrun's default
+
+
+def _resident_bytes() -> int:
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.confstr("CS_GNU_LIBC_VERSION"), reason="glibc's allocator only")
+def test_cpu_workers_give_freed_host_tensors_back_unless_the_user_tuned_glibc():
+    """What FSDP gathers and frees block by block on the CPU must not stay in the heap (README, "What each rank
+    holds"): freed tensors of 1 to 8 MiB go back to the system at once."""
+    assert not return_freed_host_memory({"MALLOC_MMAP_THRESHOLD_": "131072"})
+    assert not return_freed_host_memory({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"})
+    assert return_freed_host_memory({})
+    torch.ones(16)  # torch's code for it is paged in
+    before = _resident_bytes()
+    for mib in (8, 1, 4, 2, 8, 3):  # glibc's default threshold rises to 8 MiB, then keeps the smaller ones (8 MiB)
+        block = torch.ones(mib * 2**18)
+        del block
+    assert _resident_bytes() - before < 2**20
 
 
 def test_a_failure_every_rank_shares_is_one_line(tmp_path):
