@@ -6,9 +6,9 @@ file as the worker, which trains through distrib.worker.train_on and writes its 
         per strategy: each worker's peak RSS above that of the same run with a tiny GPT, per fp32 byte of the model
         (target, issue 21: under fsdp at world size 4 at most 1.0 for three of four workers, 2.0 for all); the peak
         before the first step above the tiny run's (the fullest worker) beside `distrib plan`'s startup_bytes_per_rank
-        (target: within 50%); seconds from process start to the end of the first step
+        (target: within 50%); seconds from process start to the first step (its end less the second step's time)
     python scripts/bench_startup.py --before DIR [--world-sizes 1,4] [--repeats 3]
-        seconds from process start to the end of the first step under fsdp, of DIR's checkout (e.g. a worktree of the
+        those seconds under fsdp (global batch 4), of DIR's checkout (e.g. a worktree of the
         commit before a change) and of this one, in alternating order; medians, and the machine's load average
 --code runs another checkout's distrib in the table."""
 
@@ -34,7 +34,7 @@ STRATEGIES = {"ddp": ["dist.strategy=ddp"], "fsdp": ["dist.strategy=fsdp"],
               "hsdp": ["dist.strategy=hsdp", "dist.shard_size=2"],
               "tp": ["dist.strategy=fsdp", "dist.tensor_parallel=2"]}
 SETTINGS = ["model.name=gpt", "data.name=text", f"data.root={TEXT}", "data.seq_len=128", "train.optimizer=sgd",
-            "train.momentum=0", "train.global_batch_size=8", "dist.device=cpu"]
+            "train.momentum=0", "dist.device=cpu"]
 
 
 class _TrainStart:
@@ -59,21 +59,23 @@ def worker(out: Path, overrides: list[str]) -> None:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
     config = load_config(None, overrides)
-    first, start = [], _TrainStart(peak)
+    ends, start = [], _TrainStart(peak)
     # a checkout from before the training callbacks (--before) reports no start-up peak
     hooks = {"callbacks": (start,)} if "callbacks" in inspect.signature(train_on).parameters else {}
     with open_runtime(config.dist) as runtime:
-        train_on(config, runtime, on_step_end=lambda step: first.append(time.time()) if not first else None, **hooks)
-        figures = {"peak_rss_bytes": peak(), "seconds_to_first_step": first[0] - STARTED, **start.figures}
+        train_on(config, runtime, on_step_end=lambda step: ends.append(time.time()), **hooks)
+        # the first step's end less the second step's time: the start-up, without one step's compute
+        figures = {"peak_rss_bytes": peak(), "seconds_to_first_step": 2 * ends[0] - ends[1] - STARTED,
+                   **start.figures}
         (out / f"rank_{runtime.rank}.json").write_text(json.dumps(figures))
 
 
-def _run(out: Path, world_size: int, kwargs: str, strategy: list[str], code: Path, mmap_threshold: int = 0
-         ) -> list[dict]:
+def _run(out: Path, world_size: int, kwargs: str, strategy: list[str], code: Path, mmap_threshold: int = 0,
+         batch: int = 8) -> list[dict]:
     out.mkdir(parents=True)
-    sets = [*SETTINGS, f"model.kwargs={kwargs}", "train.max_steps=2", "train.epochs=0", "train.eval_every_epochs=0",
-            "data.eval_batch_size=8", "checkpoint.every_steps=0", "run.progress=false", f"run.dir={out / 'run'}",
-            *strategy]
+    sets = [*SETTINGS, f"train.global_batch_size={batch}", f"model.kwargs={kwargs}", "train.max_steps=2",
+            "train.epochs=0", "train.eval_every_epochs=0", "data.eval_batch_size=8", "checkpoint.every_steps=0",
+            "run.progress=false", f"run.dir={out / 'run'}", *strategy]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
            __file__, "--worker", str(out), *sets]
     env = {**os.environ, "PYTHONPATH": str(code), "OMP_NUM_THREADS": "1"}
@@ -87,7 +89,8 @@ def _run(out: Path, world_size: int, kwargs: str, strategy: list[str], code: Pat
 
 def planned_startup_bytes(world_size: int, kwargs: str, strategy: list[str]) -> int:
     """`distrib plan --json`'s startup_bytes_per_rank for this run (this checkout's plan)."""
-    sets = [arg for item in [*SETTINGS, f"model.kwargs={kwargs}", *strategy] for arg in ("--set", item)]
+    sets = [arg for item in [*SETTINGS, "train.global_batch_size=8", f"model.kwargs={kwargs}", *strategy]
+            for arg in ("--set", item)]
     cmd = [sys.executable, "-m", "distrib", "plan", "--json", f"--world-size={world_size}", *sets]
     text = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
                           check=True, timeout=600).stdout
@@ -137,7 +140,7 @@ def memory_table(args) -> dict:
 
 
 def startup_times(args) -> dict:
-    """Process start to the end of the first step under fsdp, before and after, alternating which goes first."""
+    """Process start to the first step under fsdp, before and after, alternating which goes first."""
     codes = {"before": Path(args.before), "after": Path(args.code)}
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench_startup_") as tmp:
@@ -147,7 +150,7 @@ def startup_times(args) -> dict:
                 for which in (("before", "after") if repeat % 2 == 0 else ("after", "before")):
                     loads.append(os.getloadavg()[0])
                     ranks = _run(Path(tmp) / f"{world_size}_{repeat}_{which}", world_size, args.model,
-                                 STRATEGIES["fsdp"], codes[which])
+                                 STRATEGIES["fsdp"], codes[which], batch=4)  # the steps' compute is not timed
                     seconds[which].append(max(rank["seconds_to_first_step"] for rank in ranks))
             row = {which: statistics.median(values) for which, values in seconds.items()}
             results[world_size] = {**row, "runs": seconds, "load_average": statistics.median(loads)}

@@ -138,6 +138,11 @@ class Runtime:
             return torch.cuda.mem_get_info(self.device)[0]
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
+    def return_freed_host_memory(self) -> bool:
+        """On the CPU, large tensors go back to the system when freed (return_freed_host_memory); whether they do
+        now. On a GPU the large transient tensors live on the device: nothing."""
+        return self.device.type == "cpu" and return_freed_host_memory()
+
     def device_rng_state(self) -> torch.Tensor | None:
         return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
 
@@ -185,9 +190,7 @@ def select_device(requested: str, local_rank: int) -> torch.device:
 
 # glibc serves each allocation above its mmap threshold by a mapping of its own, returned to the system when freed.
 # The default threshold starts at 128 KiB but rises to the size of each such block freed (up to 32 MiB), after which
-# the parameters FSDP gathers and frees block by block on a CPU stay in the heap: measured on the 203M-parameter GPT
-# under fsdp at world size 4, each worker's peak RSS above a tiny GPT's was 1.8-2.1x the model's bytes, and 0.92x
-# with the threshold fixed at 64 KiB (README, "What each rank holds"). On a GPU the gathers live on the device.
+# the parameters FSDP gathers and frees block by block on a CPU stay in the heap (README, "The host allocator").
 _MMAP_THRESHOLD_BYTES = 64 * 1024
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number, glibc's malloc.h
 
@@ -259,8 +262,6 @@ def open_runtime(config: DistConfig, env: LaunchEnv | None = None) -> Iterator[R
     device = select_device(config.device, env.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before any CUDA work, or every rank allocates on GPU 0
-    else:
-        return_freed_host_memory()
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=config.timeout_s)
     session = next(_OPENED)
