@@ -224,8 +224,9 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
     meter.flops_per_sample = flops_per_sample(placed, dry.inputs, dry.targets, loss)
     meter.tokens_per_sample = tokens_per_sample(dry.inputs)
     # Only now, once the user's input passed: rank 0 locks run.dir and checkpoint.dir for the rest of the run (a
-    # refused run wrote nothing, not even a lock file); the resume choice below is made under the lock.
-    with own_folders(config, runtime):
+    # refused run wrote nothing, not even a lock file); the resume choice below is made under the lock. Under a
+    # sharded strategy every rank writes its part of weights/ and of each checkpoint: each checks it sees them.
+    with own_folders(config, runtime, every_rank_writes=strategy.sharded_state):
         state = new_state(wrapped, config.train, total_steps, runtime.device, best=_best(config, runtime),
                           log=notes.append, strategy=strategy)
         checkpointer = _checkpointer(config, runtime, state, plan.global_batch_size, data)
