@@ -3,7 +3,8 @@ groups, a 2-D mesh) and either composed with tensor parallel (dist.tensor_parall
 They differ only by the mesh (MeshShape); this class owns their model's life.
 
 Start-up: the model is built on the meta device, split by tensor parallel, sharded by fully_shard, and only this
-rank's shards are materialised on its device (distrib.distributed.strategies.materialise). Steady state: each rank
+rank's shards are materialised on its device (distrib.distributed.strategies.materialise), then filled by the
+weights to load (model.init_from), the model's own initialisation, or rank 0's whole copy. Steady state: each rank
 holds its shards of parameters, gradients and optimizer state, all-gathers a block's parameters for its forward and
 backward, reduce-scatters its gradients, and saves its own shards (DCP)."""
 
