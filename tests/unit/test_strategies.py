@@ -11,6 +11,7 @@ from distrib.distributed.mesh import MeshShape
 from distrib.distributed.runtime import Runtime, open_runtime
 from distrib.distributed.strategies import Build, DDPStrategy, FSDPStrategy, make_strategy, materialise
 from distrib.distributed.strategies.materialise import build_on_meta, build_whole, initialises_itself
+from distrib.errors import UserError
 from distrib.models.gpt import GPT
 from distrib.models.network import Network
 from tests.helpers.factories import self_initialising
@@ -36,6 +37,19 @@ class _ComputedBuffer(nn.Linear):
     def __init__(self):
         super().__init__(4, 4)
         self.register_buffer("table", torch.arange(4.0))  # made in __init__ only: no init writes it
+
+
+class _BufferOfParameters(nn.Linear):
+    def __init__(self):
+        super().__init__(4, 4)
+        self.register_buffer("norms", self.weight.detach().norm(dim=1), persistent=False)  # in no weights file
+
+
+def test_a_buffer_that_cannot_be_made_without_the_weights_is_one_line():
+    with pytest.raises(UserError, match="buffer norms is computed from its parameters in its constructor"):
+        materialise.build_for_loading(_BufferOfParameters, 0)
+    model, kept = materialise.build_for_loading(_ComputedBuffer, 0)  # persistent: read from the weights, not kept
+    assert model.weight.is_meta and kept == {} and torch.equal(model.table, torch.arange(4.0))
 
 
 @pytest.mark.parametrize("factory, expected", [(lambda: GPT(n_layers=1, dim=32), True), (self_initialising, True),

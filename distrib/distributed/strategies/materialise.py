@@ -86,7 +86,14 @@ def build_for_loading(factory: Callable[[], nn.Module], seed: int) -> tuple[nn.M
     with _parameters_on_meta():
         model = factory()
     persistent = set(model.state_dict())
-    return model, {name: buffer.clone() for name, buffer in model.named_buffers() if name not in persistent}
+    kept = {name: buffer.clone() for name, buffer in model.named_buffers() if name not in persistent}
+    unknown = [name for name, buffer in kept.items() if buffer.is_meta]
+    if unknown:
+        raise UserError(f"model.init_from: the model's non-persistent buffer {unknown[0]} is computed from its "
+                        "parameters in its constructor, where they have no values yet (a sharded strategy makes them "
+                        "on the meta device and reads them from the weights); compute it in forward, or register it "
+                        "as persistent so that it is read from the weights too")
+    return model, kept
 
 
 def restore_buffers(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
