@@ -164,8 +164,9 @@ def _memory_figures(config: Config, strategy: Strategy, machine: Machine, info, 
                     device: torch.device) -> dict:
     """Start-up beside steady state, device memory per rank beside host memory per node, and what does not fit."""
     whole, largest, self_init = _whole_model(config, info)
+    loads = bool(config.model.init_from)  # the shards are read from the file: no whole copy either, a block at a time
     params_on_host = device.type == "cpu" or strategy.state_on_host
-    startup, startup_host = strategy.startup_memory(parts["parameters"], whole, largest, self_init,
+    startup, startup_host = strategy.startup_memory(parts["parameters"], whole, largest, self_init or loads,
                                                     machine.nproc_per_node, params_on_host)
     state = sum(parts.values())
     # In steady state the host holds each rank's all (a CPU run) or its offloaded state shards.
@@ -173,7 +174,7 @@ def _memory_figures(config: Config, strategy: Strategy, machine: Machine, info, 
     host = max(startup_host, steady_host)
     return {"startup_bytes_per_rank": startup, "startup_host_bytes_per_node": startup_host,
             "host_bytes_per_node": steady_host, "host_memory_bytes": machine.host_memory,
-            "whole_model_bytes": whole, "self_initialising": self_init,
+            "whole_model_bytes": whole, "self_initialising": self_init, "loads_weights": loads,
             "fits": needed <= machine.device_memory and (device.type == "cpu" or startup <= machine.device_memory),
             "fits_host": host <= machine.host_memory}
 
@@ -240,7 +241,8 @@ def table(figures: dict, machine: Machine) -> str:
         ("collectives / step", f"{_size(f['collective_bytes_per_step_intra_node'])} intra-node, "
                                f"{_size(f['collective_bytes_per_step_inter_node'])} inter-node per rank"),
         ("start-up / rank", f"{_size(f['startup_bytes_per_rank'])} while building and loading ("
-                            + ("the model initialises its own shards" if f["self_initialising"] else
+                            + ("each rank reads its shards from model.init_from" if f["loads_weights"] else
+                               "the model initialises its own shards" if f["self_initialising"] else
                                "rank 0 also builds the whole model in host memory") + ")"),
         ("device memory", f"{'fits' if f['fits'] else 'DOES NOT FIT'}: {_size(f['memory_bytes_per_rank'])} of "
                           f"{_size(f['device_memory_bytes'])} (state + activations of one micro-batch)"),

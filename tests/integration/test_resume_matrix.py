@@ -2,6 +2,8 @@
 uninterrupted runs (ddp at world size 1, fsdp at 2, hsdp 2 x 2 at 4) checkpoint at step 6 of 12; their step-6
 checkpoints are continued under other strategies and world sizes and compared with the run they came from. The
 tolerance is measured by the same runs: the uninterrupted runs at two world sizes differ by that pair's float noise.
+With one more uninterrupted run (fsdp at 4), the same runs show that a user's model from a factory, which cannot
+initialise its own shards, trains under fsdp at world sizes 2 and 4 as in one process.
 
 Random labels, a constant learning rate, momentum and active gradient clipping keep every step's gradients large, so
 the noise is visible (a learned-out task has gradients near 0 and hides a resume that loads the wrong state)."""
@@ -21,7 +23,7 @@ CONFIG = ("data.factory=tests.helpers.data_factories:tensors",
           "model.factory=tests.helpers.factories:wide_mlp", "model.kwargs={width = 256}",
           "train.max_steps=12", "train.global_batch_size=64", "train.schedule=constant", "train.warmup_steps=3",
           "train.grad_clip=0.5", "checkpoint.every_steps=6")
-SOURCES = (("ddp", 1), ("fsdp", 2), ("hsdp", 4))
+SOURCES = (("ddp", 1), ("fsdp", 2), ("hsdp", 4), ("fsdp", 4))
 # Every (source strategy -> target strategy) pair; world sizes up (1 -> 2, 1 -> 4), down (4 -> 2, 4 -> 1, 2 -> 1)
 # and the same (2 -> 2, 1 -> 1); hsdp as a 2 x 2 mesh on both sides. ddp -> ddp across world sizes: test_resume.py.
 RESUMES = {("hsdp", 4): (("fsdp", 2), ("ddp", 1), ("hsdp", 1)),
@@ -40,7 +42,9 @@ def _train(run_dir: Path, strategy: str, world_size: int) -> dict:
     overrides = (*CONFIG, f"dist.strategy={strategy}", *mesh)
     if world_size == 1:
         return run_training(small_config(run_dir, *overrides))
-    assert_ok(torchrun_train(world_size, *sets(*SMALL, *overrides, f"run.dir={run_dir}")))
+    result = torchrun_train(world_size, *sets(*SMALL, *overrides, f"run.dir={run_dir}"))
+    assert_ok(result)
+    (run_dir / "stderr.txt").write_text(result.stderr)  # the run's log, for what it says about the build
     return json.loads((run_dir / "summary.json").read_text())
 
 
@@ -83,7 +87,7 @@ def resumed(tmp_path_factory, sources) -> dict[tuple, float]:
 def _noise(sources: dict) -> dict[tuple[int, int], float]:
     """(world size a, world size b) -> the float noise between them: their uninterrupted runs' difference. For one
     world size (another strategy there differs by the order of its reductions only), the smallest of the others."""
-    weights = {world: load_weights(run_dir) for (_, world), run_dir in sources.items()}
+    weights = {world: load_weights(sources[strategy, world]) for strategy, world in RESUMES}
     noise = {(a, b): max_relative_diff(weights[a], weights[b]) for a in weights for b in weights if a != b}
     return {**noise, **{(world, world): min(noise.values()) for world in weights}}
 
@@ -103,3 +107,17 @@ def test_every_resume_across_strategies_and_world_sizes_is_within_the_measured_n
     print(report)
     assert all(0 < noise < 1e-5 for _, _, noise in table), report  # noise there is, and it is small
     assert all(difference <= NOISE_MULTIPLE * noise for _, difference, noise in table), report
+
+
+@pytest.mark.timeout(900)
+def test_a_users_factory_model_under_fsdp_at_world_sizes_2_and_4_ends_within_1e_5_of_one_process(sources):
+    """Issue 21's promise for a user's model: wide_mlp (an nn.Sequential, no reset_parameters) is built whole once,
+    on rank 0's host, and each rank is sent its shards; after 12 steps fsdp at world sizes 2 and 4 are within 1e-5 of
+    one process."""
+    one = load_weights(sources["ddp", 1])
+    for world_size in (2, 4):
+        run_dir = sources["fsdp", world_size]
+        assert "rank 0 built it whole once in host memory" in (run_dir / "stderr.txt").read_text(), world_size
+        difference = max_relative_diff(load_weights(run_dir), one)
+        print(f"fsdp at world size {world_size}: {difference:.2g} from one process")
+        assert difference < 1e-5, world_size
