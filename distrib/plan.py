@@ -128,6 +128,9 @@ def _sharded_state(config: Config, strategy: Strategy, info, machine: Machine, d
     runtime = Runtime(0, 0, machine.world_size, machine.nproc_per_node, device, "fake")
     model = strategy.plan_module(model, runtime, config.train.precision)
     optimizer = build_optimizer(model, config.train)
+    for group in optimizer.param_groups:  # the same state; DTensor's sharding rules cache per-tensor ops, not
+        if "foreach" in group:            # foreach lists: 3 s instead of 14 s for an 8B GPT's first step on meta
+            group["foreach"] = False
     for param in model.parameters():
         param.grad = torch.zeros_like(param) if param.requires_grad else None
     optimizer.step()  # creates the optimizer's state (momenta, moments, step counts) on meta, as a first step would
