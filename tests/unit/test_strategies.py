@@ -103,3 +103,18 @@ def test_weights_to_load_fill_the_shards_of_a_model_never_built_whole(tmp_path, 
         assert all(torch.equal(buffers[name], buffer) for name, buffer in reference.named_buffers())
     assert devices == [{"meta", "buffers cpu"}]
     assert len(lines) == 1 and "no rank held the model whole" in lines[0], lines
+
+
+def test_sharded_models_of_64_mib_and_more_have_freed_host_memory_returned_on_the_cpu(monkeypatch):
+    """Only there is what glibc keeps of the gathers worth the page faults (README, "The host allocator")."""
+    from distrib.distributed import runtime as runtime_module
+    from distrib.distributed.strategies import fsdp as fsdp_strategy
+
+    calls = []
+    monkeypatch.setattr(runtime_module, "return_freed_host_memory", lambda: calls.append(1) or True)
+    cpu, gpu = (Runtime(0, 0, 1, 1, torch.device(kind), "fake") for kind in ("cpu", "cuda"))
+    with torch.device("meta"):
+        large, small = nn.Linear(4096, 4096, bias=False), nn.Linear(4096, 4095, bias=False)  # 64 MiB, just below
+    for model, runtime in ((small, cpu), (large, gpu), (large, cpu)):
+        fsdp_strategy._return_freed_memory_if_large(model, runtime)
+    assert calls == [1]
