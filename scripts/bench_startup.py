@@ -166,7 +166,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=LARGE, help="the large GPT's model.kwargs")
     parser.add_argument("--code", default=str(REPO), help="the checkout whose distrib runs")
     parser.add_argument("--mmap-threshold", type=int, default=0,
-                        help="MALLOC_MMAP_THRESHOLD_ for the workers (0: distrib's own choice, 64 KiB on glibc)")
+                        help="MALLOC_MMAP_THRESHOLD_ for the workers (0: distrib's own choice: 64 KiB under sharded "
+                             "strategies for models of 64 MiB or more, on glibc)")
     parser.add_argument("--before", help="time the start-up of this checkout against --code's instead")
     parser.add_argument("--world-sizes", default="1,4", help="--before: the world sizes")
     parser.add_argument("--repeats", type=int, default=3, help="--before: runs of each checkout per world size")
