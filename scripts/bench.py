@@ -2,7 +2,8 @@
 
     python scripts/bench.py [--steps 200] [--repeats 7] [--world-sizes 1,2] [--json bench.json]
     python scripts/bench.py --model gpt --world-sizes 1     (tokens/s of a byte-level GPT: distrib under ddp and fsdp
-                                                             against a nanoGPT-style loop, 5 alternating pairs)
+                                                             against a nanoGPT-style loop, and that loop under a
+                                                             bare fully_shard; 5 alternating rounds)
 Each variant trains the seed Network (or, --model gpt, the built-in GPT on a text file: scripts/bench_gpt.py) for
 --steps optimizer steps of --batch samples (the first --skip steps, warm-up and compilation, are left out of the
 clock); variants are interleaved, in alternating order, and the table shows medians. "lockstep" runs the trainer and
