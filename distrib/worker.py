@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from distrib.checkpoint import BestCheckpoints, Checkpointer, CheckpointError, committing, make_checkpointer
 from distrib.checkpoint.format import save_atomic, set_rng_state
-from distrib.checkpoint.init_from import Pretrained, check_weights, load_weights, open_source
+from distrib.checkpoint.init_from import check_weights, load_weights, open_source
 from distrib.checkpoint.weights import WEIGHTS_DIR, write_run_weights
 from distrib.config import Config, to_dict, write_resolved
 from distrib.data import Data, load_data, make_plan
@@ -27,7 +27,7 @@ from distrib.data.split import split_validation
 from distrib.distributed.agreement import RankAgreement
 from distrib.distributed.parallel import memory_report, sync_batchnorm, unwrap
 from distrib.distributed.runtime import LaunchEnv, Runtime, collective_timeouts, open_runtime
-from distrib.distributed.strategies import Build, make_strategy
+from distrib.distributed.strategies import Build, LoadWeights, make_strategy
 from distrib.errors import ConfigError, say
 from distrib.factory import accepted, call_factory
 from distrib.launch.preempt import Preempted, parse_signals, stop_on_signals
@@ -161,7 +161,21 @@ def _build(config: Config, runtime: Runtime, data: Data, model: ModelArg, notes:
         return with_norms(built)
 
     given = with_norms(model) if isinstance(model, nn.Module) else None
-    return Build(factory, config.train.seed, config.speed, config.train.precision, given=given, log=notes.append)
+    return Build(factory, config.train.seed, config.speed, config.train.precision, given=given,
+                 load_weights=_init_from(config, notes), log=notes.append)
+
+
+def _init_from(config: Config, notes: list[str]) -> LoadWeights | None:
+    """model.init_from, read by the strategy's build in place of the model's initialisation: names and shapes checked
+    first (one line, exit 2, before anything is written), then every rank reads the blocks it holds (under ddp the
+    whole). A resumed checkpoint is loaded over them later, so it wins; an EMA starts from them."""
+    if not config.model.init_from:
+        return None
+
+    def load(model: nn.Module) -> None:
+        notes.append(load_weights(model, check_weights(model, open_source(config.model.init_from))))
+
+    return load
 
 
 def _model_notes(config: Config, model: nn.Module) -> list[str]:
@@ -192,12 +206,11 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
                      "at the end")
     plan = make_plan(data.train.num_samples, config.train, runtime)
     total_steps = _total_steps(config, plan.steps_per_epoch)
-    # Built, materialised (under sharded strategies: only this rank's shards), placed and wrapped; the checks below
-    # run the plain module under the wrappers.
+    # Built, materialised (under sharded strategies: only this rank's shards), given model.init_from's weights,
+    # placed and wrapped; the checks below run the plain module under the wrappers.
     wrapped = strategy.setup_module(_build(config, runtime, data, model, notes), runtime)
     placed = unwrap(wrapped)
     notes += _model_notes(config, placed)
-    pretrained = _pretrained(config, placed)  # names and shapes checked now; read once the model is sharded
     dry = dry_batch(placed, data.train, data.info, runtime.device, build_loss(config.train, loss_fn))
     loss, task = dry.loss, task_for(dry, config.metrics.eval, metrics)
     validation = data.val is not None
@@ -211,14 +224,13 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
     meter.flops_per_sample = flops_per_sample(placed, dry.inputs, dry.targets, loss)
     meter.tokens_per_sample = tokens_per_sample(dry.inputs)
     # Only now, once the user's input passed: rank 0 locks run.dir and checkpoint.dir for the rest of the run (a
-    # refused run wrote nothing, not even a lock file); the resume choice below is made under the lock.
-    with own_folders(config, runtime):
+    # refused run wrote nothing, not even a lock file); the resume choice below is made under the lock. Under a
+    # sharded strategy every rank writes its part of weights/ and of each checkpoint: each checks it sees them.
+    with own_folders(config, runtime, every_rank_writes=strategy.sharded_state):
         state = new_state(wrapped, config.train, total_steps, runtime.device, best=_best(config, runtime),
                           log=notes.append, strategy=strategy)
         checkpointer = _checkpointer(config, runtime, state, plan.global_batch_size, data)
         resumed_from = _resume(state, config, runtime, checkpointer, plan.global_batch_size, data, notes)
-        if pretrained is not None and resumed_from is None:  # a resumed checkpoint wins over model.init_from
-            _init_from(state, pretrained, notes)
         finished = _finished_summary(config, runtime, state, total_steps) if resumed_from is not None else None
         if finished is not None:
             return finished  # nothing written: summary.json, config.toml and metrics.jsonl stay as they were
@@ -254,18 +266,6 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
                           model is None)
         hooks.on_train_end(summary)
         return summary
-
-
-def _pretrained(config: Config, model: nn.Module) -> Pretrained | None:
-    """model.init_from's weights, their names and shapes checked against the model (no tensor data read yet)."""
-    return check_weights(unwrap(model), open_source(config.model.init_from)) if config.model.init_from else None
-
-
-def _init_from(state: TrainState, pretrained: Pretrained, notes: list[str]) -> None:
-    """Every rank reads its blocks of the pretrained weights into the (sharded) model; the EMA starts from them."""
-    notes.append(load_weights(unwrap(state.model), pretrained))
-    if state.ema is not None:
-        state.ema.reset()
 
 
 def _after_step(runtime: Runtime, on_step_end: Callable[[int], None] | None) -> Callable[[int], None] | None:

@@ -159,7 +159,7 @@ def measure(runtime, batch: int, mode: str, args, run_dir: Path) -> dict:
     from distrib.config import load_config
     from distrib.worker import train_on
 
-    overrides = ["data.name=synthetic", "data.synthetic_train_size=60000", "data.synthetic_test_size=1000",
+    overrides = ["data.name=synthetic", f"data.synthetic_train_size={args.train_size}", "data.synthetic_test_size=1000",
                  f"train.global_batch_size={batch}", "train.epochs=0", f"train.max_steps={args.steps}",
                  "train.eval_every_epochs=0", f"train.log_every={args.steps}", f"metrics.timing_skip_steps={args.skip}",
                  "run.progress=false", f"run.dir={run_dir}", "checkpoint.every_steps=0", "checkpoint.resume=never",
@@ -296,11 +296,12 @@ def parse_args(argv):
                         help="only the GPT under every strategy (gpu_check.sh runs it under distrib launch on N GPUs)")
     args = parser.parse_args(argv)
     args.batches, args.modes = (512, 1024, 4096), list(MODES)
-    args.gpt_batch, args.gpt_seq_len, args.gpt_rows = 64, 256, []
-    if args.quick:
-        args.batches, args.modes = (64, 128), ["fp32", "bf16", "bf16 dataloader", "fsdp bf16"]
-        args.steps, args.skip, args.equivalence_steps = 8, 2, 3
-        args.gpt_batch, args.gpt_seq_len = 8, 32
+    args.gpt_batch, args.gpt_seq_len, args.gpt_rows, args.train_size = 64, 256, [], 60000
+    if args.quick:  # a smoke test: making 60,000 synthetic images per row was most of its time
+        args.train_size = 2048
+        args.batches, args.modes = (32,), ["fp32", "bf16", "bf16 dataloader", "fsdp bf16"]
+        args.steps, args.skip, args.equivalence_steps = 4, 1, 3
+        args.gpt_batch, args.gpt_seq_len = 4, 16
     return args
 
 

@@ -118,6 +118,7 @@ def lock_folder(key: str, folder: Path, wait_s: float = 0.0) -> int:
     since = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"host {socket.gethostname()}, pid {os.getpid()}, since {since}\n".encode(), 0)
+    os.fsync(fd)  # on a shared filesystem, the other nodes read it next (shared_folder_error)
     return fd
 
 
@@ -139,28 +140,82 @@ def environment_faults() -> Iterator[None]:
                                ) from None
 
 
-@contextlib.contextmanager
-def own_folders(config, runtime) -> Iterator[None]:
-    """For the run's life: rank 0 checks and locks run.dir and checkpoint.dir, and every rank raises rank 0's error
-    (one collective, so no rank waits for a peer that already gave up)."""
+# What every rank of a sharded strategy writes into each folder: why the folder must be shared.
+_WRITTEN_BY_EVERY_RANK = {"run.dir": "the run's weights (weights/)", "checkpoint.dir": "each sharded checkpoint"}
+
+
+def shared_folder_error(config, runtime, folders: list[tuple[str, Path]], locked: list[str]) -> UserError | None:
+    """Whether every rank sees, in each folder, the lock file rank 0 just wrote there (`locked`: what it wrote),
+    i.e. the same folder: else the error every rank raises, naming the first folder some rank does not share. A
+    collective."""
     import torch.distributed as dist
 
-    fds, error = [], None
+    seen = []
+    for (_, folder), text in zip(folders, locked):
+        try:
+            seen.append((Path(folder) / LOCK_NAME).read_text().strip() == text)
+        except OSError:  # no such file: a folder of this node's own
+            seen.append(False)
+    ranks = [None] * runtime.world_size
+    dist.all_gather_object(ranks, (socket.gethostname(), seen))
+    for index, (key, folder) in enumerate(folders):
+        blind = [rank for rank, (_, sees) in enumerate(ranks) if not sees[index]]
+        if blind:
+            hosts = ", ".join(sorted({ranks[rank][0] for rank in blind}))
+            who = (f"rank {blind[0]} (on {hosts}) does" if len(blind) == 1 else
+                   f"ranks {', '.join(map(str, blind))} (on {hosts}) do")
+            return UserError(f"{key} = '{folder}': {who} not see the folder rank 0 (on {ranks[0][0]}) locked; every "
+                             f"rank writes its part of {_WRITTEN_BY_EVERY_RANK[key]} into it (dist.strategy = "
+                             f"{config.dist.strategy}), so {key} must be one folder shared by every node: --set "
+                             f"{key}=A_FOLDER_ON_A_SHARED_FILESYSTEM")
+    return None
+
+
+def _lock_all(config, wait_s: float) -> tuple[list[int], list[Path]]:
+    """Rank 0: checks and locks every folder of the run; the open fds, and the folders it had to create."""
+    check_folders(config)
+    fds, created = [], []
+    for key, folder in run_folders(config):
+        if not folder.exists():
+            created.append(folder)
+        fds.append(lock_folder(key, folder, wait_s))
+    return fds, created
+
+
+def _unmake(created: list[Path]) -> None:
+    """Rank 0, for a run refused after it locked: the folders it made go again (its lock files in them first;
+    innermost first: checkpoint.dir may be inside run.dir)."""
+    for folder in reversed(created):
+        with contextlib.suppress(OSError):
+            (folder / LOCK_NAME).unlink()
+            folder.rmdir()
+
+
+@contextlib.contextmanager
+def own_folders(config, runtime, every_rank_writes: bool = False) -> Iterator[None]:
+    """For the run's life: rank 0 checks and locks run.dir and checkpoint.dir, and every rank raises rank 0's error
+    (one collective, so no rank waits for a peer that already gave up). every_rank_writes (a sharded strategy: each
+    rank writes its own part of the weights and checkpoints): every rank checks that it sees the same folders."""
+    import torch.distributed as dist
+
+    fds, created, error = [], [], None
     if runtime.is_main:
         # After a launcher restart the previous attempt's rank 0 may still be on its way out: give it a moment (and
         # a second anyway, for another CLI's lock probe, which holds the lock for microseconds).
         wait_s = 10.0 if runtime.restart_count else 1.0
         try:
-            check_folders(config)
-            for key, folder in run_folders(config):
-                fds.append(lock_folder(key, folder, wait_s))
+            fds, created = _lock_all(config, wait_s)
         except UserError as e:
             error = e
         except OSError as e:  # e.g. a parent folder this user may not even look into
             error = UserError(f"{e.filename}: {e.strerror}; --set run.dir (or checkpoint.dir) to a folder you own")
-    verdict = [error]
+    verdict = [error, [_holder(fd) for fd in fds]]
     dist.broadcast_object_list(verdict, src=0)
     try:
+        if verdict[0] is None and every_rank_writes and runtime.world_size > 1:
+            verdict[0] = shared_folder_error(config, runtime, run_folders(config), verdict[1])
+            if verdict[0] is not None and runtime.is_main:
+                _unmake(created)
         if verdict[0] is not None:
             raise verdict[0]
         yield

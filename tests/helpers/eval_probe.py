@@ -1,6 +1,6 @@
 """Run under torchrun: evaluates one seeded, untrained Network on a 1003-sample test set and writes the metrics.
 
-argv: OUT_JSON LOADER (device | dataloader)."""
+argv: OUT_JSON LOADERS (device, dataloader, or both comma-separated: one launch, one metrics dict per loader)."""
 
 import json
 import sys
@@ -17,17 +17,20 @@ from distrib.models.network import Network
 from distrib.training.evaluation import evaluate
 
 
-def main(out: str, loader: str) -> None:
-    config = load_config(None, ["data.name=synthetic", "data.synthetic_test_size=1003", "data.eval_batch_size=100",
-                                f"data.loader={loader}", "dist.device=cpu"])
-    with open_runtime(config.dist) as runtime:
-        data = load_data(config.data, runtime, config.train.seed)
-        torch.manual_seed(0)
-        model = wrap_ddp(place_model(Network(), runtime.device), runtime)
-        metrics = evaluate(model, data.test, data.info.num_classes, config.data.eval_batch_size, runtime)
+def main(out: str, loaders: str) -> None:
+    configs = [load_config(None, ["data.name=synthetic", "data.synthetic_test_size=1003", "data.eval_batch_size=100",
+                                  f"data.loader={loader}", "dist.device=cpu"]) for loader in loaders.split(",")]
+    results = []
+    with open_runtime(configs[0].dist) as runtime:
+        for config in configs:
+            data = load_data(config.data, runtime, config.train.seed)
+            torch.manual_seed(0)
+            model = wrap_ddp(place_model(Network(), runtime.device), runtime)
+            metrics = evaluate(model, data.test, data.info.num_classes, config.data.eval_batch_size, runtime)
+            results.append({**metrics, "world_size": runtime.world_size})
         if runtime.is_main:
             with open(out, "w") as f:
-                json.dump({**metrics, "world_size": runtime.world_size}, f)
+                json.dump(results, f)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ commands through the one runner (processes.py, whose names are re-exported here)
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import socket
 import struct
@@ -11,6 +12,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from distrib.training.trainer import Trainer
 from tests.helpers.processes import EVENT_S, REPO, Done, Launches, kill_tree, run, run_one  # noqa: F401 - the one runner
@@ -173,3 +175,15 @@ def count_host_reads(monkeypatch) -> list[tuple[int, str]]:
 
     monkeypatch.setattr(Trainer, "step", step)
     return reads
+
+
+@contextlib.contextmanager
+def fake_rank(rank: int, world_size: int):
+    """This process as rank `rank` of a fake group: meshes and DTensors as on that rank, collectives return at once."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -17,6 +17,7 @@ from distrib.checkpoint.format import (
     read_checkpoint,
     save_atomic,
 )
+from distrib.launch.rundir import LOCK_NAME
 from tests.helpers.processes import EVENT_S
 from tests.helpers.support import REPO
 
@@ -32,7 +33,7 @@ def _write(directory: Path, step: int) -> Path:
 @pytest.mark.timeout(900)
 def test_sigkill_during_a_save_never_leaves_a_partial_file(tmp_path):
     path = tmp_path / "step_00000001.pt"
-    for delay in (0.01, 0.03, 0.05, 0.08, 0.13, 0.21):
+    for delay in (0.01, 0.05, 0.21):  # early in a save, mid-way, late (each a fresh process: torch imports)
         proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "helpers" / "save_loop.py"), str(path)],
                                 stdout=subprocess.PIPE, text=True, start_new_session=True)
         try:
@@ -81,9 +82,11 @@ def test_checkpoint_time_is_not_step_time(tmp_path, monkeypatch):
 
 
 @pytest.mark.timeout(900)
-def test_ranks_that_do_not_share_checkpoint_dir_are_told_so_on_every_rank(tmp_path):
+def test_ranks_that_do_not_share_checkpoint_dir_or_run_dir_are_told_so_on_every_rank(tmp_path):
     """Before, the ranks compared steps, and a checkpoint's name carries its step: an unshared folder passed. Node 1
-    holds another file of the same step, node 2 none at all (its error reaches every rank: nobody waits on it)."""
+    holds another file of the same step, node 2 none at all (its error reaches every rank: nobody waits on it). Then
+    the same ranks take run.dir as a sharded run does: node 1 holds another run's folder (with its lock file), node 2
+    none; every rank is refused before anything is written, and rank 0 removes the folders it made."""
     from tests.helpers.support import run as run_cmd
 
     _write(tmp_path / "node0" / "ck", 10)
@@ -91,10 +94,13 @@ def test_ranks_that_do_not_share_checkpoint_dir_are_told_so_on_every_rank(tmp_pa
     state["checksum"] = digest(state)
     save_atomic(state, checkpoint_path(tmp_path / "node1" / "ck", 10))
     (tmp_path / "node2" / "ck").mkdir(parents=True)
+    (tmp_path / "node1" / "run").mkdir()
+    (tmp_path / "node1" / "run" / LOCK_NAME).write_text("host elsewhere, pid 1, since 2026-01-01T00:00:00+00:00\n")
     result = run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
                       str(REPO / "tests" / "helpers" / "probe_unshared.py"), str(tmp_path)], timeout=EVENT_S)
     assert result.returncode == 0, result
-    lines = [(tmp_path / f"rank{rank}.txt").read_text().strip() for rank in range(3)]
+    outcomes = [(tmp_path / f"rank{rank}.txt").read_text().splitlines() for rank in range(3)]
+    lines = [resumed for resumed, _ in outcomes]
     assert [line[:15] for line in lines] == ["rank 0 error ch", "rank 1 error ch", "rank 2 error ch"], result
     assert len({line[7:] for line in lines}) == 1  # one message, on every rank
     theirs = read_checkpoint(tmp_path / "node0" / "ck" / "step_00000010.pt", CPU)["checksum"]
@@ -102,3 +108,10 @@ def test_ranks_that_do_not_share_checkpoint_dir_are_told_so_on_every_rank(tmp_pa
                  "rank 2: checkpoint ck/step_00000010.pt: no such file",
                  "checkpoint.dir must be one folder shared by every node"):
         assert text in lines[0], lines[0]
+    run_dir = [taken for _, taken in outcomes]
+    assert len({line[7:] for line in run_dir}) == 1 and run_dir[0].startswith("rank 0 error exit 2: run.dir = 'run'")
+    for text in ("ranks 1, 2 (on ", ") do not see the folder rank 0 (on ", "must be one folder shared by every node",
+                 "every rank writes its part of the run's weights", "--set run.dir="):
+        assert text in run_dir[0], run_dir[0]
+    assert not (tmp_path / "node0" / "run").exists() and not (tmp_path / "node2" / "run").exists()
+    assert [p.name for p in (tmp_path / "node1" / "run").iterdir()] == [LOCK_NAME]  # another run's: untouched

@@ -184,12 +184,6 @@ def hsdp_nodes(tmp_path_factory) -> Path:
 
 
 @pytest.mark.timeout(300)
-def test_two_nodes_over_loopback_train_like_one_process(tmp_path, reference):
-    _two_nodes(tmp_path, tmp_path / "run")
-    assert runs_relative_diff(tmp_path / "run", reference) < 1e-5
-
-
-@pytest.mark.timeout(300)
 def test_two_nodes_under_hsdp_train_like_one_process(reference, hsdp_nodes):
     assert json.loads((hsdp_nodes / "summary.json").read_text())["state_bytes_per_rank"] > 0
     assert runs_relative_diff(hsdp_nodes, reference) < 1e-5

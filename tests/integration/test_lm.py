@@ -80,7 +80,7 @@ def _write_tokens(root: Path) -> None:
 def test_tokens_under_fsdp_agree_with_one_process_and_resume_bitwise_after_a_kill(tmp_path):
     data = tmp_path / "data"
     _write_tokens(data)
-    run = [*COMMON, *TOKENS, f"data.root={data}", "train.max_steps=160", "dist.strategy=fsdp",
+    run = [*COMMON, *TOKENS, f"data.root={data}", "train.max_steps=80", "dist.strategy=fsdp",
            "checkpoint.every_steps=20"]
     assert_ok(torchrun_train(2, *sets(*run, f"run.dir={tmp_path}/whole"), timeout=EVENT_S))
     whole = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)
@@ -98,7 +98,7 @@ def test_tokens_under_fsdp_agree_with_one_process_and_resume_bitwise_after_a_kil
            "train", *sets(*run, marker)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        wait_for((tmp_path / "killed" / "checkpoints" / "step_00000040").exists, EVENT_S, "checkpoint 40", [proc])
+        wait_for((tmp_path / "killed" / "checkpoints" / "step_00000020").exists, EVENT_S, "checkpoint 20", [proc])
         os.kill(wait_for(lambda: worker_pid(marker, 1), EVENT_S, "worker 1", [proc]), signal.SIGKILL)
         out, _ = proc.communicate(timeout=EVENT_S)
     finally:

@@ -1,6 +1,6 @@
 """distrib plan for real-sized models: GPTs of 1B and 8B parameters at 128 nodes x 8 on the meta device (the process
 never holds their weights) and the table it prints. (Its state_bytes_per_rank against real runs:
-tests/integration/test_hsdp.py; its arithmetic and refusals: tests/unit/test_plan.py.)"""
+tests/integration/test_resume_matrix.py; its arithmetic and refusals: tests/unit/test_plan.py.)"""
 
 import json
 import sys

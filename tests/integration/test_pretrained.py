@@ -1,7 +1,7 @@
 """model.init_from against a factory that loads the weights itself: a tiny Hugging Face Llama saved by save_pretrained
-in several safetensors files, trained 12 steps at world size 1 and under fsdp at world size 2, where each rank reads
-half the bytes; that run's weights/ load with from_pretrained and equal its model.pt; another model's weights are one
-line, exit 2, and nothing written."""
+in several safetensors files, trained 12 steps at world size 1 and under fsdp at world size 2, where no rank builds
+the model whole and each rank reads half the bytes; that run's weights/ load with from_pretrained and equal its
+model.pt; another model's weights are one line, exit 2, and nothing written."""
 
 import re
 import sys
@@ -38,7 +38,9 @@ def test_init_from_a_sharded_hugging_face_folder_equals_from_pretrained_at_world
     assert max_relative_diff(reference, initial) > 1e-2  # 12 steps moved the weights
     for run_dir in ("one", "two"):
         assert max_relative_diff(load_weights(tmp_path / run_dir), reference) < 1e-5, run_dir
-    # Each fsdp rank read half of the bytes, as its own log line says (the unit test counts them as read).
+    # No rank built the model whole (not even rank 0 to send the shards), and each fsdp rank read half of the bytes,
+    # as the log says (the unit tests count them as read, and check that the factory's parameters were never real).
+    assert "no rank held the model whole" in two.stderr and "built it whole" not in two.stderr, two.stderr[-3000:]
     read = re.search(r"model.init_from .*: each rank read ([\d.]+), ([\d.]+) MiB of ([\d.]+) MiB", two.stderr)
     assert read, two.stderr[-3000:]
     first, second, whole = map(float, read.groups())

@@ -2,6 +2,10 @@
 uninterrupted runs (ddp at world size 1, fsdp at 2, hsdp 2 x 2 at 4) checkpoint at step 6 of 12; their step-6
 checkpoints are continued under other strategies and world sizes and compared with the run they came from. The
 tolerance is measured by the same runs: the uninterrupted runs at two world sizes differ by that pair's float noise.
+With one more uninterrupted run (fsdp at 4), the same runs show that a user's model from a factory, which cannot
+initialise its own shards, trains under fsdp at world sizes 2 and 4 as in one process; that hsdp 2 x 2 trains like one
+process on half the state; and that distrib plan predicts every run's state bytes (ddp, fsdp and hsdp at world sizes
+1, 2 and 4) exactly.
 
 Random labels, a constant learning rate, momentum and active gradient clipping keep every step's gradients large, so
 the noise is visible (a learned-out task has gradients near 0 and hides a resume that loads the wrong state)."""
@@ -12,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from distrib.config import load_config
+from distrib.plan import Machine, plan_run
 from distrib.worker import run_training
 from tests.helpers.support import SMALL, assert_ok, load_weights, max_relative_diff, sets, small_config, torchrun_train
 
@@ -21,7 +27,7 @@ CONFIG = ("data.factory=tests.helpers.data_factories:tensors",
           "model.factory=tests.helpers.factories:wide_mlp", "model.kwargs={width = 256}",
           "train.max_steps=12", "train.global_batch_size=64", "train.schedule=constant", "train.warmup_steps=3",
           "train.grad_clip=0.5", "checkpoint.every_steps=6")
-SOURCES = (("ddp", 1), ("fsdp", 2), ("hsdp", 4))
+SOURCES = (("ddp", 1), ("fsdp", 2), ("hsdp", 4), ("fsdp", 4))
 # Every (source strategy -> target strategy) pair; world sizes up (1 -> 2, 1 -> 4), down (4 -> 2, 4 -> 1, 2 -> 1)
 # and the same (2 -> 2, 1 -> 1); hsdp as a 2 x 2 mesh on both sides. ddp -> ddp across world sizes: test_resume.py.
 RESUMES = {("hsdp", 4): (("fsdp", 2), ("ddp", 1), ("hsdp", 1)),
@@ -34,14 +40,24 @@ def _name(strategy: str, world_size: int) -> str:
     return f"{strategy}{world_size}"
 
 
+def _overrides(strategy: str, world_size: int) -> tuple[str, ...]:
+    mesh = ("dist.shard_size=2",) if (strategy, world_size) == ("hsdp", 4) else ()  # 2 x 2, not the node's 1 x 4
+    return (*CONFIG, f"dist.strategy={strategy}", *mesh)
+
+
+def _summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
 def _train(run_dir: Path, strategy: str, world_size: int) -> dict:
     """One run of CONFIG (world size 1 in this process, the others under torchrun); its summary."""
-    mesh = ("dist.shard_size=2",) if (strategy, world_size) == ("hsdp", 4) else ()  # 2 x 2, not the node's 1 x 4
-    overrides = (*CONFIG, f"dist.strategy={strategy}", *mesh)
+    overrides = _overrides(strategy, world_size)
     if world_size == 1:
         return run_training(small_config(run_dir, *overrides))
-    assert_ok(torchrun_train(world_size, *sets(*SMALL, *overrides, f"run.dir={run_dir}")))
-    return json.loads((run_dir / "summary.json").read_text())
+    result = torchrun_train(world_size, *sets(*SMALL, *overrides, f"run.dir={run_dir}"))
+    assert_ok(result)
+    (run_dir / "stderr.txt").write_text(result.stderr)  # the run's log, for what it says about the build
+    return _summary(run_dir)
 
 
 def _step_6(run_dir: Path) -> Path:
@@ -63,10 +79,10 @@ def sources(tmp_path_factory) -> dict[tuple[str, int], Path]:
 
 
 @pytest.fixture(scope="module")
-def resumed(tmp_path_factory, sources) -> dict[tuple, float]:
-    """(source, target) -> the resumed run's largest relative difference from its source's uninterrupted run."""
+def resumed_runs(tmp_path_factory, sources) -> dict[tuple, Path]:
+    """(source, target) -> the run folder of the source's step-6 checkpoint continued as target."""
     root = tmp_path_factory.mktemp("resumed")
-    differences = {}
+    runs = {}
     for source, targets in RESUMES.items():
         checkpoint = _step_6(sources[source])
         for target in targets:
@@ -76,14 +92,21 @@ def resumed(tmp_path_factory, sources) -> dict[tuple, float]:
             copy(checkpoint, run_dir / "checkpoints" / checkpoint.name)
             summary = _train(run_dir, *target)
             assert summary["resumed_from_step"] == 6 and summary["steps"] == 12, (source, target)
-            differences[source, target] = max_relative_diff(load_weights(run_dir), load_weights(sources[source]))
-    return differences
+            runs[source, target] = run_dir
+    return runs
+
+
+@pytest.fixture(scope="module")
+def resumed(sources, resumed_runs) -> dict[tuple, float]:
+    """(source, target) -> the resumed run's largest relative difference from its source's uninterrupted run."""
+    return {(source, target): max_relative_diff(load_weights(run_dir), load_weights(sources[source]))
+            for (source, target), run_dir in resumed_runs.items()}
 
 
 def _noise(sources: dict) -> dict[tuple[int, int], float]:
     """(world size a, world size b) -> the float noise between them: their uninterrupted runs' difference. For one
     world size (another strategy there differs by the order of its reductions only), the smallest of the others."""
-    weights = {world: load_weights(run_dir) for (_, world), run_dir in sources.items()}
+    weights = {world: load_weights(sources[strategy, world]) for strategy, world in RESUMES}
     noise = {(a, b): max_relative_diff(weights[a], weights[b]) for a in weights for b in weights if a != b}
     return {**noise, **{(world, world): min(noise.values()) for world in weights}}
 
@@ -103,3 +126,45 @@ def test_every_resume_across_strategies_and_world_sizes_is_within_the_measured_n
     print(report)
     assert all(0 < noise < 1e-5 for _, _, noise in table), report  # noise there is, and it is small
     assert all(difference <= NOISE_MULTIPLE * noise for _, difference, noise in table), report
+
+
+@pytest.mark.timeout(900)
+def test_a_users_factory_model_under_fsdp_at_world_sizes_2_and_4_ends_within_1e_5_of_one_process(sources):
+    """Issue 21's promise for a user's model: wide_mlp (an nn.Sequential, no reset_parameters) is built whole once,
+    on rank 0's host, and each rank is sent its shards; after 12 steps fsdp at world sizes 2 and 4 are within 1e-5 of
+    one process."""
+    one = load_weights(sources["ddp", 1])
+    for world_size in (2, 4):
+        run_dir = sources["fsdp", world_size]
+        assert "rank 0 built it whole once in host memory" in (run_dir / "stderr.txt").read_text(), world_size
+        difference = max_relative_diff(load_weights(run_dir), one)
+        print(f"fsdp at world size {world_size}: {difference:.2g} from one process")
+        assert difference < 1e-5, world_size
+
+
+@pytest.mark.timeout(900)
+def test_hsdp_2x2_trains_like_one_process_with_half_the_state(sources):
+    hsdp, one = _summary(sources["hsdp", 4]), _summary(sources["ddp", 1])
+    assert hsdp["world_size"] == 4 and hsdp["steps"] == 12
+    assert max_relative_diff(load_weights(sources["hsdp", 4]), load_weights(sources["ddp", 1])) < 1e-5
+    assert hsdp["test_count"] == one["test_count"] == 64  # exact evaluation: every sample once
+    assert hsdp["test_loss"] == pytest.approx(one["test_loss"], rel=1e-5)
+    assert 0 < hsdp["state_bytes_per_rank"] <= 0.55 * one["state_bytes_per_rank"]
+
+
+@pytest.mark.timeout(900)
+def test_plan_predicts_the_state_bytes_that_every_run_measures(tmp_path, sources, resumed_runs):
+    """distrib plan of each run's config gives its state_bytes_per_rank exactly: ddp, fsdp and hsdp at world sizes 1,
+    2 and 4 (ddp's state is the same at any world size)."""
+    runs = {**{key: run_dir for key, run_dir in sources.items()},
+            **{target: run_dir for (_, target), run_dir in resumed_runs.items()}}
+    assert set(runs) >= {("ddp", 1), ("fsdp", 1), ("fsdp", 2), ("fsdp", 4), ("hsdp", 1), ("hsdp", 2), ("hsdp", 4)}
+    state = {}
+    for (strategy, world_size), run_dir in runs.items():
+        summary = _summary(run_dir)
+        assert summary["world_size"] == world_size
+        config = load_config(None, [*SMALL, *_overrides(strategy, world_size), f"run.dir={tmp_path}/plan"])
+        planned = plan_run(config, Machine(1, world_size))["state_bytes_per_rank"]
+        assert planned == summary["state_bytes_per_rank"], (strategy, world_size)
+        state[strategy, world_size] = planned
+    assert state["fsdp", 4] < state["fsdp", 2] < state["fsdp", 1] == state["ddp", 1]

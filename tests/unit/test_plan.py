@@ -50,9 +50,10 @@ def test_offloaded_shards_are_not_on_the_device():
 
 def test_start_up_is_told_from_steady_state():
     """Under fsdp a self-initialising GPT holds its shards and one whole tensor at start-up; a model that cannot
-    initialise itself is built whole once, on rank 0's host; ddp builds it whole on every rank of a node."""
+    initialise itself is built whole once, on rank 0's host (unless its weights come from model.init_from); ddp builds
+    it whole on every rank of a node."""
     from distrib.config import load_config
-    from distrib.plan import GIB, Machine, plan_run
+    from distrib.plan import GIB, Machine, plan_run, table
 
     gpt = ["model.name=gpt", "model.kwargs={n_layers = 2, n_heads = 4, dim = 64}", "data.name=text",
            "data.root=/usr/share/common-licenses/GPL-3", "data.seq_len=32", "train.global_batch_size=8"]
@@ -67,3 +68,9 @@ def test_start_up_is_told_from_steady_state():
                    Machine(1, 2, host_memory=1e-6 * GIB))
     assert not cnn["self_initialising"] and not cnn["fits_host"] and cnn["fits"]
     assert cnn["startup_bytes_per_rank"] == cnn["parameter_bytes_per_rank"] + cnn["whole_model_bytes"]
+    # With model.init_from it is never whole: each rank reads its shards (one tensor's block at a time, at most).
+    loaded = plan_run(load_config(None, ["data.name=synthetic", "dist.strategy=fsdp", "dist.device=cuda",
+                                         "model.init_from=/pretrained"]), Machine(1, 2))
+    assert loaded["loads_weights"] and not cnn["loads_weights"]
+    assert cnn["parameter_bytes_per_rank"] < loaded["startup_bytes_per_rank"] < cnn["startup_bytes_per_rank"]
+    assert "each rank reads its shards from model.init_from" in table(loaded, Machine(1, 2))

@@ -1,5 +1,6 @@
 """The strategy objects in one process: the registry and the mesh each gets, which models initialise their own shards
-(checked on the meta device), and the sharded build at world size 1 giving bitwise the weights one process builds."""
+(checked on the meta device), the sharded build at world size 1 giving bitwise the weights one process builds, and
+weights loaded into the shards of a model never built whole (rank 1 of fsdp 2, a fake group)."""
 
 import pytest
 import torch
@@ -7,12 +8,15 @@ import torch.nn as nn
 
 from distrib.config import DistConfig
 from distrib.distributed.mesh import MeshShape
-from distrib.distributed.runtime import open_runtime
-from distrib.distributed.strategies import Build, DDPStrategy, FSDPStrategy, make_strategy
+from distrib.distributed.runtime import Runtime, open_runtime
+from distrib.distributed.strategies import Build, DDPStrategy, FSDPStrategy, make_strategy, materialise
 from distrib.distributed.strategies.materialise import build_on_meta, build_whole, initialises_itself
+from distrib.errors import UserError
 from distrib.models.gpt import GPT
 from distrib.models.network import Network
 from tests.helpers.factories import self_initialising
+from tests.helpers.pretrained import llama, save_llama
+from tests.helpers.support import fake_rank
 
 
 def test_every_strategy_is_one_object_over_its_mesh():
@@ -35,6 +39,19 @@ class _ComputedBuffer(nn.Linear):
         self.register_buffer("table", torch.arange(4.0))  # made in __init__ only: no init writes it
 
 
+class _BufferOfParameters(nn.Linear):
+    def __init__(self):
+        super().__init__(4, 4)
+        self.register_buffer("norms", self.weight.detach().norm(dim=1), persistent=False)  # in no weights file
+
+
+def test_a_buffer_that_cannot_be_made_without_the_weights_is_one_line():
+    with pytest.raises(UserError, match="buffer norms is computed from its parameters in its constructor"):
+        materialise.build_for_loading(_BufferOfParameters, 0)
+    model, kept = materialise.build_for_loading(_ComputedBuffer, 0)  # persistent: read from the weights, not kept
+    assert model.weight.is_meta and kept == {} and torch.equal(model.table, torch.arange(4.0))
+
+
 @pytest.mark.parametrize("factory, expected", [(lambda: GPT(n_layers=1, dim=32), True), (self_initialising, True),
                                                (lambda: nn.Linear(3, 4), True), (Network, False),
                                                (lambda: _TruncNormal(3, 4), False), (_ComputedBuffer, False)])
@@ -52,3 +69,37 @@ def test_a_sharded_build_starts_from_the_weights_of_one_process(factory, whole_o
     reference = build_whole(factory, 3).state_dict()
     assert weights.keys() == reference.keys() and all(torch.equal(weights[k], v) for k, v in reference.items())
     assert bool(lines) == whole_on_rank0
+
+
+def test_weights_to_load_fill_the_shards_of_a_model_never_built_whole(tmp_path, monkeypatch):
+    """model.init_from's way in (Build.load_weights) on rank 1 of fsdp 2: the factory's parameters are on the meta
+    device from their creation, neither the model's initialisation nor rank 0's whole build runs, the rank's shards
+    hold its rows of the file, and the buffers the file lacks (a Llama's rotary inv_freq, non-persistent) are the
+    constructor's."""
+    from transformers import LlamaForCausalLM
+
+    from distrib.checkpoint.init_from import check_weights, load_weights, open_source
+
+    folder = save_llama(tmp_path / "llama")
+    reference = LlamaForCausalLM.from_pretrained(folder)
+    for name in ("load_from_rank0", "init_shards", "build_whole"):
+        monkeypatch.setattr(materialise, name, lambda *args, name=name: pytest.fail(f"{name} ran"))
+    devices, lines = [], []
+
+    def factory():
+        model = llama()
+        devices.append({t.device.type for t in model.parameters()} | {f"buffers {t.device.type}"
+                                                                       for t in model.buffers()})
+        return model
+
+    with fake_rank(1, 2):
+        strategy = make_strategy(DistConfig(strategy="fsdp"), 2, 2)
+        runtime = Runtime(1, 1, 2, 2, torch.device("cpu"), "fake").with_mesh(strategy.dims)
+        load = lambda model: load_weights(model, check_weights(model, open_source(str(folder))))  # noqa: E731
+        model = strategy.setup_module(Build(factory, 3, load_weights=load, log=lines.append), runtime)
+        for name, tensor in reference.state_dict().items():
+            assert torch.equal(model.state_dict()[name].to_local(), tensor[tensor.shape[0] // 2:]), name
+        buffers = dict(model.named_buffers())
+        assert all(torch.equal(buffers[name], buffer) for name, buffer in reference.named_buffers())
+    assert devices == [{"meta", "buffers cpu"}]
+    assert len(lines) == 1 and "no rank held the model whole" in lines[0], lines

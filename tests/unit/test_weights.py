@@ -5,11 +5,8 @@ each kind of source (safetensors, model.pt, a one-file checkpoint, a sharded one
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from distrib.checkpoint.format import FORMAT
@@ -25,18 +22,7 @@ from distrib.checkpoint.weights import (
 )
 from distrib.errors import UserError
 from tests.helpers.pretrained import llama, save_llama
-
-
-@contextlib.contextmanager
-def fake_rank(rank: int, world_size: int):
-    """This process as rank `rank` of a fake group: meshes and DTensors as on that rank, collectives return at once."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+from tests.helpers.support import fake_rank
 
 
 def _equal(a: dict, b: dict) -> bool:

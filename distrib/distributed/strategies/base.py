@@ -96,5 +96,6 @@ class Strategy(ABC):
     def startup_memory(self, parameter_bytes_per_rank: int, whole_bytes: int, largest_tensor_bytes: int,
                        self_initialising: bool, nproc_per_node: int, params_on_host: bool) -> tuple[int, int]:
         """(bytes the fullest rank holds while building and loading, before the first step; host bytes of the fullest
-        node meanwhile). whole_bytes: the model's parameters and buffers; params_on_host: the device is the CPU, or
-        dist.cpu_offload keeps the shards there."""
+        node meanwhile). whole_bytes: the model's parameters and buffers; self_initialising: no whole copy is needed
+        (the model initialises its own shards, or they are read from model.init_from); params_on_host: the device is
+        the CPU, or dist.cpu_offload keeps the shards there."""

@@ -3,7 +3,8 @@ groups, a 2-D mesh) and either composed with tensor parallel (dist.tensor_parall
 They differ only by the mesh (MeshShape); this class owns their model's life.
 
 Start-up: the model is built on the meta device, split by tensor parallel, sharded by fully_shard, and only this
-rank's shards are materialised on its device (distrib.distributed.strategies.materialise). Steady state: each rank
+rank's shards are materialised on its device (distrib.distributed.strategies.materialise), then filled by the
+weights to load (model.init_from), the model's own initialisation, or rank 0's whole copy. Steady state: each rank
 holds its shards of parameters, gradients and optimizer state, all-gathers a block's parameters for its forward and
 backward, reduce-scatters its gradients, and saves its own shards (DCP)."""
 
@@ -54,18 +55,31 @@ class FSDPStrategy(Strategy):
             if build.load_weights is not None:
                 build.load_weights(model)
             return compiled(model, build.speed)
-        model = materialise.build_on_meta(build.factory, build.seed)
+        buffers = {}
+        if build.load_weights is not None:  # no initialisation to run: the weights come from the file
+            model, buffers = materialise.build_for_loading(build.factory, build.seed)
+        else:
+            model = materialise.build_on_meta(build.factory, build.seed)
         self_init = build.load_weights is None and materialise.initialises_itself(model)
         prepare(model, build.speed, self.config.shard_modules)
         model = self.shard(model, runtime, build.precision, runtime.device.type)
         self._materialise(model, runtime)
+        self._fill(model, build, runtime, self_init, buffers)
+        return compiled(model, build.speed)
+
+    def _fill(self, model: nn.Module, build: Build, runtime: Runtime, self_init: bool,
+              buffers: dict[str, torch.Tensor]) -> None:
+        """The materialised shards' values: the loaded weights (and the constructor's non-persistent buffers), the
+        model's own initialisation, or rank 0's whole copy."""
         if build.load_weights is not None:
+            materialise.restore_buffers(model, buffers)
             build.load_weights(model)
+            build.log("the model was built on the meta device and each rank materialised only its shards, filled by "
+                      "the weights loaded (model.init_from): no rank held the model whole")
         elif self_init:
             materialise.init_shards(model, build.seed)
         else:
             materialise.load_from_rank0(model, build.factory, build.seed, runtime, build.log)
-        return compiled(model, build.speed)
 
     def _materialise(self, model: nn.Module, runtime: Runtime) -> None:
         """Empty shards and buffers where they live (shards in host memory under dist.cpu_offload), then the

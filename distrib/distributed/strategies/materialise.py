@@ -4,11 +4,13 @@ on its device, with bitwise the starting weights of a one-process run of the sam
 Two ways to those weights. A model with its own initialisation of every parameter and buffer (init_weights() or
 reset_parameters(), as the built-in GPT) initialises its shards: each random fill runs on the whole tensor on the host,
 one tensor at a time (the CPU generator draws exactly what one process draws), and the rank keeps its slice. Any other
-model is built whole once per job, in rank 0's host memory, and each rank is sent its shards."""
+model is built whole once per job, in rank 0's host memory, and each rank is sent its shards. A model whose weights
+are loaded (model.init_from) needs neither: its parameters are made on meta, and only its buffers as usual."""
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -56,6 +58,50 @@ def build_on_meta(factory: Callable[[], nn.Module], seed: int) -> nn.Module:
     torch.manual_seed(seed)
     with torch.device("meta"):
         return factory()
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Every parameter a module registers moves to the meta device at once (a tied one, already there, stays the
+    same object); buffers and everything else are made as usual (Accelerate's init_empty_weights, buffers kept)."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def build_for_loading(factory: Callable[[], nn.Module], seed: int) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """The model whose weights will be loaded: its parameters on the meta device (no memory; the constructor's
+    initialisation of them does nothing), its buffers as the constructor computes them; and a copy of the
+    non-persistent ones (a rotary embedding's inv_freq), which no weights file holds and to_empty wipes."""
+    torch.manual_seed(seed)
+    with _parameters_on_meta():
+        model = factory()
+    persistent = set(model.state_dict())
+    kept = {name: buffer.clone() for name, buffer in model.named_buffers() if name not in persistent}
+    unknown = [name for name, buffer in kept.items() if buffer.is_meta]
+    if unknown:
+        raise UserError(f"model.init_from: the model's non-persistent buffer {unknown[0]} is computed from its "
+                        "parameters in its constructor, where they have no values yet (a sharded strategy makes them "
+                        "on the meta device and reads them from the weights); compute it in forward, or register it "
+                        "as persistent so that it is read from the weights too")
+    return model, kept
+
+
+def restore_buffers(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
+    """The non-persistent buffers build_for_loading kept, into the materialised model."""
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name in buffers:
+                buffer.copy_(buffers[name])
 
 
 def _storage(tensor: torch.Tensor) -> int:
