@@ -2,7 +2,8 @@
 
     python scripts/bench.py [--steps 200] [--repeats 7] [--world-sizes 1,2] [--json bench.json]
     python scripts/bench.py --model gpt --world-sizes 1     (tokens/s of a byte-level GPT: distrib under ddp and fsdp
-                                                             against a nanoGPT-style loop, 5 alternating pairs)
+                                                             against a nanoGPT-style loop, and that loop under a
+                                                             bare fully_shard; 5 alternating rounds)
 Each variant trains the seed Network (or, --model gpt, the built-in GPT on a text file: scripts/bench_gpt.py) for
 --steps optimizer steps of --batch samples (the first --skip steps, warm-up and compilation, are left out of the
 clock); variants are interleaved, in alternating order, and the table shows medians. "lockstep" runs the trainer and
@@ -28,11 +29,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # measure this checkout, whichever one is installed
-from bench_gpt import GptHandLoop, byte_stream, gpt_overrides  # noqa: E402 - scripts/ is on the path as __file__'s
+from bench_gpt import GptFsdpHandLoop, GptHandLoop, byte_stream, gpt_overrides  # noqa: E402 - scripts/ is on the path as __file__'s
 
 # Variants: the hand loop, or the trainer with these --set overrides on top of the common ones.
 VARIANTS = {
     "hand": None,
+    "hand_fsdp": None,  # --model gpt: the hand loop under a bare fully_shard (no distrib), what fsdp can reach
     "trainer": [],
     "lockstep": None,  # the trainer and the hand loop a step each in turn, in one run: see lockstep_run
     "dataloader": ["data.loader=dataloader"],
@@ -44,9 +46,11 @@ VARIANTS = {
     "bucket_32kb": ["speed.bucket_cap_mb=0.03125"],  # splits the 130 kB of gradients into several buckets
     "fsdp": ["dist.strategy=fsdp"],  # FSDP2 against the trainer's DDP
 }
-GPT_VARIANTS = ("hand", "trainer", "fsdp")  # --model gpt: text data has no DataLoader path; lockstep on request
+# --model gpt: text data has no DataLoader path; lockstep on request
+GPT_VARIANTS = ("hand", "trainer", "fsdp", "hand_fsdp")
 RATIOS = {"trainer / hand": ("trainer", "hand"), "trainer / hand (lockstep)": ("trainer (lockstep)", "hand (lockstep)"),
-          "fsdp / hand": ("fsdp", "hand"), "device / dataloader": ("trainer", "dataloader")}
+          "fsdp / hand": ("fsdp", "hand"), "hand_fsdp / hand": ("hand_fsdp", "hand"),
+          "fsdp / hand_fsdp": ("fsdp", "hand_fsdp"), "device / dataloader": ("trainer", "dataloader")}
 TARGET = 0.97  # trainer / hand loop and device / DataLoader must reach this
 GPT_TARGET = 0.95  # --model gpt: trainer / nanoGPT-style loop
 # Judged on lockstep for trainer / hand: between separate runs, seconds apart, this shared machine's speed moves by
@@ -102,13 +106,16 @@ class HandLoop:
         return final.item() / world_size
 
 
-def make_hand(args, runtime, data):
-    """The hand loop of --model: the seed Network's on (images, labels), or the GPT's on the byte stream."""
-    return GptHandLoop(args, runtime, data) if args.model == "gpt" else HandLoop(args, runtime, *data)
+def make_hand(args, runtime, data, fsdp: bool = False):
+    """The hand loop of --model: the seed Network's on (images, labels), or the GPT's on the byte stream (fsdp: under
+    a bare fully_shard)."""
+    if args.model == "gpt":
+        return (GptFsdpHandLoop if fsdp else GptHandLoop)(args, runtime, data)
+    return HandLoop(args, runtime, *data)
 
 
-def hand_loop(args, runtime, data) -> dict:
-    hand = make_hand(args, runtime, data)
+def hand_loop(args, runtime, data, fsdp: bool = False) -> dict:
+    hand = make_hand(args, runtime, data, fsdp)
     ends, cpu_ends = [time.perf_counter()], [time.thread_time()]
     for step in range(args.steps):
         hand.step(step)
@@ -220,8 +227,8 @@ def measure_all(args, runtime, out_dir: Path) -> dict[str, list[dict]]:
     for repeat in range(-args.warmup_runs, args.repeats):
         for name in (names if repeat % 2 == 0 else names[::-1]):
             torch.distributed.barrier()  # every rank starts each measurement together
-            if name == "hand":
-                values = {name: hand_loop(args, runtime, data)}
+            if name in ("hand", "hand_fsdp"):
+                values = {name: hand_loop(args, runtime, data, fsdp=name == "hand_fsdp")}
             elif name == "lockstep":
                 values = lockstep_run(args, runtime, data, out_dir / f"{name}-{repeat}")
             else:
@@ -304,6 +311,7 @@ def summarise(args, runs: dict[int, dict[str, list[dict]]]) -> dict:
     ratios, targets = {}, {}
     for ws, med in medians.items():
         pairs = {**RATIOS, **{f"{name} / trainer": (name, "trainer") for name in med if VARIANTS.get(name)}}
+        # fsdp's whole gap to the hand loop is torch's FSDP2 (hand_fsdp / hand) times distrib's own (fsdp / hand_fsdp)
         ratios[ws] = {label: _ratios(runs[ws], med, a, b)
                       for label, (a, b) in pairs.items() if a in med and b in med and a != b}
         judged = GPT_TARGETS if args.model == "gpt" else TARGETS
@@ -347,8 +355,8 @@ def _gpt_headlines(result: dict) -> list[str]:
     """distrib's tokens/s over the hand loop's, per strategy: the median of the rounds' own ratios."""
     lines = []
     for ws, by in result["ratios"].items():
-        ratios = {name: by[label] for name, label in (("ddp", "trainer / hand"), ("fsdp", "fsdp / hand"))
-                  if label in by}
+        named = (("ddp", "trainer / hand"), ("fsdp", "fsdp / hand"), ("bare fully_shard", "hand_fsdp / hand"))
+        ratios = {name: by[label] for name, label in named if label in by}
         if not ratios:  # --variants without the hand loop, ddp or fsdp: nothing to say
             continue
         lines.append(f"distrib / hand loop tokens/s at world size {ws}, median of {result['settings']['repeats']} "
@@ -389,9 +397,10 @@ def parse_args(argv):
     args.batch, args.steps = args.batch or (32 if gpt else 128), args.steps or (100 if gpt else 200)
     args.repeats = args.repeats or (5 if gpt else 7)
     args.unit, args.target = (args.seq_len, GPT_TARGET) if gpt else (1, TARGET)  # a sample is seq_len tokens
-    args.variants = [v.strip() for v in (args.variants or ",".join(GPT_VARIANTS if gpt else VARIANTS)).split(",")
+    network = [name for name in VARIANTS if name != "hand_fsdp"]
+    args.variants = [v.strip() for v in (args.variants or ",".join(GPT_VARIANTS if gpt else network)).split(",")
                      if v.strip()]
-    unknown = [v for v in args.variants if v not in VARIANTS]
+    unknown = [v for v in args.variants if v not in (VARIANTS if gpt else network)]
     if unknown:
         parser.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
     if not 0 < args.skip < args.steps - 1:

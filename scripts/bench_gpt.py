@@ -75,3 +75,24 @@ class GptHandLoop:
         final = self.loss.detach()
         torch.distributed.all_reduce(final)
         return final.item() / world_size
+
+
+class GptFsdpHandLoop(GptHandLoop):
+    """The same loop under FSDP2 written by hand, without distrib: fully_shard on each Block, then on the root (as
+    torchtitan and distrib shard), AdamW with foreach (torchtitan's choice). It bounds what distrib's fsdp can reach."""
+
+    def __init__(self, args, runtime, stream):
+        import torch
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from distrib.distributed.strategies.materialise import build_whole
+        from distrib.models.gpt import GPT, Block
+
+        super().__init__(args, runtime, stream)
+        model = build_whole(lambda: GPT(vocab_size=256, seq_len=args.seq_len, **GPT_KWARGS), seed=0)
+        mesh = init_device_mesh("cpu", (runtime.world_size,))
+        for block in [m for m in model.modules() if isinstance(m, Block)]:
+            fully_shard(block, mesh=mesh)
+        self.model = fully_shard(model, mesh=mesh)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR, weight_decay=0.0, foreach=True)

@@ -14,6 +14,7 @@ from typing import Callable
 import torch.distributed as dist
 
 BEAT_INTERVAL_S = 1.0
+SILENT_AFTER_S = 3 * BEAT_INTERVAL_S  # no new beat for this long: the rank is stopped or gone, not slow
 MIN_BEAT_GAP_S = 0.01  # at most 100 beats a second per rank, however short the steps: the store serves every rank
 
 
@@ -111,20 +112,28 @@ class PeerWatch:
     def _diagnose(self, failure: str) -> str:
         with self._lock:
             self._store_().set(f"arrived/{self.rank}", self.where())
-        before = self.beats()
-        deadline = time.monotonic() + self.grace_s()
-        while True:  # until the grace ends, or every rank is known to have arrived (none is missing)
+        before, started = self.beats(), time.monotonic()
+        everyone = set(range(self.world_size))
+        while True:  # until the grace ends, or every rank is accounted for: arrived, or silent for SILENT_AFTER_S
             time.sleep(0.5)
-            arrived = {rank for rank in range(self.world_size) if self._read(f"arrived/{rank}") is not None}
-            if len(arrived) == self.world_size or time.monotonic() >= deadline:
+            arrived = {rank for rank in everyone if self._read(f"arrived/{rank}") is not None}
+            waited = time.monotonic() - started
+            if arrived == everyone or waited >= self.grace_s():
                 break
+            if waited >= SILENT_AFTER_S and arrived | _silent(before, self.beats()) == everyone:
+                break  # a killed rank is named in seconds, not after the whole grace of a busy host
         after = self.beats()
-        silent = {rank for rank, beat in after.items() if before.get(rank) == beat}
+        silent = _silent(before, after)
         if failure == "lost":  # a connection broke: the lost ranks are those whose heartbeat stopped
             missing = sorted(silent - {self.rank}) or sorted(set(range(self.world_size)) - arrived)
         else:
             missing = sorted(set(range(self.world_size)) - arrived)
         return "; ".join(_describe(rank, after.get(rank), rank in silent) for rank in missing)
+
+
+def _silent(before: dict[int, Beat], after: dict[int, Beat]) -> set[int]:
+    """The ranks that beat before and not since."""
+    return {rank for rank, beat in after.items() if before.get(rank) == beat}
 
 
 def _describe(rank: int, beat: Beat | None, silent: bool) -> str:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from distrib.config import DistConfig
+from distrib.distributed.host_heap import keep_freed_memory
 from distrib.distributed.mesh import MeshShape
 from distrib.distributed.peers import PeerWatch
 from distrib.errors import CollectiveTimeoutError, PeerLostError, Preempted, UserError
@@ -260,6 +261,8 @@ def open_runtime(config: DistConfig, env: LaunchEnv | None = None) -> Iterator[R
         # script of the user's started with RANK and MASTER_* set: that script may end before them on purpose.
         die_with_parent()
     device = select_device(config.device, env.local_rank)
+    if device.type == "cpu":  # tensors in host memory: keep what each step frees (distrib.distributed.host_heap)
+        keep_freed_memory()
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before any CUDA work, or every rank allocates on GPU 0
     backend = "nccl" if device.type == "cuda" else "gloo"

@@ -53,17 +53,19 @@ def test_bench_times_the_gpt_against_the_nanogpt_style_loop_on_identical_work(tm
                  timeout=EVENT_S)
     assert_ok(result)
     data = json.loads(out.read_text())
-    assert list(data["runs"]["1"]) == ["hand", "trainer", "fsdp"]
-    assert set(data["ratios"]["1"]) == {"trainer / hand", "fsdp / hand", "fsdp / trainer"}
+    assert list(data["runs"]["1"]) == ["hand", "trainer", "fsdp", "hand_fsdp"]
+    assert set(data["ratios"]["1"]) == {"trainer / hand", "fsdp / hand", "fsdp / trainer", "hand_fsdp / hand",
+                                        "fsdp / hand_fsdp"}
     assert set(data["targets_met"]["1"]) == {"trainer / hand", "fsdp / hand"}
     median = data["median"]["1"]
     # the same GPT, windows, AdamW and steps: the trainer (ddp and fsdp) and the hand loop end on the same loss
     assert median["hand"]["final_loss"] == pytest.approx(median["trainer"]["final_loss"], rel=1e-5)
     assert median["hand"]["final_loss"] == pytest.approx(median["fsdp"]["final_loss"], rel=1e-5)
+    assert median["hand"]["final_loss"] == pytest.approx(median["hand_fsdp"]["final_loss"], rel=1e-5)
     assert data["target"] == 0.95 and result.stdout.splitlines()[0].split()[3] == "tokens/s:"
     headline = result.stdout.splitlines()[-3]
     assert headline.startswith("distrib / hand loop tokens/s at world size 1, median of 1 alternating pairs: ddp ")
-    assert ", fsdp " in headline
+    assert ", fsdp " in headline and ", bare fully_shard " in headline
 
 
 @pytest.mark.timeout(900)
