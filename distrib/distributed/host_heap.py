@@ -9,7 +9,12 @@ On the bench GPT that was 2,600 page faults a step under ddp and 9,000 under fsd
 zero_grad sits between forward and backward), 3-8% of a step's CPU time. Keeping the freed memory in the process
 is what CUDA's caching allocator does on a GPU; the resident memory then stays at the step's peak, which it
 reaches every step anyway. Blocks of 32 MiB and more (glibc's own upper bound for its threshold) are still mapped
-alone and returned when freed."""
+alone and returned when freed.
+
+The exception, return_freed_memory: a sharded model of 64 MiB or more on the CPU (distrib.distributed.strategies.fsdp)
+frees whole gathered parameters block by block, and kept in the heap they held the fsdp workers of a 203M GPT at
+1.8-2.1x its bytes instead of 0.92x (README, "The host allocator"); there every block of 64 KiB and more is mapped
+alone and returned when freed, at the cost of faulting it in anew."""
 
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import platform
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 MMAP_THRESHOLD = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: where its own dynamic threshold stops
 TRIM_THRESHOLD = 1 << 30  # keep up to 1 GiB of freed heap top: in practice all of a step's churn
+RETURN_MMAP_THRESHOLD = 64 << 10
 # Set by the user (bench_startup's --mmap-threshold, or to return memory sooner): then glibc is left as told.
 USER_KEYS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 
@@ -28,9 +34,20 @@ USER_KEYS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD
 def keep_freed_memory(environ=os.environ) -> bool:
     """Raises glibc's trim and mmap thresholds for this process; returns whether it did (False off glibc, or where
     the environment sets malloc's tuning itself)."""
-    told = any(key in environ for key in USER_KEYS) or "glibc.malloc." in environ.get("GLIBC_TUNABLES", "")
-    if platform.libc_ver()[0] != "glibc" or told:
+    if platform.libc_ver()[0] != "glibc" or _told(environ):
         return False
     mallopt = ctypes.CDLL(None).mallopt
     # The mmap threshold first: setting either fixes both (glibc stops adjusting them once one is set).
     return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+def _told(environ) -> bool:
+    return any(key in environ for key in USER_KEYS) or "glibc.malloc." in environ.get("GLIBC_TUNABLES", "")
+
+
+def return_freed_memory(environ=os.environ) -> bool:
+    """Lowers glibc's mmap threshold to 64 KiB for this process, so that large tensors go back to the system when
+    freed; returns whether it did (False off glibc, or where the environment sets malloc's tuning itself)."""
+    if platform.libc_ver()[0] != "glibc" or _told(environ):
+        return False
+    return bool(ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, RETURN_MMAP_THRESHOLD))

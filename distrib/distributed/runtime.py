@@ -5,7 +5,6 @@ cuda is named only to count GPUs (doctor, launcher) or as a dist.device value (c
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import itertools
 import os
@@ -19,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from distrib.config import DistConfig
-from distrib.distributed.host_heap import keep_freed_memory
+from distrib.distributed.host_heap import keep_freed_memory, return_freed_memory
 from distrib.distributed.mesh import MeshShape
 from distrib.distributed.peers import PeerWatch
 from distrib.errors import CollectiveTimeoutError, PeerLostError, Preempted, UserError
@@ -140,9 +139,9 @@ class Runtime:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
     def return_freed_host_memory(self) -> bool:
-        """On the CPU, large tensors go back to the system when freed (return_freed_host_memory); whether they do
-        now. On a GPU the large transient tensors live on the device: nothing."""
-        return self.device.type == "cpu" and return_freed_host_memory()
+        """On the CPU, large tensors go back to the system when freed (host_heap.return_freed_memory); whether they
+        do now. On a GPU the large transient tensors live on the device: nothing."""
+        return self.device.type == "cpu" and return_freed_memory()
 
     def device_rng_state(self) -> torch.Tensor | None:
         return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
@@ -187,32 +186,6 @@ def select_device(requested: str, local_rank: int) -> torch.device:
         raise UserError(f"LOCAL_RANK={local_rank} but {visible} CUDA device(s) are visible; launch with "
                         f"--nproc-per-node={visible} or fix CUDA_VISIBLE_DEVICES")
     return torch.device("cuda", local_rank)
-
-
-# glibc serves each allocation above its mmap threshold by a mapping of its own, returned to the system when freed.
-# The default threshold starts at 128 KiB but rises to the size of each such block freed (up to 32 MiB), after which
-# the parameters FSDP gathers and frees block by block on a CPU stay in the heap (README, "The host allocator").
-_MMAP_THRESHOLD_BYTES = 64 * 1024
-_M_MMAP_THRESHOLD = -3  # mallopt's parameter number, glibc's malloc.h
-
-
-def return_freed_host_memory(environ: Mapping[str, str] = os.environ) -> bool:
-    """Fixes glibc's mmap threshold at 64 KiB for this process, so that large host tensors go back to the system
-    when freed; whether it did. Nothing on another C library, or where the user set glibc's own variable."""
-    if "MALLOC_MMAP_THRESHOLD_" in environ or "glibc.malloc.mmap_threshold" in environ.get("GLIBC_TUNABLES", ""):
-        return False  # the user's choice, which glibc read at start-up
-    if not _glibc():
-        return False
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    return bool(mallopt and mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES))
-
-
-def _glibc() -> bool:
-    """Whether this process runs on glibc (os.confstr answers for the C library loaded, not the one linked)."""
-    try:
-        return (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
-    except (ValueError, OSError):  # the name is unknown off glibc
-        return False
 
 
 # Process groups this process opened: a script may call distrib.fit more than once, and every rank does so alike.

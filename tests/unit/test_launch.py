@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from distrib.distributed.runtime import collective_timeouts, return_freed_host_memory
+from distrib.distributed.host_heap import return_freed_memory
+from distrib.distributed.runtime import collective_timeouts
 from distrib.errors import EXIT_HUNG, EXIT_PREEMPTED, CollectiveTimeoutError, PeerLostError, UserError
 from distrib.launch import launcher
 
@@ -107,9 +108,9 @@ def _resident_bytes() -> int:
 def test_cpu_workers_give_freed_host_tensors_back_unless_the_user_tuned_glibc():
     """What FSDP gathers and frees block by block on the CPU must not stay in the heap (README, "What each rank
     holds"): freed tensors of 1 to 8 MiB go back to the system at once."""
-    assert not return_freed_host_memory({"MALLOC_MMAP_THRESHOLD_": "131072"})
-    assert not return_freed_host_memory({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"})
-    assert return_freed_host_memory({})
+    assert not return_freed_memory({"MALLOC_MMAP_THRESHOLD_": "131072"})
+    assert not return_freed_memory({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"})
+    assert return_freed_memory({})
     torch.ones(16)  # torch's code for it is paged in
     before = _resident_bytes()
     for mib in (8, 1, 4, 2, 8, 3):  # glibc's default threshold rises to 8 MiB, then keeps the smaller ones (8 MiB)

@@ -111,7 +111,7 @@ def test_sharded_models_of_64_mib_and_more_have_freed_host_memory_returned_on_th
     from distrib.distributed.strategies import fsdp as fsdp_strategy
 
     calls = []
-    monkeypatch.setattr(runtime_module, "return_freed_host_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr(runtime_module, "return_freed_memory", lambda: calls.append(1) or True)
     cpu, gpu = (Runtime(0, 0, 1, 1, torch.device(kind), "fake") for kind in ("cpu", "cuda"))
     with torch.device("meta"):
         large, small = nn.Linear(4096, 4096, bias=False), nn.Linear(4096, 4095, bias=False)  # 64 MiB, just below
