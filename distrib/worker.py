@@ -223,6 +223,7 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
     meter = meter_for(config, runtime)
     meter.flops_per_sample = flops_per_sample(placed, dry.inputs, dry.targets, loss)
     meter.tokens_per_sample = tokens_per_sample(dry.inputs)
+    strategy.after_forward_only(wrapped)  # the checks above ran forwards only: the optimizer must get the shards
     # Only now, once the user's input passed: rank 0 locks run.dir and checkpoint.dir for the rest of the run (a
     # refused run wrote nothing, not even a lock file); the resume choice below is made under the lock. Under a
     # sharded strategy every rank writes its part of weights/ and of each checkpoint: each checks it sees them.

@@ -109,6 +109,13 @@ def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     return {"model": model_state, "optimizer": optimizer_state}
 
 
+def reshard(model: nn.Module) -> None:
+    """Every FSDP module of the model back on its shards (a no-op for those that are)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def keyed_by_name(optimizer_state: dict) -> bool:
     """Whether an optimizer state_dict is keyed by parameter names (a sharded checkpoint's) or by integer ids."""
     return any(isinstance(key, str) for group in optimizer_state["param_groups"] for key in group["params"])

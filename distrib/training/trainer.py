@@ -272,12 +272,17 @@ class Trainer:
         return metrics
 
     def _with_ema(self, evaluation: Callable[[nn.Module], dict]) -> dict:
-        metrics = evaluation(self.state.model)
+        metrics = self._forward_only(evaluation)
         if self.state.ema is not None:  # the averaged weights too, on the same samples
             with self.state.ema.swapped_in():
-                averaged = evaluation(self.state.model)
+                averaged = self._forward_only(evaluation)
             metrics.update({f"{key}_ema": averaged[key] for key in ("test_loss", "test_accuracy", "val_loss",
                                                                      "val_accuracy") if key in averaged})
+        return metrics
+
+    def _forward_only(self, evaluation: Callable[[nn.Module], dict]) -> dict:
+        metrics = evaluation(self.state.model)
+        self.state.strategy.after_forward_only(self.state.model)  # what a checkpoint saves next: the shards
         return metrics
 
     def _log_eval(self, metrics: dict) -> dict:

@@ -203,3 +203,21 @@ def test_ema_shards_are_checkpointed_and_resume_bitwise(tmp_path):
     # The average differs from the weights (so the check above compares a real EMA, not a copy of model.pt).
     ema, weights = (torch.load(tmp_path / "whole" / name, weights_only=True) for name in ("model_ema.pt", "model.pt"))
     assert any(not torch.equal(ema[k], weights[k]) for k in weights if weights[k].is_floating_point())
+
+
+@pytest.mark.timeout(900)
+def test_fsdp_without_resharding_after_forward_trains_like_the_default(tmp_path):
+    """dist.reshard_after_forward = false keeps parameters gathered after a forward until a backward: the strategy
+    reshards after the pre-flight checks and after each evaluation (forwards only), so the optimizer holds the shards
+    (it once held the gathered tensors and never stepped) and a checkpoint after an evaluation saves (it once
+    crashed in torch's state_dict helpers). Bitwise the default's weights: resharding moves no value."""
+    common = ["model.name=gpt", "model.kwargs={n_layers = 2, n_heads = 2, dim = 32}", "data.name=text",
+              "data.root=/usr/share/common-licenses/GPL-3", "data.seq_len=32", "train.global_batch_size=16",
+              "train.optimizer=adamw", "train.warmup_steps=2", "train.epochs=0", "train.max_steps=6",
+              "checkpoint.every_steps=3", "run.progress=false", "dist.device=cpu", "dist.strategy=fsdp"]
+    for name, reshard in (("default", "true"), ("kept", "false")):
+        summary = run_training(load_config(None, [*common, f"dist.reshard_after_forward={reshard}",
+                                                  f"run.dir={tmp_path / name}"]))
+        assert summary["steps"] == 6
+    kept, default = load_weights(tmp_path / "kept"), load_weights(tmp_path / "default")
+    assert kept.keys() == default.keys() and all(torch.equal(kept[key], default[key]) for key in default)

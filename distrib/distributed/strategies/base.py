@@ -62,6 +62,10 @@ class Strategy(ABC):
     def grad_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
         """Wraps the whole forward AND backward of a micro-step; enabled only in the last one of a step."""
 
+    def after_forward_only(self, model: nn.Module) -> None:
+        """After forwards without a backward (the pre-flight checks, an evaluation): the model back on the tensors
+        its optimizer holds and its checkpoint saves. Nothing to do unless a strategy gathers parameters."""
+
     @abstractmethod
     def training_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, named: bool = False) -> dict:
         """{"model", "optimizer"} as this strategy checkpoints them (no module. or _orig_mod. prefixes). named: the

@@ -116,6 +116,12 @@ class FSDPStrategy(Strategy):
         # FSDP reduce-scatters in the backward unless told not to (it then keeps unsharded gradients until the last).
         return _requires_gradient_sync(getattr(model, "_orig_mod", model), enabled)
 
+    def after_forward_only(self, model: nn.Module) -> None:
+        # With dist.reshard_after_forward = false (and for the root module always) a forward leaves the parameters
+        # gathered until a backward reshards them; an optimizer built then, or a checkpoint taken after an
+        # evaluation, would see the gathered tensors, not the shards (torch's state_dict helpers then crashed).
+        fsdp.reshard(unwrap(model))
+
     def training_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, named: bool = False) -> dict:
         return fsdp.sharded_state(unwrap(model), optimizer)
 
