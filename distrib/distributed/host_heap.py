@@ -34,20 +34,20 @@ USER_KEYS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD
 def keep_freed_memory(environ=os.environ) -> bool:
     """Raises glibc's trim and mmap thresholds for this process; returns whether it did (False off glibc, or where
     the environment sets malloc's tuning itself)."""
-    if platform.libc_ver()[0] != "glibc" or _told(environ):
-        return False
-    mallopt = ctypes.CDLL(None).mallopt
+    mallopt = _mallopt(environ)
     # The mmap threshold first: setting either fixes both (glibc stops adjusting them once one is set).
-    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
-
-
-def _told(environ) -> bool:
-    return any(key in environ for key in USER_KEYS) or "glibc.malloc." in environ.get("GLIBC_TUNABLES", "")
+    return mallopt is not None and bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) \
+        and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
 
 
 def return_freed_memory(environ=os.environ) -> bool:
     """Lowers glibc's mmap threshold to 64 KiB for this process, so that large tensors go back to the system when
     freed; returns whether it did (False off glibc, or where the environment sets malloc's tuning itself)."""
-    if platform.libc_ver()[0] != "glibc" or _told(environ):
-        return False
-    return bool(ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, RETURN_MMAP_THRESHOLD))
+    mallopt = _mallopt(environ)
+    return mallopt is not None and bool(mallopt(_M_MMAP_THRESHOLD, RETURN_MMAP_THRESHOLD))
+
+
+def _mallopt(environ):
+    """glibc's mallopt, or None off glibc and where the user's environment tunes malloc (then glibc is left as told)."""
+    told = any(key in environ for key in USER_KEYS) or "glibc.malloc." in environ.get("GLIBC_TUNABLES", "")
+    return None if platform.libc_ver()[0] != "glibc" or told else ctypes.CDLL(None).mallopt
