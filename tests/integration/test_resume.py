@@ -2,7 +2,7 @@
 SIGTERM, and a checkpoint moved to another world size."""
 
 import json
-import os
+import re
 import shutil
 import signal
 import subprocess
@@ -15,9 +15,10 @@ import torch
 
 from distrib.config import load_config
 from distrib.worker import run_training
-from tests.helpers.processes import EVENT_S, wait_for, worker_pid
-from tests.helpers.support import REPO, assert_ok, kill_tree, max_relative_diff, torchrun_train
+from tests.helpers.processes import EVENT_S, wait_for
+from tests.helpers.support import REPO, assert_ok, kill_tree, max_relative_diff
 from tests.helpers.support import run as run_cmd
+from tests.helpers.train_runs import torchrun_runs
 
 BASE = ["data.name=synthetic", "data.synthetic_train_size=1536", "data.synthetic_test_size=200", "run.progress=false",
         "train.global_batch_size=32", "train.schedule=constant", "train.warmup_steps=5", "train.log_every=10",
@@ -69,19 +70,43 @@ def test_stop_and_resume_is_bitwise_at_world_size_1(tmp_path):
     assert _final(tmp_path / "whole")["progress"]["step"] == 60
 
 
-@pytest.mark.timeout(900)
-def test_stop_and_resume_at_world_size_2_and_move_the_checkpoint_to_world_size_1(tmp_path):
-    assert_ok(torchrun_train(2, *_sets(tmp_path / "whole", "train.max_steps=60")))
-    assert_ok(torchrun_train(2, *_sets(tmp_path / "parts", "train.max_steps=25")))
-    (tmp_path / "moved" / "checkpoints").mkdir(parents=True)
-    shutil.copy(tmp_path / "parts" / "checkpoints" / "step_00000025.pt", tmp_path / "moved" / "checkpoints")
-    assert_ok(torchrun_train(2, *_sets(tmp_path / "parts", "train.max_steps=60")))
-    assert _summary(tmp_path / "parts")["resumed_from_step"] == 25
-    _assert_bitwise(_final(tmp_path / "parts"), _final(tmp_path / "whole"))
+LONG = ["train.max_steps=200", "train.schedule=cosine", "checkpoint.every_steps=20"]
 
+
+# A model that kills its rank 1 in the step DISTRIB_TEST_DIE_AT names (unset: never); a checkpoint every 20 steps.
+DYING = ["train.max_steps=60", "checkpoint.every_steps=20", "model.factory=tests.helpers.dying_model:network"]
+# 16 steps an epoch, DataLoader workers; a model that kills one rank once where model.kwargs says (no marker: never).
+LOADER_RUN = ["data.name=synthetic", "data.synthetic_train_size=512", "data.synthetic_test_size=64",
+              "data.loader=dataloader", "data.num_workers=2", "train.max_steps=12", "train.global_batch_size=32",
+              "train.warmup_steps=2", "checkpoint.every_steps=4", "run.progress=false", "dist.device=cpu",
+              "model.factory=tests.helpers.probe_env:network_dying_once"]
+
+
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory) -> Path:
+    """Every uninterrupted or plainly resumed 2-worker run of this module, in one launch (the workers' start-up is
+    most of a short run's cost): the 200-step reference of the SIGTERM test (long/), a 60-step run (whole/) beside
+    one stopped at 25, mid-epoch (48 steps per epoch), and resumed across the epoch end (parts/), and the references
+    of the killed-worker tests (dying/, loader/: their models die only where a test says)."""
+    root = tmp_path_factory.mktemp("two_workers")
+    runs = [[*BASE, f"run.dir={root / 'long'}", *LONG], [*BASE, f"run.dir={root / 'whole'}", "train.max_steps=60"],
+            [*BASE, f"run.dir={root / 'parts'}", "train.max_steps=25"],
+            [*BASE, f"run.dir={root / 'parts'}", "train.max_steps=60"], [*BASE, f"run.dir={root / 'dying'}", *DYING],
+            [*LOADER_RUN, f"run.dir={root / 'loader'}"]]
+    assert_ok(torchrun_runs(2, runs))
+    return root
+
+
+@pytest.mark.timeout(900)
+def test_stop_and_resume_at_world_size_2_and_move_the_checkpoint_to_world_size_1(tmp_path, two_workers):
+    assert _summary(two_workers / "parts")["resumed_from_step"] == 25
+    _assert_bitwise(_final(two_workers / "parts"), _final(two_workers / "whole"))
+
+    (tmp_path / "moved" / "checkpoints").mkdir(parents=True)
+    shutil.copy(two_workers / "parts" / "checkpoints" / "step_00000025.pt", tmp_path / "moved" / "checkpoints")
     moved = run_training(load_config(None, [*BASE, f"run.dir={tmp_path}/moved", "train.max_steps=60"]))
     assert moved["world_size"] == 1 and moved["resumed_from_step"] == 25
-    assert max_relative_diff(_final(tmp_path / "moved")["model"], _final(tmp_path / "whole")["model"]) < 1e-5
+    assert max_relative_diff(_final(tmp_path / "moved")["model"], _final(two_workers / "whole")["model"]) < 1e-5
 
 
 @pytest.mark.timeout(900)
@@ -99,38 +124,51 @@ def test_a_changed_global_batch_is_refused_unless_allowed(tmp_path):
     assert _final(tmp_path)["progress"] == {"step": 20, "epoch": 0, "step_in_epoch": 14, "samples_in_epoch": 896}
 
 
-LONG = ["train.max_steps=200", "train.schedule=cosine", "checkpoint.every_steps=20"]
-
-
 @pytest.fixture(scope="module")
-def long_reference(tmp_path_factory) -> dict:
-    """The uninterrupted 2-worker run that interrupted ones must reproduce bitwise."""
-    run_dir = tmp_path_factory.mktemp("whole")
-    assert_ok(torchrun_train(2, *_sets(run_dir, *LONG), timeout=EVENT_S))
-    return _final(run_dir)
+def long_reference(two_workers) -> dict:
+    """The uninterrupted 2-worker run that one stopped by SIGTERM must reproduce bitwise (200 steps: the signal's
+    margin)."""
+    return _final(two_workers / "long")
 
 
-LAUNCHERS = {"torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone"],
-             "distrib launch": [sys.executable, "-m", "distrib", "launch"]}
-
-
-@pytest.mark.timeout(1200)
-@pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_killed_worker_is_restarted_and_resumes_bitwise(tmp_path, long_reference, launcher):
-    marker = f"run.dir={tmp_path}/killed"
-    cmd = [*LAUNCHERS[launcher], "--nproc-per-node=2", "--max-restarts=1", "-m", "distrib", "train",
-           *_sets(tmp_path / "killed", *LONG)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        wait_for((tmp_path / "killed" / "checkpoints" / "step_00000040.pt").exists, EVENT_S, "checkpoint 40", [proc])
-        os.kill(wait_for(lambda: worker_pid(marker, 1), EVENT_S, "worker 1", [proc]), signal.SIGKILL)
-        out, _ = proc.communicate(timeout=EVENT_S)
-    finally:
-        kill_tree(proc)
-    assert proc.returncode == 0, out[-4000:]
+@pytest.mark.timeout(900)
+def test_a_rank_killed_beside_dataloader_workers_is_one_line_and_the_restart_resumes_bitwise(tmp_path, two_workers):
+    """distrib train --nproc-per-node 2 --max-restarts 1 with data.num_workers = 2: rank 1 is SIGKILLed in step 7
+    (after checkpoint 4). The survivor says one line naming it (its DataLoader workers ignore the launcher's SIGTERM,
+    so none dies under it), both are restarted, and the run ends bitwise equal to the uninterrupted one; nothing in
+    the output is a traceback."""
+    items = [*LOADER_RUN, f"run.dir={tmp_path / 'killed'}",
+             f"model.kwargs={{marker='{tmp_path / 'died'}', at_forward=7, rank=1}}"]
+    cmd = [sys.executable, "-m", "distrib", "train", "--nproc-per-node", "2", "--max-restarts", "1",
+           *[arg for item in items for arg in ("--set", item)]]
+    killed = run_cmd(cmd, timeout=EVENT_S, env={"PYTHONPATH": str(REPO)})  # the model factory is in tests/
+    output = killed.stdout + killed.stderr
+    assert killed.returncode == 0, output[-6000:]
     summary = _summary(tmp_path / "killed")
-    assert summary["restart_count"] == 1 and summary["resumed_from_step"] >= 40, summary
-    _assert_bitwise(_final(tmp_path / "killed"), long_reference)
+    assert (tmp_path / "died").exists() and summary["restart_count"] == 1 and summary["resumed_from_step"] == 4
+    assert "Traceback" not in output, output
+    assert re.search(r"^distrib: error: after step \d+: lost rank 1 \(host \S+, pid \d+, ", killed.stderr, re.M), output
+    assert len([line for line in output.splitlines() if "error" in line.lower()]) == 1, output
+    _assert_bitwise(_final(tmp_path / "killed"), _final(two_workers / "loader"))
+    weights, reference = (torch.load(run / "model.pt", weights_only=True) for run in (tmp_path / "killed",
+                                                                                       two_workers / "loader"))
+    assert weights.keys() == reference.keys() and all(torch.equal(weights[k], reference[k]) for k in reference)
+
+
+@pytest.mark.timeout(900)
+def test_killed_worker_is_restarted_and_resumes_bitwise(tmp_path, two_workers):
+    """torchrun --max-restarts=1: rank 1 is SIGKILLed (as the OOM killer does) in step 45, after checkpoint 40, by
+    tests.helpers.dying_model (an exact step on any machine); the agent restarts both workers, which resume from
+    step 40 and end bitwise equal to the uninterrupted run. (distrib's launcher, the same agent plus a lifeline per
+    worker: test_a_rank_killed_beside_dataloader_workers_is_one_line_and_the_restart_resumes_bitwise.)"""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+           "-m", "distrib", "train", *_sets(tmp_path / "killed", *DYING)]
+    env = {"PYTHONPATH": str(REPO), "DISTRIB_TEST_DIE_AT": "45", "DISTRIB_TEST_DIE_ONCE": str(tmp_path / "died")}
+    assert_ok(run_cmd(cmd, timeout=EVENT_S, env=env))
+    summary = _summary(tmp_path / "killed")
+    assert (tmp_path / "died").exists() and summary["restart_count"] == 1 and summary["resumed_from_step"] == 40, \
+        summary
+    _assert_bitwise(_final(tmp_path / "killed"), _final(two_workers / "dying"))
 
 
 def _stop_with_sigterm(cmd: list[str], checkpoint: Path) -> str:
@@ -207,19 +245,21 @@ FIT_LAUNCHES = {"alone": [sys.executable, str(FIT_SCRIPT)],
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("launch", FIT_LAUNCHES)
 def test_sigterm_in_a_fit_script_exits_75_without_traceback_and_the_rerun_resumes_bitwise(tmp_path, launch):
-    """A worker of a distrib.fit script sends itself SIGTERM in step 6: every rank checkpoints, says one line and
-    ends with 75 (distrib.Preempted, a SystemExit), so does the launcher; the same command then resumes and ends
-    bitwise equal to the uninterrupted run."""
+    """A worker of a distrib.fit script sends itself SIGTERM in step 6 of its first fit: every rank checkpoints, says
+    one line and ends with 75 (distrib.Preempted, a SystemExit), so does the launcher; the same command then resumes
+    and ends bitwise equal to the uninterrupted run, which its second fit (never reached by the stopped command)
+    trains in the same processes."""
     env = {"PYTHONPATH": str(REPO)}
-    assert_ok(run_cmd([*FIT_LAUNCHES[launch], str(tmp_path / "whole")], timeout=EVENT_S, env=env))
-    cmd = [*FIT_LAUNCHES[launch], str(tmp_path / "stopped")]
+    cmd = [*FIT_LAUNCHES[launch], str(tmp_path / "stopped"), str(tmp_path / "whole")]
     stopped = run_cmd(cmd, timeout=EVENT_S, env={**env, "DISTRIB_TEST_DIE_AT": "6", "DISTRIB_TEST_DIE_RANK": "0",
                                                   "DISTRIB_TEST_DIE_SIGNAL": "SIGTERM"})
     output = stopped.stdout + stopped.stderr
     assert stopped.returncode == 75, output
+    assert not (tmp_path / "whole").exists()
     stopped_at = _final(tmp_path / "stopped")["progress"]["step"]  # the first step the ranks agree at, from 6 on
     assert "Traceback" not in output and f"distrib: preempted at step {stopped_at}; checkpoint" in output, output
     assert 6 <= stopped_at < 16
     assert_ok(run_cmd(cmd, timeout=EVENT_S, env=env))
     assert _summary(tmp_path / "stopped")["resumed_from_step"] == stopped_at
+    assert _summary(tmp_path / "whole")["resumed_from_step"] is None  # trained from step 0 without a stop
     _assert_bitwise(_final(tmp_path / "stopped"), _final(tmp_path / "whole"))

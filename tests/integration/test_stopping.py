@@ -16,6 +16,7 @@ from distrib.training.trainer import Trainer
 from distrib.worker import run_training
 from tests.helpers.processes import EVENT_S
 from tests.helpers.support import REPO, assert_ok, torchrun_train
+from tests.helpers.train_runs import split_runs, torchrun_runs
 
 BASE = ["data.name=synthetic", "data.synthetic_train_size=128", "data.synthetic_test_size=50", "dist.device=cpu",
         "train.global_batch_size=32", "train.log_every=2", "train.schedule=constant", "train.warmup_steps=2"]
@@ -55,24 +56,30 @@ def _assert_equal(a, b, where=""):
         assert a == b, where
 
 
+def _items(run_dir, *overrides):
+    return [*STOPPING, f"run.dir={run_dir}", *overrides]
+
+
 @pytest.mark.timeout(900)
 def test_early_stop_on_2_workers_and_the_same_run_killed_and_resumed(tmp_path):
-    whole = torchrun_train(2, *_args(tmp_path / "whole"), env=ENV, timeout=EVENT_S)
-    assert_ok(whole)
-    summary = _summary(tmp_path / "whole")
-    assert summary["stop_reason"] == "early_stop" and summary["steps"] == 12, summary
-    assert "test_loss did not improve by more than 1 for 2 evaluations" in summary["stop_detail"]
-    # stderr is a pipe, not a terminal: run.progress = auto gives plain lines and no carriage return.
-    assert "\r" not in whole.stderr and "[distrib] step 2 epoch 0 loss" in whole.stderr
-
     # Rank 1 dies inside step 11, after step 10 was logged; the newest checkpoint holds step 9, after one evaluation
     # without improvement (so the patience counter is 1 there).
     killed = torchrun_train(2, *_args(tmp_path / "parts"), env={**ENV, "DISTRIB_TEST_DIE_AT": "11"}, timeout=EVENT_S)
     assert killed.returncode != 0
     assert _names(tmp_path / "parts", "step_*.pt")[-1] == "step_00000009.pt"
-    assert_ok(torchrun_train(2, *_args(tmp_path / "parts"), env=ENV, timeout=EVENT_S))
+    # The resumed run and the uninterrupted one, in one launch of 2 workers (one run after the other).
+    both = torchrun_runs(2, [_items(tmp_path / "parts"), _items(tmp_path / "whole")], env=ENV)
+    assert_ok(both)
     resumed = _summary(tmp_path / "parts")
     assert resumed["resumed_from_step"] == 9 and resumed["steps"] == 12 and resumed["stop_reason"] == "early_stop"
+
+    summary = _summary(tmp_path / "whole")
+    assert summary["stop_reason"] == "early_stop" and summary["steps"] == 12, summary
+    assert summary["resumed_from_step"] is None, summary
+    assert "test_loss did not improve by more than 1 for 2 evaluations" in summary["stop_detail"]
+    # stderr is a file, not a terminal: run.progress = auto gives plain lines and no carriage return.
+    whole_stderr = split_runs(both.stderr, 2)[1]
+    assert "\r" not in both.stderr and "[distrib] step 2 epoch 0 loss" in whole_stderr
 
     # The same stop, weights, EMA, patience counter and best set as uninterrupted; keep_last pruned step_*.pt only.
     final = {run: read_checkpoint(tmp_path / run / "checkpoints" / "step_00000012.pt", torch.device("cpu"))
