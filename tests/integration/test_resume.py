@@ -141,7 +141,9 @@ def test_a_rank_killed_beside_dataloader_workers_is_one_line_and_the_restart_res
              f"model.kwargs={{marker='{tmp_path / 'died'}', at_forward=7, rank=1}}"]
     cmd = [sys.executable, "-m", "distrib", "train", "--nproc-per-node", "2", "--max-restarts", "1",
            *[arg for item in items for arg in ("--set", item)]]
-    killed = run_cmd(cmd, timeout=EVENT_S, env={"PYTHONPATH": str(REPO)})  # the model factory is in tests/
+    # PYTHONPATH: the model factory is in tests/. One thread per worker, as torchrun gives the reference's: distrib's
+    # launcher would share out the cores, and a convolution's bits depend on its thread count.
+    killed = run_cmd(cmd, timeout=EVENT_S, env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
     output = killed.stdout + killed.stderr
     assert killed.returncode == 0, output[-6000:]
     summary = _summary(tmp_path / "killed")
