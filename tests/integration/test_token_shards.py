@@ -9,10 +9,11 @@ import sys
 import pytest
 import torch
 
+from distrib import cli
 from distrib.config import load_config
 from distrib.worker import run_training
 from tests.helpers.processes import EVENT_S, clean_env
-from tests.helpers.support import REPO, assert_ok, distrib, kill_tree, max_relative_diff, sets, torchrun_train
+from tests.helpers.support import REPO, assert_ok, kill_tree, max_relative_diff, sets, torchrun_train
 from tests.helpers.token_shards import learnable_stream, write_llmc, write_llmc_shards
 
 VAL_TOKENS = 700
@@ -23,7 +24,7 @@ RUN = ["data.name=tokens", "data.vocab_size=64", "data.seq_len=16", "model.facto
 
 
 @pytest.mark.timeout(900)
-def test_llmc_shards_agree_across_world_sizes_count_every_val_token_and_resume_bitwise_after_a_kill(tmp_path):
+def test_llmc_shards_agree_across_world_sizes_count_every_val_token_and_resume_bitwise_after_a_kill(tmp_path, capfd):
     train, val = write_llmc_shards(tmp_path / "data", learnable_stream(3 * 1500 + VAL_TOKENS), (1200, 1500, 1800))
     run = [*RUN, f"data.train_files={train}", f"data.test_files={val}"]
     env = {"PYTHONPATH": str(REPO)}
@@ -55,8 +56,10 @@ def test_llmc_shards_agree_across_world_sizes_count_every_val_token_and_resume_b
 
     # A shard cut short (its header says more tokens than it holds): one line naming it, exit 2, nothing written.
     write_llmc(tmp_path / "data" / "shard_train_000001.bin", learnable_stream(1000), count=1500)
-    bad = distrib("train", *sets(*run, f"run.dir={tmp_path}/bad"), timeout=EVENT_S)
-    assert bad.returncode == 2 and not (tmp_path / "bad").exists(), bad.stderr[-2000:]
-    assert bad.stderr.strip().splitlines()[-1] == (
+    capfd.readouterr()
+    code = cli.main(["train", *sets(*run, f"run.dir={tmp_path}/bad")])  # as `distrib train` runs it, in this process
+    said = capfd.readouterr().err
+    assert code == 2 and not (tmp_path / "bad").exists(), said[-2000:]
+    assert said.strip().splitlines()[-1] == (
         f"distrib: error: data.train_files: {tmp_path}/data/shard_train_000001.bin is truncated: its header says "
         "1500 tokens, the file holds 1000; fix: copy or write it again")
