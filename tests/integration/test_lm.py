@@ -36,22 +36,17 @@ def unigram_loss(train: bytes, test: bytes) -> float:
     return -sum(math.log((counts[b] + 1) / total) for b in test) / len(test)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The in-process runs take one thread, as a launched worker does: on a loaded machine, 2 spinning threads can be
-    5x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.timeout(900)
 def test_gpt_on_text_beats_the_unigram_model_and_generate_repeats_for_a_seed(tmp_path):
     config = load_config(None, [*COMMON, "data.name=text", f"data.root={TEXT}", "data.seq_len=64", TINY_GPT,
                                 "train.lr=3e-3", "train.warmup_steps=20", "train.max_steps=300",
                                 "train.global_batch_size=32", "train.log_every=100", f"run.dir={tmp_path}"])
-    summary = run_training(config)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as a launched worker runs: on a loaded machine, 2 spinning threads can be 5x slower
+    try:
+        summary = run_training(config)
+    finally:
+        torch.set_num_threads(threads)
     raw = TEXT.read_bytes()
     split = len(raw) - round(len(raw) * 0.1)
     baseline = unigram_loss(raw[:split], raw[split:])
