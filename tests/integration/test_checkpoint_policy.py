@@ -16,8 +16,8 @@ from distrib.config import load_config
 from distrib.distributed.runtime import open_runtime
 from distrib.launch.rundir import LOCK_NAME
 from distrib.worker import run_training, train_on
+from tests.helpers.launch_runs import split_runs, torchrun_runs
 from tests.helpers.support import assert_ok, load_weights, max_relative_diff
-from tests.helpers.train_runs import split_runs, torchrun_runs
 
 BASE = ["data.name=synthetic", "data.synthetic_train_size=256", "data.synthetic_test_size=64", "run.progress=false",
         "train.global_batch_size=32", "train.schedule=constant", "train.warmup_steps=2", "train.log_every=2",
@@ -177,11 +177,12 @@ def test_ddp_and_fsdp_checkpoints_resume_under_each_other_to_the_uninterrupted_w
 
     _train(tmp_path / "whole", "ddp", *common, "train.max_steps=6")
     # The three parts in one launch of 2 workers (each part a run of its own: opened, resumed, saved, closed).
-    parts = [[*BASE, *common, f"run.dir={tmp_path / 'parts'}", f"dist.strategy={strategy}", f"train.max_steps={steps}"]
-             for strategy, steps in (("ddp", 2), ("fsdp", 4), ("ddp", 6))]
-    result = torchrun_runs(2, parts)
+    parts = {f"{strategy}-{steps}": [*BASE, *common, f"run.dir={tmp_path / 'parts'}", f"dist.strategy={strategy}",
+                                      f"train.max_steps={steps}"]
+             for strategy, steps in (("ddp", 2), ("fsdp", 4), ("ddp", 6))}
+    result = torchrun_runs(2, parts, tmp_path)
     assert_ok(result)
-    logs = [out + err for out, err in zip(split_runs(result.stdout, 3), split_runs(result.stderr, 3))]
+    logs = list(split_runs(result.stderr, list(parts)).values())  # distrib's notes go to stderr
     assert "resumed in the" not in logs[0]
     for log, theirs in zip(logs[1:], ("one-file (ddp)", "sharded (fsdp)")):
         assert log.count(f"a {theirs} checkpoint resumed in the") == 1 and "both hold the full training state" in log

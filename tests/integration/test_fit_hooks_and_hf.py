@@ -1,10 +1,11 @@
-"""fit() at world sizes 1 and 2 (one script, tests/helpers/fit_hooks_and_hf.py, run once at each): a callback that
-keeps frozen BatchNorm layers in eval mode makes a fine-tune agree across world sizes to float noise (without it, the
-layers' batch statistics differ), every rank calls every hook in the same order with the frozen layers still in eval
-mode after each evaluation; a Hugging Face datasets.Dataset and its train_test_split train unchanged, alike at both
-world sizes."""
+"""fit() at world sizes 1 and 2 (one script, tests/helpers/fit_hooks_and_hf.py, run once at each: in this process,
+and under torchrun): a callback that keeps frozen BatchNorm layers in eval mode makes a fine-tune agree across world
+sizes to float noise (without it, the layers' batch statistics differ), every rank calls every hook in the same order
+with the frozen layers still in eval mode after each evaluation; a Hugging Face datasets.Dataset and its
+train_test_split train unchanged, alike at both world sizes."""
 
 import json
+import runpy
 import sys
 
 import pytest
@@ -21,10 +22,15 @@ STEPS, STEPS_PER_EPOCH = 24, 8  # 3 epochs of 256 samples in global batches of 3
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """OUT of the script at world size 1 ("one") and 2 ("two"), and the output of the second."""
+    """OUT of the script at world size 1 ("one", in this process) and 2 ("two"), and the output of the second."""
     out = tmp_path_factory.mktemp("fit")
     env = {"PYTHONPATH": str(REPO)}
-    assert_ok(run([sys.executable, SCRIPT, str(out / "one")], timeout=EVENT_S, env=env))
+    argv = sys.argv
+    try:  # as `python SCRIPT OUT` runs it, without the cost of a process start
+        sys.argv = [SCRIPT, str(out / "one")]
+        runpy.run_path(SCRIPT, run_name="__main__")
+    finally:
+        sys.argv = argv
     two = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", SCRIPT,
                str(out / "two")], timeout=EVENT_S, env=env)
     assert_ok(two)

@@ -4,9 +4,8 @@ model by a clear margin) and `distrib generate` repeats itself for one seed; a `
 run ends; `distrib generate --tokenizer` decodes a tokens run's continuation, the same twice."""
 
 import collections
+import json
 import math
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,13 +14,15 @@ import numpy as np
 import pytest
 import torch
 
+from distrib import cli
 from distrib.config import load_config
 from distrib.worker import run_training
-from tests.helpers.processes import EVENT_S, wait_for, worker_pid
-from tests.helpers.support import assert_ok, distrib, kill_tree, max_relative_diff, sets, torchrun_train
+from tests.helpers.processes import EVENT_S, clean_env
+from tests.helpers.support import REPO, assert_ok, distrib, kill_tree, max_relative_diff
 
 # Debian's base-files package (Essential: on every Debian system) ships it; a fixed 35 kB of English prose.
 TEXT = Path("/usr/share/common-licenses/GPL-3")
+TRAIN_RUNS = REPO / "tests" / "helpers" / "train_runs.py"
 TINY_GPT = "model.kwargs={n_layers = 2, n_heads = 2, dim = 64}"
 COMMON = ["model.name=gpt", "train.optimizer=adamw", "run.progress=false", "dist.device=cpu", "train.epochs=0",
           "train.eval_every_epochs=0", "checkpoint.every_steps=0"]
@@ -54,12 +55,15 @@ def test_gpt_on_text_beats_the_unigram_model_and_generate_repeats_for_a_seed(tmp
     assert summary["tokens_per_second"] == pytest.approx(summary["samples_per_second"] * 64)
     assert summary["mfu"] > 0 and summary["flops_per_sample"] > 0
 
+    from distrib.training.generate import generate_text
+
     prompt = ["generate", str(tmp_path), "--prompt", "This License ", "--max-new-tokens", "60", "--temperature",
               "0.8", "--top-k", "20"]
-    first, second, other = (distrib(*prompt, "--seed", seed, timeout=EVENT_S) for seed in ("7", "7", "8"))
-    for result in (first, second, other):
-        assert_ok(result)
-    assert first.stdout == second.stdout and first.stdout != other.stdout
+    first = distrib(*prompt, "--seed", "7", timeout=EVENT_S)
+    assert_ok(first)
+    # Again for the seed, in this process (what `distrib generate` prints), and for another seed.
+    second, other = (generate_text(str(tmp_path), "This License ", 60, 0.8, 20, seed) + "\n" for seed in (7, 8))
+    assert first.stdout == second and first.stdout != other
     assert len(first.stdout.rstrip("\n").encode("utf-8", errors="replace")) >= 50  # 60 bytes (U+FFFD takes 3)
 
 
@@ -80,36 +84,39 @@ def _write_tokens(root: Path) -> None:
 def test_tokens_under_fsdp_agree_with_one_process_and_resume_bitwise_after_a_kill(tmp_path):
     data = tmp_path / "data"
     _write_tokens(data)
-    run = [*COMMON, *TOKENS, f"data.root={data}", "train.max_steps=80", "dist.strategy=fsdp",
-           "checkpoint.every_steps=20"]
-    assert_ok(torchrun_train(2, *sets(*run, f"run.dir={tmp_path}/whole"), timeout=EVENT_S))
-    whole = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)
-
-    # World size 1 (ddp) takes the same global batches: the first 12 steps agree with the 2-rank fsdp run's.
-    short = [*COMMON, *TOKENS, f"data.root={data}", "train.max_steps=12", "train.schedule=constant"]
-    one = run_training(load_config(None, [*short, f"run.dir={tmp_path}/one"]))
-    assert_ok(torchrun_train(2, *sets(*short, "dist.strategy=fsdp", f"run.dir={tmp_path}/two"), timeout=EVENT_S))
-    two = torch.load(tmp_path / "two" / "model.pt", weights_only=True)
-    assert max_relative_diff(torch.load(tmp_path / "one" / "model.pt", weights_only=True), two) < 1e-5
-    assert one["test_perplexity"] == pytest.approx(math.exp(one["test_loss"]))
-
-    marker = f"run.dir={tmp_path}/killed"
-    cmd = [sys.executable, "-m", "distrib", "launch", "--nproc-per-node=2", "--max-restarts=1", "-m", "distrib",
-           "train", *sets(*run, marker)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    # World size 1 (ddp) takes the same global batches: its 12 steps agree with the 2-rank fsdp run's.
+    run = [*COMMON, *TOKENS, f"data.root={data}", "train.max_steps=12", "train.schedule=constant",
+           "checkpoint.every_steps=4"]
+    one = run_training(load_config(None, [*run, f"run.dir={tmp_path}/one"]))
+    fsdp = [*run, "dist.strategy=fsdp"]
+    # One launch of 2 workers, two runs (tests/helpers/train_runs.py): the uninterrupted one, then one whose rank 1
+    # SIGKILLs itself inside step 10 of its first attempt (the same GPT, built by a factory that can die). The
+    # launcher restarts both workers: the finished run trains nothing, the killed one resumes from checkpoint 8 and
+    # ends bitwise where the uninterrupted one ended.
+    runs = [("two", {}, [*fsdp, f"run.dir={tmp_path}/two"]),
+            ("killed", {"DISTRIB_TEST_DIE_AT": "10", "DISTRIB_TEST_DIE_ONCE": str(tmp_path / "died")},
+             [*fsdp, "model.factory=tests.helpers.dying_model:gpt", f"run.dir={tmp_path}/killed"])]
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
+    cmd = [sys.executable, "-m", "distrib", "launch", "--nproc-per-node=2", "--max-restarts=1", str(TRAIN_RUNS),
+           str(tmp_path / "runs.json")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=clean_env(PYTHONPATH=str(REPO)))  # the workers import tests.helpers
     try:
-        wait_for((tmp_path / "killed" / "checkpoints" / "step_00000020").exists, EVENT_S, "checkpoint 20", [proc])
-        os.kill(wait_for(lambda: worker_pid(marker, 1), EVENT_S, "worker 1", [proc]), signal.SIGKILL)
         out, _ = proc.communicate(timeout=EVENT_S)
     finally:
         kill_tree(proc)
-    assert proc.returncode == 0, out[-4000:]
+    assert proc.returncode == 0 and (tmp_path / "died").exists(), out[-4000:]
+    two = torch.load(tmp_path / "two" / "model.pt", weights_only=True)
+    assert max_relative_diff(torch.load(tmp_path / "one" / "model.pt", weights_only=True), two) < 1e-5
+    assert one["test_perplexity"] == pytest.approx(math.exp(one["test_loss"]))
+    summary = json.loads((tmp_path / "killed" / "summary.json").read_text())
+    assert (summary["restart_count"], summary["resumed_from_step"], summary["steps"]) == (1, 8, 12), summary
     killed = torch.load(tmp_path / "killed" / "model.pt", weights_only=True)
-    assert killed.keys() == whole.keys() and all(torch.equal(killed[k], whole[k]) for k in whole)
+    assert killed.keys() == two.keys() and all(torch.equal(killed[k], two[k]) for k in two)
 
 
 @pytest.mark.timeout(900)
-def test_generate_with_the_tokenizer_of_a_tokens_run_prints_decoded_text_the_same_twice(tmp_path):
+def test_generate_with_the_tokenizer_of_a_tokens_run_prints_decoded_text_the_same_twice(tmp_path, capfd):
     from transformers import PreTrainedTokenizerFast
 
     from distrib.training.generate import generate_text
@@ -122,13 +129,17 @@ def test_generate_with_the_tokenizer_of_a_tokens_run_prints_decoded_text_the_sam
                                     "train.max_steps=30", "train.global_batch_size=16", "train.log_every=10",
                                     f"run.dir={tmp_path / 'run'}"]))
     prompt = ["generate", str(tmp_path / "run"), "--prompt", "The ", "--max-new-tokens", "24", "--seed", "3"]
-    first, second = (distrib(*prompt, "--tokenizer", str(tokenizer), timeout=EVENT_S) for _ in range(2))
+    first = distrib(*prompt, "--tokenizer", str(tokenizer), timeout=EVENT_S)
     assert_ok(first)
-    assert first.stdout == second.stdout and len(first.stdout.strip()) >= 10, first.stdout
+    # Again, in this process (what `distrib generate` prints): the same text for the seed.
+    second = generate_text(str(tmp_path / "run"), "The ", 24, seed=3, tokenizer=str(tokenizer)) + "\n"
+    assert first.stdout == second and len(first.stdout.strip()) >= 10, first.stdout
     # Decoded text, not ids: the tokenizer's decoding of 24 sampled ids.
     assert not first.stdout.strip().replace(" ", "").isdigit()
-    bare = distrib(*prompt, timeout=EVENT_S)  # without the tokenizer: one line naming it
-    assert bare.returncode == 2 and "--tokenizer" in bare.stderr and "Traceback" not in bare.stderr
+    capfd.readouterr()
+    code = cli.main(prompt)  # without the tokenizer (as `distrib generate` runs it, here): one line naming it
+    said = capfd.readouterr().err
+    assert code == 2 and "--tokenizer" in said and "Traceback" not in said, said
     # The same tokenizer as a transformers folder gives the same text for the seed.
     PreTrainedTokenizerFast(tokenizer_file=str(tokenizer)).save_pretrained(tmp_path / "folder")
     folder = generate_text(str(tmp_path / "run"), "The ", 24, seed=3, tokenizer=str(tmp_path / "folder"))

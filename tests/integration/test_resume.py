@@ -15,10 +15,10 @@ import torch
 
 from distrib.config import load_config
 from distrib.worker import run_training
+from tests.helpers.launch_runs import torchrun_runs
 from tests.helpers.processes import EVENT_S, wait_for
 from tests.helpers.support import REPO, assert_ok, kill_tree, max_relative_diff
 from tests.helpers.support import run as run_cmd
-from tests.helpers.train_runs import torchrun_runs
 
 BASE = ["data.name=synthetic", "data.synthetic_train_size=1536", "data.synthetic_test_size=200", "run.progress=false",
         "train.global_batch_size=32", "train.schedule=constant", "train.warmup_steps=5", "train.log_every=10",
@@ -89,11 +89,13 @@ def two_workers(tmp_path_factory) -> Path:
     one stopped at 25, mid-epoch (48 steps per epoch), and resumed across the epoch end (parts/), and the references
     of the killed-worker tests (dying/, loader/: their models die only where a test says)."""
     root = tmp_path_factory.mktemp("two_workers")
-    runs = [[*BASE, f"run.dir={root / 'long'}", *LONG], [*BASE, f"run.dir={root / 'whole'}", "train.max_steps=60"],
-            [*BASE, f"run.dir={root / 'parts'}", "train.max_steps=25"],
-            [*BASE, f"run.dir={root / 'parts'}", "train.max_steps=60"], [*BASE, f"run.dir={root / 'dying'}", *DYING],
-            [*LOADER_RUN, f"run.dir={root / 'loader'}"]]
-    assert_ok(torchrun_runs(2, runs))
+    runs = {"long": [*BASE, f"run.dir={root / 'long'}", *LONG],
+            "whole": [*BASE, f"run.dir={root / 'whole'}", "train.max_steps=60"],
+            "parts-25": [*BASE, f"run.dir={root / 'parts'}", "train.max_steps=25"],
+            "parts-60": [*BASE, f"run.dir={root / 'parts'}", "train.max_steps=60"],
+            "dying": [*BASE, f"run.dir={root / 'dying'}", *DYING],
+            "loader": [*LOADER_RUN, f"run.dir={root / 'loader'}"]}
+    assert_ok(torchrun_runs(2, runs, root))
     return root
 
 

@@ -14,9 +14,9 @@ from distrib.metrics.plot import make_figure, read_records
 from distrib.training.inference import load_trained
 from distrib.training.trainer import Trainer
 from distrib.worker import run_training
+from tests.helpers.launch_runs import split_runs, torchrun_runs
 from tests.helpers.processes import EVENT_S
 from tests.helpers.support import REPO, assert_ok, torchrun_train
-from tests.helpers.train_runs import split_runs, torchrun_runs
 
 BASE = ["data.name=synthetic", "data.synthetic_train_size=128", "data.synthetic_test_size=50", "dist.device=cpu",
         "train.global_batch_size=32", "train.log_every=2", "train.schedule=constant", "train.warmup_steps=2"]
@@ -68,7 +68,7 @@ def test_early_stop_on_2_workers_and_the_same_run_killed_and_resumed(tmp_path):
     assert killed.returncode != 0
     assert _names(tmp_path / "parts", "step_*.pt")[-1] == "step_00000009.pt"
     # The resumed run and the uninterrupted one, in one launch of 2 workers (one run after the other).
-    both = torchrun_runs(2, [_items(tmp_path / "parts"), _items(tmp_path / "whole")], env=ENV)
+    both = torchrun_runs(2, {"parts": _items(tmp_path / "parts"), "whole": _items(tmp_path / "whole")}, tmp_path)
     assert_ok(both)
     resumed = _summary(tmp_path / "parts")
     assert resumed["resumed_from_step"] == 9 and resumed["steps"] == 12 and resumed["stop_reason"] == "early_stop"
@@ -78,7 +78,7 @@ def test_early_stop_on_2_workers_and_the_same_run_killed_and_resumed(tmp_path):
     assert summary["resumed_from_step"] is None, summary
     assert "test_loss did not improve by more than 1 for 2 evaluations" in summary["stop_detail"]
     # stderr is a file, not a terminal: run.progress = auto gives plain lines and no carriage return.
-    whole_stderr = split_runs(both.stderr, 2)[1]
+    whole_stderr = split_runs(both.stderr, ["parts", "whole"])["whole"]
     assert "\r" not in both.stderr and "[distrib] step 2 epoch 0 loss" in whole_stderr
 
     # The same stop, weights, EMA, patience counter and best set as uninterrupted; keep_last pruned step_*.pt only.

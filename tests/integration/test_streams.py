@@ -1,20 +1,27 @@
 """Streams through `distrib train`: a plain IterableDataset over 10 shard files read by 2 DataLoader workers (world 1
 = world 2, every sample of the pass trained once, SIGTERM and rerun bitwise equal to an uninterrupted run); a Hugging
 Face streaming dataset over 4 JSON-lines files of unequal lengths under fsdp (no hang, no sample twice, what each
-rank left, SIGTERM and rerun bitwise); bad streams (a wrong structure halfway, an empty stream): one line, exit 2."""
+rank left, SIGTERM and rerun bitwise); bad streams (a wrong structure halfway, an empty stream): one line, exit 2.
+The world-size-2 runs of the first two share two torchrun launches (see SCRIPT)."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
+from distrib import cli
+from distrib.config import load_config
+from distrib.worker import run_training
 from tests.helpers.launch_support import distrib_cmd
 from tests.helpers.processes import EVENT_S, Launches, clean_env
 from tests.helpers.streams import write_jsonl_shards, write_tensor_shards
-from tests.helpers.support import load_weights, max_relative_diff, sets
+from tests.helpers.support import REPO, load_weights, max_relative_diff, run, sets
 
 BASE = ("model.factory=tests.helpers.streams:id_model", "train.max_steps=100", "train.epochs=1",
         "train.global_batch_size=16", "train.schedule=constant", "train.warmup_steps=2", "train.log_every=5",
@@ -22,25 +29,13 @@ BASE = ("model.factory=tests.helpers.streams:id_model", "train.max_steps=100", "
         "checkpoint.every_steps=0")
 
 
+def _overrides(run_dir: Path, factory: str, folder: Path, *extra: str) -> list[str]:
+    return [*BASE, f"data.factory=tests.helpers.streams:{factory}", f'data.kwargs={{folder = "{folder}"}}',
+            f"run.dir={run_dir}", *extra]
+
+
 def _command(world_size: int, run_dir: Path, factory: str, folder: Path, *extra: str) -> list[str]:
-    return distrib_cmd("train", "--nproc-per-node", world_size,
-                       *sets(*BASE, f"data.factory=tests.helpers.streams:{factory}",
-                             f'data.kwargs={{folder = "{folder}"}}', f"run.dir={run_dir}", *extra))
-
-
-def _env(ids: Path | None = None, die_at: int = 0) -> dict[str, str]:
-    extra = {"DISTRIB_TEST_IDS": str(ids)} if ids else {}
-    if ids:
-        ids.mkdir(parents=True, exist_ok=True)
-    return clean_env(**extra, **({"DISTRIB_TEST_DIE_AT": str(die_at)} if die_at else {}))
-
-
-def _run_all(log_dir: Path, commands: list[tuple[list[str], dict]]):
-    log_dir.mkdir(parents=True, exist_ok=True)
-    with Launches(log_dir) as launches:
-        for command, env in commands:
-            launches.start(command, env)
-        return launches.wait(EVENT_S)
+    return distrib_cmd("train", "--nproc-per-node", world_size, *sets(*_overrides(run_dir, factory, folder, *extra)))
 
 
 def _trained_ids(folder: Path) -> Counter:
@@ -52,60 +47,112 @@ def _assert_bitwise(a: Path, b: Path) -> None:
     assert all(torch.equal(weights_a[key], weights_b[key]) for key in weights_a)
 
 
+# The world-size-2 runs of the two tests above, in two torchrun launches (a launch's process start-up is most of a
+# run's cost): each run as a launched worker of `distrib train` runs it (distrib.cli.main, which opens and closes its
+# own process group; the environment set per run). The first launch makes the uninterrupted runs and the stopped ones
+# (rank 1 sends itself SIGTERM: every rank checkpoints and returns 75); the second, fresh processes, reruns those.
+SCRIPT = """
+import json, os, sys
+from pathlib import Path
+
+from distrib import cli
+
+runs, rank = json.loads(Path(sys.argv[1]).read_text()), os.environ["RANK"]
+codes = {}
+for name, env, overrides in runs:
+    for key in ("DISTRIB_TEST_IDS", "DISTRIB_TEST_DIE_AT"):
+        os.environ.pop(key, None)
+    os.environ.update(env)
+    if rank == "0":  # rank 0's lines until its next marker are this run's (rank 1 may start the next one sooner)
+        print(f"== run {name} ==", file=sys.stderr, flush=True)
+    codes[name] = cli.main(["train", *[item for each in overrides for item in ("--set", each)]])
+Path(sys.argv[2]).write_text(json.dumps(codes))
+"""
+
+
+def _launch(out: Path, name: str, runs: list) -> tuple[dict, dict[str, str]]:
+    """Runs [(name, env, overrides)] in one 2-worker torchrun launch: each run's exit codes by rank, its stderr."""
+    (out / f"{name}.json").write_text(json.dumps(runs))
+    done = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(out / "s.py"),
+                str(out / f"{name}.json"), str(out / f"{name}_codes.json")], timeout=EVENT_S,
+               env={"PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    codes = json.loads((out / f"{name}_codes.json").read_text())
+    said = dict(part.split(" ==\n", 1) for part in done.stderr.split("== run ")[1:])  # by rank 0's markers
+    return codes, said
+
+
+@pytest.fixture(scope="module")
+def streams(tmp_path_factory):
+    """The folder of the runs (plain/, hf/ with two/, stopped/, ids/), each run's exit code and its output."""
+    out = tmp_path_factory.mktemp("streams")
+    (out / "s.py").write_text(SCRIPT)
+    write_tensor_shards(out / "shards", [37] * 10)  # 370 samples: 23 global batches of 16, 2 left
+    write_jsonl_shards(out / "jsonl", [100, 300, 150, 50])  # rank 0 reads files 0 and 2 (250), rank 1 1 and 3 (350)
+    kinds = {"plain": ("plain", out / "shards", PLAIN_EXTRA, 15)}
+    if importlib.util.find_spec("datasets"):
+        kinds["hf"] = ("hugging_face", out / "jsonl", HF_EXTRA, 12)
+    first, rerun = [], []
+    for kind, (factory, folder, extra, die_at) in kinds.items():
+        (out / kind / "ids").mkdir(parents=True)
+        overrides = {name: _overrides(out / kind / name, factory, folder, *extra) for name in ("two", "stopped")}
+        first += [(f"{kind}/two", {"DISTRIB_TEST_IDS": str(out / kind / "ids")}, overrides["two"]),
+                  (f"{kind}/stopped", {"DISTRIB_TEST_DIE_AT": str(die_at)}, overrides["stopped"])]
+        rerun.append((f"{kind}/rerun", {}, overrides["stopped"]))
+    codes, said = _launch(out, "first", first)
+    rerun_codes, rerun_said = _launch(out, "rerun", rerun)
+    return out, {**codes, **rerun_codes}, {**said, **rerun_said}
+
+
+PLAIN_EXTRA = ("train.grad_accum_steps=2",)  # micro-batches of 4 at world 2, read by 2 workers in turn
+HF_EXTRA = ("dist.strategy=fsdp",)  # sharded checkpoints: the workers' positions go into trainer.pt
+
+
 @pytest.mark.timeout(1200)
-def test_a_plain_stream_agrees_across_world_sizes_and_resumes_exactly(tmp_path):
-    folder = tmp_path / "shards"
-    write_tensor_shards(folder, [37] * 10)  # 370 samples: 23 global batches of 16, 2 left
-    extra = ("train.grad_accum_steps=2",)  # micro-batches of 4 at world 2, read by 2 workers in turn
-    runs = {name: tmp_path / name for name in ("one", "two", "stopped")}
-    done = _run_all(tmp_path / "logs", [
-        (_command(1, runs["one"], "plain", folder, *extra), _env()),
-        (_command(2, runs["two"], "plain", folder, *extra), _env(tmp_path / "ids")),
-        (_command(2, runs["stopped"], "plain", folder, *extra), _env(die_at=15))])
-    assert [d.returncode for d in done] == [0, 0, 75], "\n".join(d.text() for d in done)
-    assert "the last 2 (a partial global batch) not" in done[1].stderr, done[1].text()
+def test_a_plain_stream_agrees_across_world_sizes_and_resumes_exactly(streams, tmp_path):
+    out, codes, said = streams
+    runs = {"one": tmp_path / "one", "two": out / "plain" / "two", "stopped": out / "plain" / "stopped"}
+    run_training(load_config(None, _overrides(runs["one"], "plain", out / "shards", *PLAIN_EXTRA)))
+    assert [codes[f"plain/{name}"] for name in ("two", "stopped", "rerun")] == [0, 75, 0], (codes, said)
+    assert "the last 2 (a partial global batch) not" in said["plain/two"], said["plain/two"]
     assert max_relative_diff(load_weights(runs["one"]), load_weights(runs["two"])) < 1e-5
-    trained = _trained_ids(tmp_path / "ids")
+    trained = _trained_ids(out / "plain" / "ids")
     assert set(trained) == set(range(368)) and set(trained.values()) == {1}  # each once; the last 2 untrained
-    rerun = _run_all(tmp_path / "logs2", [(_command(2, runs["stopped"], "plain", folder, *extra), _env())])[0]
-    assert rerun.returncode == 0 and "resumed at step" in rerun.stderr, rerun.text()
+    assert "resumed at step" in said["plain/rerun"], said["plain/rerun"]
     _assert_bitwise(runs["stopped"], runs["two"])
 
 
 @pytest.mark.timeout(1200)
-def test_a_sharded_hugging_face_stream_ends_together_and_resumes_exactly(tmp_path):
+def test_a_sharded_hugging_face_stream_ends_together_and_resumes_exactly(streams):
     pytest.importorskip("datasets")
-    folder = tmp_path / "jsonl"
-    write_jsonl_shards(folder, [100, 300, 150, 50])  # rank 0 reads files 0 and 2 (250), rank 1 files 1 and 3 (350)
-    runs = {name: tmp_path / name for name in ("two", "stopped")}
-    fsdp = "dist.strategy=fsdp"  # sharded checkpoints: the workers' positions go into trainer.pt
-    done = _run_all(tmp_path / "logs", [
-        (_command(2, runs["two"], "hugging_face", folder, fsdp), _env(tmp_path / "ids")),
-        (_command(2, runs["stopped"], "hugging_face", folder, fsdp), _env(die_at=12))])
-    assert [d.returncode for d in done] == [0, 75], "\n".join(d.text() for d in done)
+    out, codes, said = streams
+    assert [codes[f"hf/{name}"] for name in ("two", "stopped", "rerun")] == [0, 75, 0], (codes, said)
     # rank 0's workers: 100 -> 12 micro-batches of 8 (4 left), 150 -> 18 (6 left); 30 steps; rank 1 leaves the rest
-    assert "samples left untrained per rank [10, 110]" in done[0].stderr, done[0].text()
-    trained = _trained_ids(tmp_path / "ids")
+    assert "samples left untrained per rank [10, 110]" in said["hf/two"], said["hf/two"]
+    trained = _trained_ids(out / "hf" / "ids")
     assert sum(trained.values()) == 30 * 16 and set(trained.values()) == {1}  # no sample twice
-    rerun = _run_all(tmp_path / "logs2", [(_command(2, runs["stopped"], "hugging_face", folder, fsdp), _env())])[0]
-    assert rerun.returncode == 0 and "resumed at step" in rerun.stderr, rerun.text()
-    _assert_bitwise(runs["stopped"], runs["two"])
+    assert "resumed at step" in said["hf/rerun"], said["hf/rerun"]
+    _assert_bitwise(out / "hf" / "stopped", out / "hf" / "two")
 
 
 @pytest.mark.timeout(900)
-def test_bad_streams_are_one_line_and_exit_2(tmp_path):
+def test_bad_streams_are_one_line_and_exit_2(tmp_path, capfd):
     folder = tmp_path / "shards"
     write_tensor_shards(folder, [37] * 10)
     runs = {name: tmp_path / name for name in ("halfway", "empty")}
-    done = _run_all(tmp_path / "logs", [
-        (_command(2, runs["halfway"], "plain", folder, "data.kwargs={folder = '%s', bad_after = 300}" % folder,
-                  "checkpoint.every_steps=2"), _env()),
-        (_command(1, runs["empty"], "empty", folder), _env())])
-    assert [d.returncode for d in done] == [2, 2], "\n".join(d.text() for d in done)
-    assert "Traceback" not in done[0].stderr + done[1].stderr
+    (tmp_path / "logs").mkdir()
+    with Launches(tmp_path / "logs") as launches:  # the 2-worker launch, while the empty stream fails in this process
+        launches.start(_command(2, runs["halfway"], "plain", folder,
+                                "data.kwargs={folder = '%s', bad_after = 300}" % folder, "checkpoint.every_steps=2"),
+                       clean_env())
+        empty_code = cli.main(["train", *sets(*_overrides(runs["empty"], "empty", folder))])
+        empty = capfd.readouterr().err
+        done = launches.wait(EVENT_S)
+    assert [done[0].returncode, empty_code] == [2, 2], done[0].text() + empty
+    assert "Traceback" not in done[0].stderr + empty
     # past the first 256 samples (where the data's kind is learnt): found at step 19, after checkpoint 18
     assert "train data: a sample is a tuple" in done[0].stderr, done[0].text()
-    assert "train data: an empty stream" in done[1].stderr, done[1].text()
+    assert "train data: an empty stream" in empty, empty
     kept = sorted(p.name for p in (runs["halfway"] / "checkpoints").iterdir())
     assert "step_00000018.pt" in kept and not [name for name in kept if name.endswith(".tmp")], kept
     assert not (runs["empty"] / "summary.json").exists()

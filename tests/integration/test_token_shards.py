@@ -9,10 +9,11 @@ import sys
 import pytest
 import torch
 
+from distrib import cli
 from distrib.config import load_config
 from distrib.worker import run_training
 from tests.helpers.processes import EVENT_S, clean_env
-from tests.helpers.support import REPO, assert_ok, distrib, kill_tree, max_relative_diff, sets, torchrun_train
+from tests.helpers.support import REPO, kill_tree, max_relative_diff, sets
 from tests.helpers.token_shards import learnable_stream, write_llmc, write_llmc_shards
 
 VAL_TOKENS = 700
@@ -23,30 +24,33 @@ RUN = ["data.name=tokens", "data.vocab_size=64", "data.seq_len=16", "model.facto
 
 
 @pytest.mark.timeout(900)
-def test_llmc_shards_agree_across_world_sizes_count_every_val_token_and_resume_bitwise_after_a_kill(tmp_path):
+def test_llmc_shards_agree_across_world_sizes_count_every_val_token_and_resume_bitwise_after_a_kill(tmp_path, capfd):
     train, val = write_llmc_shards(tmp_path / "data", learnable_stream(3 * 1500 + VAL_TOKENS), (1200, 1500, 1800))
     run = [*RUN, f"data.train_files={train}", f"data.test_files={val}"]
-    env = {"PYTHONPATH": str(REPO)}
     one = run_training(load_config(None, [*run, f"run.dir={tmp_path}/one"]))
-    assert_ok(torchrun_train(2, *sets(*run, f"run.dir={tmp_path}/two"), env=env, timeout=EVENT_S))
-    two = json.loads((tmp_path / "two" / "summary.json").read_text())
-    weights = {name: torch.load(tmp_path / name / "model.pt", weights_only=True) for name in ("one", "two")}
-    assert max_relative_diff(weights["one"], weights["two"]) < 1e-5
-    assert two["test_loss"] == pytest.approx(one["test_loss"], rel=1e-5)
-    assert one["test_token_count"] == two["test_token_count"] == VAL_TOKENS - 1  # all but the first have a context
-
-    # Rank 1 kills itself (SIGKILL) inside step 10 of its first attempt; the launcher restarts both workers, which
-    # resume from checkpoint 8 and end where the uninterrupted 2-worker run ended, to the bit.
-    cmd = [sys.executable, "-m", "distrib", "launch", "--nproc-per-node=2", "--max-restarts=1", "-m", "distrib",
-           "train", *sets(*run, f"run.dir={tmp_path}/killed")]
-    env.update(DISTRIB_TEST_DIE_AT="10", DISTRIB_TEST_DIE_ONCE=str(tmp_path / "died"))
+    # One launch of 2 workers, two runs (tests/helpers/train_runs.py): the uninterrupted one, then one whose rank 1
+    # kills itself (SIGKILL) inside step 10 of its first attempt. The launcher restarts both workers: the finished
+    # run trains nothing, the killed one resumes from checkpoint 8 and ends where the uninterrupted one ended, to
+    # the bit.
+    runs = [("two", {}, [*run, f"run.dir={tmp_path}/two"]),
+            ("killed", {"DISTRIB_TEST_DIE_AT": "10", "DISTRIB_TEST_DIE_ONCE": str(tmp_path / "died")},
+             [*run, f"run.dir={tmp_path}/killed"])]
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
+    cmd = [sys.executable, "-m", "distrib", "launch", "--nproc-per-node=2", "--max-restarts=1",
+           str(REPO / "tests" / "helpers" / "train_runs.py"), str(tmp_path / "runs.json")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env=clean_env(**env))
+                            env=clean_env(PYTHONPATH=str(REPO)))  # the workers import tests.helpers
     try:
         out, _ = proc.communicate(timeout=EVENT_S)
     finally:
         kill_tree(proc)
     assert proc.returncode == 0 and (tmp_path / "died").exists(), out[-4000:]
+    two = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert two["restart_count"] == 0, two  # finished in the first attempt, before the kill
+    weights = {name: torch.load(tmp_path / name / "model.pt", weights_only=True) for name in ("one", "two")}
+    assert max_relative_diff(weights["one"], weights["two"]) < 1e-5
+    assert two["test_loss"] == pytest.approx(one["test_loss"], rel=1e-5)
+    assert one["test_token_count"] == two["test_token_count"] == VAL_TOKENS - 1  # all but the first have a context
     summary = json.loads((tmp_path / "killed" / "summary.json").read_text())
     assert (summary["restart_count"], summary["resumed_from_step"], summary["steps"]) == (1, 8, 12), summary
     killed = torch.load(tmp_path / "killed" / "model.pt", weights_only=True)
@@ -55,8 +59,10 @@ def test_llmc_shards_agree_across_world_sizes_count_every_val_token_and_resume_b
 
     # A shard cut short (its header says more tokens than it holds): one line naming it, exit 2, nothing written.
     write_llmc(tmp_path / "data" / "shard_train_000001.bin", learnable_stream(1000), count=1500)
-    bad = distrib("train", *sets(*run, f"run.dir={tmp_path}/bad"), timeout=EVENT_S)
-    assert bad.returncode == 2 and not (tmp_path / "bad").exists(), bad.stderr[-2000:]
-    assert bad.stderr.strip().splitlines()[-1] == (
+    capfd.readouterr()
+    code = cli.main(["train", *sets(*run, f"run.dir={tmp_path}/bad")])  # as `distrib train` runs it, in this process
+    said = capfd.readouterr().err
+    assert code == 2 and not (tmp_path / "bad").exists(), said[-2000:]
+    assert said.strip().splitlines()[-1] == (
         f"distrib: error: data.train_files: {tmp_path}/data/shard_train_000001.bin is truncated: its header says "
         "1500 tokens, the file holds 1000; fix: copy or write it again")
