@@ -1,6 +1,7 @@
 """Tasks other than image classification, from user code outside the project: a byte-level GPT on int64 [N, T] pairs
 (world size 1, 2 and fsdp), dict samples and a model's own loss through fit() and torchrun, a float regression with
-the user's metric, segmentation and multi-label targets; every result checked against an independent computation."""
+the user's metric, segmentation and multi-label targets; every result checked against an independent computation.
+The world-size-2 runs of every test share one torchrun launch (SCRIPT); world size 1 runs in this process."""
 
 import json
 import math
