@@ -10,7 +10,6 @@ Random labels, a constant learning rate, momentum and active gradient clipping k
 the noise is visible (a learned-out task has gradients near 0 and hides a resume that loads the wrong state)."""
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,8 @@ import pytest
 from distrib.config import load_config
 from distrib.plan import Machine, plan_run
 from distrib.worker import run_training
-from tests.helpers.support import SMALL, assert_ok, load_weights, max_relative_diff, sets, small_config, torchrun_train
+from tests.helpers.launch_runs import split_runs, torchrun_runs
+from tests.helpers.support import SMALL, assert_ok, load_weights, max_relative_diff, small_config
 
 # 8 steps per epoch: the checkpoint at step 6 is mid-epoch, and the resumed runs cross an epoch and evaluate there.
 CONFIG = ("data.factory=tests.helpers.data_factories:tensors",
@@ -48,51 +48,59 @@ def _summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def _train(run_dir: Path, strategy: str, world_size: int) -> dict:
-    """One run of CONFIG (world size 1 in this process, the others under torchrun); its summary."""
-    overrides = _overrides(strategy, world_size)
-    if world_size == 1:
-        return run_training(small_config(run_dir, *overrides))
-    result = torchrun_train(world_size, *sets(*SMALL, *overrides, f"run.dir={run_dir}"))
-    assert_ok(result)
-    (run_dir / "stderr.txt").write_text(result.stderr)  # the run's log, for what it says about the build
-    return _summary(run_dir)
+def _items(run_dir: Path, strategy: str, world_size: int, *extra: str) -> list[str]:
+    return [*SMALL, *_overrides(strategy, world_size), f"run.dir={run_dir}", *extra]
 
 
-def _step_6(run_dir: Path) -> Path:
-    found = sorted((run_dir / "checkpoints").glob("step_00000006*"))
-    assert len(found) == 1, found  # step_00000006.pt (ddp) or the step_00000006/ directory (fsdp, hsdp)
-    return found[0]
+def _step_6(run_dir: Path, strategy: str) -> str:
+    """The step-6 checkpoint of a source, by path (before it exists: later runs of the same launch resume from it).
+    A fresh folder's names carry no run id: ddp writes one file, the sharded strategies a directory."""
+    return str(run_dir / "checkpoints" / ("step_00000006.pt" if strategy == "ddp" else "step_00000006"))
 
 
 @pytest.fixture(scope="module")
-def sources(tmp_path_factory) -> dict[tuple[str, int], Path]:
+def matrix(tmp_path_factory) -> tuple[dict, dict]:
+    """Every run, in one process and two launches: the world-size-1 source here; then one launch of 4 workers and
+    one of 2 (tests/helpers/train_runs.py: several runs in one set of workers, which pay their start-up once) train
+    that size's sources, then the resumes that target that size, each from its source's step-6 checkpoint by path;
+    then the world-size-1 resumes here. Returns ({source: run folder}, {(source, target): run folder})."""
+    root = tmp_path_factory.mktemp("matrix")
+    sources = {source: root / _name(*source) for source in SOURCES}
+    resumed = {(source, target): root / f"{_name(*source)}_to_{_name(*target)}"
+               for source, targets in RESUMES.items() for target in targets}
+    resume = {key: f"checkpoint.resume={_step_6(sources[key[0]], key[0][0])}" for key in resumed}
+    assert run_training(small_config(sources["ddp", 1], *_overrides("ddp", 1)))["steps"] == 12
+    for world_size in (4, 2):
+        runs = {**{run_dir: _items(run_dir, *source) for source, run_dir in sources.items() if source[1] == world_size},
+                **{run_dir: _items(run_dir, *key[1], resume[key]) for key, run_dir in resumed.items()
+                   if key[1][1] == world_size}}
+        (root / f"launch{world_size}").mkdir()
+        result = torchrun_runs(world_size, {run_dir.name: items for run_dir, items in runs.items()},
+                               root / f"launch{world_size}")
+        assert_ok(result)
+        for run_dir, log in zip(runs, split_runs(result.stderr, [run_dir.name for run_dir in runs]).values()):
+            (run_dir / "stderr.txt").write_text(log)  # the run's log, for what it says about the build
+    for key, run_dir in resumed.items():
+        if key[1][1] == 1:
+            run_training(small_config(run_dir, *_overrides(*key[1]), resume[key]))
+    for source, run_dir in sources.items():
+        assert _summary(run_dir)["steps"] == 12, source
+    for key, run_dir in resumed.items():
+        summary = _summary(run_dir)
+        assert summary["resumed_from_step"] == 6 and summary["steps"] == 12, key
+    return sources, resumed
+
+
+@pytest.fixture(scope="module")
+def sources(matrix) -> dict[tuple[str, int], Path]:
     """The uninterrupted runs: the references of the resumes from their checkpoints, and of each other's noise."""
-    root = tmp_path_factory.mktemp("sources")
-    runs = {}
-    for strategy, world_size in SOURCES:
-        run_dir = root / _name(strategy, world_size)
-        assert _train(run_dir, strategy, world_size)["steps"] == 12
-        runs[strategy, world_size] = run_dir
-    return runs
+    return matrix[0]
 
 
 @pytest.fixture(scope="module")
-def resumed_runs(tmp_path_factory, sources) -> dict[tuple, Path]:
+def resumed_runs(matrix) -> dict[tuple, Path]:
     """(source, target) -> the run folder of the source's step-6 checkpoint continued as target."""
-    root = tmp_path_factory.mktemp("resumed")
-    runs = {}
-    for source, targets in RESUMES.items():
-        checkpoint = _step_6(sources[source])
-        for target in targets:
-            run_dir = root / f"{_name(*source)}_to_{_name(*target)}"
-            copy = shutil.copytree if checkpoint.is_dir() else shutil.copy2
-            (run_dir / "checkpoints").mkdir(parents=True)
-            copy(checkpoint, run_dir / "checkpoints" / checkpoint.name)
-            summary = _train(run_dir, *target)
-            assert summary["resumed_from_step"] == 6 and summary["steps"] == 12, (source, target)
-            runs[source, target] = run_dir
-    return runs
+    return matrix[1]
 
 
 @pytest.fixture(scope="module")
