@@ -1,4 +1,4 @@
-"""Run under torchrun: evaluates one seeded, untrained Network on a 1003-sample test set and writes the metrics.
+"""Alone or under torchrun: evaluates one seeded, untrained Network on a 1003-sample test set and writes the metrics.
 
 argv: OUT_JSON LOADERS (device, dataloader, or both comma-separated: one launch, one metrics dict per loader)."""
 
