@@ -6,7 +6,6 @@ run ends; `distrib generate --tokenizer` decodes a tokens run's continuation, th
 import collections
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,12 +16,12 @@ import torch
 from distrib import cli
 from distrib.config import load_config
 from distrib.worker import run_training
-from tests.helpers.processes import EVENT_S, clean_env
-from tests.helpers.support import REPO, assert_ok, distrib, kill_tree, max_relative_diff
+from tests.helpers.launch_runs import launch_runs
+from tests.helpers.processes import EVENT_S
+from tests.helpers.support import assert_ok, distrib, max_relative_diff
 
 # Debian's base-files package (Essential: on every Debian system) ships it; a fixed 35 kB of English prose.
 TEXT = Path("/usr/share/common-licenses/GPL-3")
-TRAIN_RUNS = REPO / "tests" / "helpers" / "train_runs.py"
 TINY_GPT = "model.kwargs={n_layers = 2, n_heads = 2, dim = 64}"
 COMMON = ["model.name=gpt", "train.optimizer=adamw", "run.progress=false", "dist.device=cpu", "train.epochs=0",
           "train.eval_every_epochs=0", "checkpoint.every_steps=0"]
@@ -96,16 +95,10 @@ def test_tokens_under_fsdp_agree_with_one_process_and_resume_bitwise_after_a_kil
     runs = [("two", {}, [*fsdp, f"run.dir={tmp_path}/two"]),
             ("killed", {"DISTRIB_TEST_DIE_AT": "10", "DISTRIB_TEST_DIE_ONCE": str(tmp_path / "died")},
              [*fsdp, "model.factory=tests.helpers.dying_model:gpt", f"run.dir={tmp_path}/killed"])]
-    (tmp_path / "runs.json").write_text(json.dumps(runs))
-    cmd = [sys.executable, "-m", "distrib", "launch", "--nproc-per-node=2", "--max-restarts=1", str(TRAIN_RUNS),
-           str(tmp_path / "runs.json")]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env=clean_env(PYTHONPATH=str(REPO)))  # the workers import tests.helpers
-    try:
-        out, _ = proc.communicate(timeout=EVENT_S)
-    finally:
-        kill_tree(proc)
-    assert proc.returncode == 0 and (tmp_path / "died").exists(), out[-4000:]
+    result = launch_runs([sys.executable, "-m", "distrib", "launch", "--nproc-per-node=2", "--max-restarts=1"], runs,
+                         tmp_path)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0 and (tmp_path / "died").exists(), out[-4000:]
     two = torch.load(tmp_path / "two" / "model.pt", weights_only=True)
     assert max_relative_diff(torch.load(tmp_path / "one" / "model.pt", weights_only=True), two) < 1e-5
     assert one["test_perplexity"] == pytest.approx(math.exp(one["test_loss"]))

@@ -2,7 +2,7 @@
 = world 2, every sample of the pass trained once, SIGTERM and rerun bitwise equal to an uninterrupted run); a Hugging
 Face streaming dataset over 4 JSON-lines files of unequal lengths under fsdp (no hang, no sample twice, what each
 rank left, SIGTERM and rerun bitwise); bad streams (a wrong structure halfway, an empty stream): one line, exit 2.
-The world-size-2 runs of the first two share two torchrun launches (see SCRIPT)."""
+The world-size-2 runs of the first two share two torchrun launches (see _launch)."""
 
 from __future__ import annotations
 
@@ -18,10 +18,11 @@ import torch
 from distrib import cli
 from distrib.config import load_config
 from distrib.worker import run_training
+from tests.helpers.launch_runs import launch_runs, split_runs
 from tests.helpers.launch_support import distrib_cmd
 from tests.helpers.processes import EVENT_S, Launches, clean_env
 from tests.helpers.streams import write_jsonl_shards, write_tensor_shards
-from tests.helpers.support import REPO, load_weights, max_relative_diff, run, sets
+from tests.helpers.support import load_weights, max_relative_diff, sets
 
 BASE = ("model.factory=tests.helpers.streams:id_model", "train.max_steps=100", "train.epochs=1",
         "train.global_batch_size=16", "train.schedule=constant", "train.warmup_steps=2", "train.log_every=5",
@@ -47,46 +48,26 @@ def _assert_bitwise(a: Path, b: Path) -> None:
     assert all(torch.equal(weights_a[key], weights_b[key]) for key in weights_a)
 
 
-# The world-size-2 runs of the two tests above, in two torchrun launches (a launch's process start-up is most of a
-# run's cost): each run as a launched worker of `distrib train` runs it (distrib.cli.main, which opens and closes its
-# own process group; the environment set per run). The first launch makes the uninterrupted runs and the stopped ones
-# (rank 1 sends itself SIGTERM: every rank checkpoints and returns 75); the second, fresh processes, reruns those.
-SCRIPT = """
-import json, os, sys
-from pathlib import Path
-
-from distrib import cli
-
-runs, rank = json.loads(Path(sys.argv[1]).read_text()), os.environ["RANK"]
-codes = {}
-for name, env, overrides in runs:
-    for key in ("DISTRIB_TEST_IDS", "DISTRIB_TEST_DIE_AT"):
-        os.environ.pop(key, None)
-    os.environ.update(env)
-    if rank == "0":  # rank 0's lines until its next marker are this run's (rank 1 may start the next one sooner)
-        print(f"== run {name} ==", file=sys.stderr, flush=True)
-    codes[name] = cli.main(["train", *[item for each in overrides for item in ("--set", each)]])
-Path(sys.argv[2]).write_text(json.dumps(codes))
-"""
+# The world-size-2 runs of the two tests above, in two torchrun launches of tests/helpers/train_runs.py (a launch's
+# process start-up is most of a run's cost; each run with its own environment, every run's exit code kept). The
+# first launch makes the uninterrupted runs and the stopped ones (rank 1 sends itself SIGTERM: every rank checkpoints
+# and returns 75); the second, fresh processes, reruns those.
+TORCHRUN_2 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
 
 
 def _launch(out: Path, name: str, runs: list) -> tuple[dict, dict[str, str]]:
     """Runs [(name, env, overrides)] in one 2-worker torchrun launch: each run's exit codes by rank, its stderr."""
-    (out / f"{name}.json").write_text(json.dumps(runs))
-    done = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(out / "s.py"),
-                str(out / f"{name}.json"), str(out / f"{name}_codes.json")], timeout=EVENT_S,
-               env={"PYTHONPATH": str(REPO)})
+    (out / name).mkdir()
+    done = launch_runs(TORCHRUN_2, runs, out / name, codes=out / f"{name}_codes.json")
     assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     codes = json.loads((out / f"{name}_codes.json").read_text())
-    said = dict(part.split(" ==\n", 1) for part in done.stderr.split("== run ")[1:])  # by rank 0's markers
-    return codes, said
+    return codes, split_runs(done.stderr, [run_name for run_name, _, _ in runs])  # by rank 0's markers
 
 
 @pytest.fixture(scope="module")
 def streams(tmp_path_factory):
     """The folder of the runs (plain/, hf/ with two/, stopped/, ids/), each run's exit code and its output."""
     out = tmp_path_factory.mktemp("streams")
-    (out / "s.py").write_text(SCRIPT)
     write_tensor_shards(out / "shards", [37] * 10)  # 370 samples: 23 global batches of 16, 2 left
     write_jsonl_shards(out / "jsonl", [100, 300, 150, 50])  # rank 0 reads files 0 and 2 (250), rank 1 1 and 3 (350)
     kinds = {"plain": ("plain", out / "shards", PLAIN_EXTRA, 15)}

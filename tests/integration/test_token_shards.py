@@ -3,7 +3,6 @@ same at world sizes 1 and 2, evaluate every held-out token, and a worker killed 
 is restarted and ends bitwise where the uninterrupted run ends; a truncated shard is one line and exit 2."""
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -12,8 +11,8 @@ import torch
 from distrib import cli
 from distrib.config import load_config
 from distrib.worker import run_training
-from tests.helpers.processes import EVENT_S, clean_env
-from tests.helpers.support import REPO, kill_tree, max_relative_diff, sets
+from tests.helpers.launch_runs import launch_runs
+from tests.helpers.support import max_relative_diff, sets
 from tests.helpers.token_shards import learnable_stream, write_llmc, write_llmc_shards
 
 VAL_TOKENS = 700
@@ -35,16 +34,10 @@ def test_llmc_shards_agree_across_world_sizes_count_every_val_token_and_resume_b
     runs = [("two", {}, [*run, f"run.dir={tmp_path}/two"]),
             ("killed", {"DISTRIB_TEST_DIE_AT": "10", "DISTRIB_TEST_DIE_ONCE": str(tmp_path / "died")},
              [*run, f"run.dir={tmp_path}/killed"])]
-    (tmp_path / "runs.json").write_text(json.dumps(runs))
-    cmd = [sys.executable, "-m", "distrib", "launch", "--nproc-per-node=2", "--max-restarts=1",
-           str(REPO / "tests" / "helpers" / "train_runs.py"), str(tmp_path / "runs.json")]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env=clean_env(PYTHONPATH=str(REPO)))  # the workers import tests.helpers
-    try:
-        out, _ = proc.communicate(timeout=EVENT_S)
-    finally:
-        kill_tree(proc)
-    assert proc.returncode == 0 and (tmp_path / "died").exists(), out[-4000:]
+    result = launch_runs([sys.executable, "-m", "distrib", "launch", "--nproc-per-node=2", "--max-restarts=1"], runs,
+                         tmp_path)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0 and (tmp_path / "died").exists(), out[-4000:]
     two = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert two["restart_count"] == 0, two  # finished in the first attempt, before the kill
     weights = {name: torch.load(tmp_path / name / "model.pt", weights_only=True) for name in ("one", "two")}
