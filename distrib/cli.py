@@ -4,6 +4,7 @@
     distrib launch [torchrun options] SCRIPT|-m MODULE [args ...]
     distrib plan [--config FILE] [--set ...] (--nnodes N --nproc-per-node N | --world-size N) [--json] [...]
     distrib doctor
+    distrib config [SECTION] [--toml | --markdown]
     distrib plot RUN_DIR [--out FILE]
     distrib eval RUN_DIR|CHECKPOINT [--config FILE] [--set ...] [--nproc-per-node N] [--out FILE]
     distrib predict RUN_DIR|CHECKPOINT --input FOLDER|test|train --out FILE [--config FILE] [--set ...] [...]
@@ -105,6 +106,19 @@ def _doctor(args: argparse.Namespace) -> int:
 
     _check_nproc(args.nproc_per_node)
     return doctor(args.nproc_per_node)
+
+
+def _config(args: argparse.Namespace) -> int:
+    from distrib import config_reference
+
+    if args.toml or args.markdown:
+        if args.section:
+            raise UserError(f"distrib config {args.section} --{'toml' if args.toml else 'markdown'}: the file form "
+                            "covers every section; leave out the section, or drop the flag to print one section")
+        print(config_reference.toml() if args.toml else config_reference.markdown(), end="")
+    else:
+        print(config_reference.text(args.section), end="")
+    return 0
 
 
 def _plot(args: argparse.Namespace) -> int:
@@ -223,6 +237,14 @@ def _parser() -> argparse.ArgumentParser:
     doctor.add_argument("--nproc-per-node", type=int, default=None,
                         help="workers per node you plan to launch (default: from the environment, else GPUs)")
     doctor.set_defaults(func=_doctor)
+    config = commands.add_parser("config", help="every config key with its type, default and meaning (one section "
+                                                "with SECTION); --toml: a complete commented config of the defaults")
+    config.add_argument("section", nargs="?", metavar="SECTION", help="data, model, train, run, dist, checkpoint, "
+                                                                      "speed or metrics")
+    form = config.add_mutually_exclusive_group()
+    form.add_argument("--toml", action="store_true", help="a config file of every key at its default, commented")
+    form.add_argument("--markdown", action="store_true", help="the reference page (docs/config.md)")
+    config.set_defaults(func=_config)
     plot = commands.add_parser("plot", help="write a run's curves (loss, test accuracy, samples/s) as a PNG")
     plot.add_argument("run_dir", metavar="RUN_DIR", help="the run.dir of a run (it holds metrics.jsonl)")
     plot.add_argument("--out", default=None, help="the PNG to write (default: RUN_DIR/curves.png)")

@@ -26,8 +26,22 @@ def _fail(section: str, key: str, value, why: str, fix: str) -> typing.NoReturn:
     raise ConfigError(f"{section}.{key} = {value!r}: {why}; {fix}")
 
 
-def _choice(section: str, obj, key: str, allowed: tuple[str, ...]) -> None:
-    value = getattr(obj, key)
+def key(default, doc: str, *, choices: tuple = ()):
+    """A config field with its meaning and, for a fixed set, its allowed values: the one source of docs/config.md,
+    `distrib config` and `distrib config --toml` (distrib.config_reference). A dict default is copied per instance."""
+    metadata = {"doc": doc, "choices": tuple(choices)}
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def choices(section_type: type, name: str) -> tuple:
+    """A field's allowed values, as its key() declares them (empty: any value of its type)."""
+    return next(f.metadata["choices"] for f in dataclasses.fields(section_type) if f.name == name)
+
+
+def _choice(section: str, obj, key: str) -> None:
+    value, allowed = getattr(obj, key), choices(type(obj), key)
     if value not in allowed:
         _fail(section, key, value, f"must be one of {', '.join(allowed)}",
               f"e.g. --set {section}.{key}={allowed[0]}")
@@ -61,32 +75,73 @@ def _needs_ema(section: str, key: str, value: str, ema_decay: float) -> None:
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class DataConfig:
-    name: str = "fashion-mnist"  # fashion-mnist | mnist | cifar10 | imagefolder | synthetic | text | tokens
-    root: str = "data"  # the user's dataset folder (text: a file or folder of .txt): read; downloads go under it
-    factory: str = ""  # package.module:function returning (train, test) datasets; overrides name
-    kwargs: dict = field(default_factory=dict)  # keyword arguments of the factory
-    loader: str = "auto"  # auto (device-resident when in memory and it fits) | device | dataloader
-    num_workers: int = 0  # DataLoader worker processes (dataloader path only)
-    pin_memory: bool = True  # DataLoader: page-locked host batches (accelerators only)
-    persistent_workers: bool = True  # DataLoader: keep the worker processes between epochs (num_workers > 0)
-    prefetch_factor: int = 2  # DataLoader: batches each worker loads ahead (num_workers > 0)
-    image_size: int = 0  # imagefolder: resize every image to image_size x image_size; 0 = as stored
-    normalize: str | tuple[tuple[float, ...], ...] = "auto"  # auto | none | [[means], [stds]] (per channel, 0..1)
-    augment: str = "none"  # none | flip | crop_flip (training only; keyed by seed, epoch and sample index)
-    crop_padding: int = 4  # crop_flip: zero padding on each side before the random crop
-    num_classes: int = 0  # synthetic: number of classes (0 = 10); others: 0 = from the data
-    synthetic_shape: tuple[int, ...] = (1, 28, 28)  # synthetic: (C, H, W) of one sample
-    eval_batch_size: int = 1000
-    synthetic_train_size: int = 8192
-    synthetic_test_size: int = 1000
-    seq_len: int = 256  # text | tokens: tokens per training window (the model's context)
-    test_fraction: float = 0.1  # text: the last share of the bytes, held out for evaluation
-    val_fraction: float = 0.0  # the share of the training samples held out for validation (val_*); 0 = none
-    vocab_size: int = 0  # tokens: the vocabulary size (token ids < vocab_size); text is bytes: 256
-    collate: str = ""  # package.module:function making a micro-batch of a list of samples; "" = distrib's padding
-    pad_id: int = 0  # the input_ids of padding, when distrib pads dict samples of different lengths
-    train_files: str = ""  # tokens: a glob of token shards (raw uint16 or llm.c's); "" = data.root/train.bin
-    test_files: str = ""  # tokens: a glob of held-out token shards; "" = data.root/val.bin
+    name: str = key("fashion-mnist",
+        "`fashion-mnist`, `mnist`, `cifar10` (the python pickle batches in `data.root` or "
+        "`data.root/cifar-10-batches-py`), `imagefolder` (`data.root/train/CLASS/*`, `data.root/test/CLASS/*`, any "
+        "image PIL reads), `synthetic` (seeded, learnable, needs no files), `text` and `tokens` (language models: see "
+        '"Language models")',
+        choices=("fashion-mnist", "mnist", "cifar10", "imagefolder", "synthetic", "text", "tokens"))
+    root: str = key("data",
+        "your dataset folder, read only: unpacked or downloaded files go into torchvision's own subfolder "
+        "(`FashionMNIST/raw`, ...) and the log says so; a folder that holds another dataset than `data.name` is "
+        "refused")
+    factory: str = key("",
+        "`package.module:function` called with `data.kwargs`, returning `(train, test)`: map-style datasets of "
+        'samples (see "Tasks"), streams, or `(inputs, targets)` pairs of tensors or of dicts of tensors; wins over '
+        "`data.name`")
+    kwargs: dict = key({}, "keyword arguments of `data.factory`, e.g. `--set 'data.kwargs={size = 64}'`")
+    loader: str = key("auto",
+        "`device` (the whole set on the device, uint8 kept, batches sliced and normalised there), `dataloader`, or "
+        "`auto`: device-resident for in-memory sets under half the free memory, DataLoader for file-backed sets",
+        choices=("auto", "device", "dataloader"))
+    num_workers: int = key(0,
+        "DataLoader worker processes (DataLoader path only); its sampler yields this rank's slice of each global "
+        "batch, in the same order as the device path")
+    pin_memory: bool = key(True, "DataLoader path: page-locked host batches (accelerators only)")
+    persistent_workers: bool = key(True,
+        "DataLoader path: keep the worker processes between epochs (`data.num_workers` > 0)")
+    prefetch_factor: int = key(2, "DataLoader path: batches each worker loads ahead (`data.num_workers` > 0)")
+    image_size: int = key(0, "imagefolder: resize to N×N; 0 = as stored (another size is an error naming the file)")
+    normalize: str | tuple[tuple[float, ...], ...] = key("auto",
+        "`auto`: image-shaped inputs (`[C, H, W]`) with known statistics for named sets, otherwise computed once from "
+        "up to 10,000 training samples and recorded; other inputs pass as given (the log says which). `none`, or "
+        "`[[means], [stds]]` per channel in 0..1 units")
+    augment: str = key("none",
+        "`none`, `flip` or `crop_flip` (pad, random crop, horizontal flip): training only, batched on the device, "
+        "keyed by (seed, epoch, sample index), so world-size invariant and exact on resume",
+        choices=("none", "flip", "crop_flip"))
+    crop_padding: int = key(4, "`crop_flip`: zero padding on each side before the random crop")
+    num_classes: int = key(0,
+        "synthetic: classes (0 = 10); other sets: 0 = from the data, or declared (labels checked against it)")
+    synthetic_shape: tuple[int, ...] = key((1, 28, 28), "synthetic: (C, H, W) of one sample")
+    eval_batch_size: int = key(1000,
+        "samples per evaluation batch: the test set is cut into such batches and each rank takes a contiguous run of "
+        "them, so every sample is counted once and its logits are the same at any world size")
+    synthetic_train_size: int = key(8192, "synthetic: samples in the training set")
+    synthetic_test_size: int = key(1000, "synthetic: samples in the test set")
+    seq_len: int = key(256,
+        "text, tokens: tokens per sample (the model's context); each sample is a window of `seq_len` inputs and the "
+        "`seq_len` next tokens as targets")
+    test_fraction: float = key(0.1,
+        "text: the last share of the bytes (of the file, or of the folder's `.txt` files in sorted order), held out "
+        "for evaluation")
+    val_fraction: float = key(0.0,
+        "the share of the training samples held out as a validation set (the same samples at every world size and "
+        'seed), evaluated during training as `val_*`; the test set then only at the end (see "Validation set"); 0 = '
+        "none")
+    vocab_size: int = key(0,
+        "tokens: the vocabulary size (required: every id in `train.bin`/`val.bin` must be below it; the GPT's "
+        "embedding has this many rows); text is bytes, 256")
+    collate: str = key("",
+        "`package.module:function` of a list of samples returning a micro-batch (a dict of tensors, e.g. a Hugging "
+        "Face data collator's, or an `(inputs, targets)` pair); `\"\"` = distrib stacks, right-padding dict samples "
+        'of different lengths (see "Tasks")')
+    pad_id: int = key(0, "the `input_ids` value of that padding (`attention_mask` 0, `labels` -100)")
+    train_files: str = key("",
+        "tokens: a glob of training token shards, raw uint16 or llm.c's (see \"Language models\"), read as one "
+        'stream; `""` = `data.root/train.bin`')
+    test_files: str = key("",
+        'tokens: a glob of held-out token shards, as `data.train_files`; `""` = `data.root/val.bin`')
 
     def __post_init__(self):
         if self.factory:
@@ -94,10 +149,9 @@ class DataConfig:
                 _fail("data", "factory", self.factory, "must look like package.module:function",
                       "e.g. --set data.factory=mypkg.data:build")
         else:
-            _choice("data", self, "name", ("fashion-mnist", "mnist", "cifar10", "imagefolder", "synthetic", "text",
-                                           "tokens"))
-        _choice("data", self, "loader", ("auto", "device", "dataloader"))
-        _choice("data", self, "augment", ("none", "flip", "crop_flip"))
+            _choice("data", self, "name")
+        _choice("data", self, "loader")
+        _choice("data", self, "augment")
         if not self.root:
             _fail("data", "root", self.root, "must not be empty", "e.g. --set data.root=data")
         if self.collate and not _FACTORY.match(self.collate):
@@ -150,10 +204,21 @@ class DataConfig:
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class ModelConfig:
-    name: str = "network"  # network: the seed Fashion-MNIST CNN | gpt: the built-in decoder-only transformer
-    factory: str = ""  # package.module:function returning any nn.Module; overrides name
-    kwargs: dict = field(default_factory=dict)  # keyword arguments of the factory (besides num_classes, ...)
-    init_from: str = ""  # pretrained weights read into the built model: safetensors, a run's weights, a checkpoint
+    name: str = key("network",
+        '`gpt` (the built-in decoder-only transformer, `model.kwargs` as in "Language models"), or the seed CNN (conv '
+        "1→6 5×5, conv 6→12 5×5, fc 192→120→60→classes), 1×28×28 inputs only: other shapes are one line naming the "
+        "shape and `model.factory`", choices=("network", "gpt"))
+    factory: str = key("",
+        "`package.module:function` returning any `nn.Module`, called with `model.kwargs` (`--set 'model.kwargs={width "
+        "= 64}'`) plus from the data what it declares: `num_classes`; `in_channels`, `image_size` for images; "
+        "`in_features` for float vectors; `seq_len` and `vocab_size` for integer sequences; wins over `model.name`")
+    kwargs: dict = key({},
+        "keyword arguments of `model.factory` or of the built-in model (`--set 'model.kwargs={width = 64}'`)")
+    init_from: str = key("",
+        "pretrained weights read into the built model before the first step (a resumed checkpoint wins): a Hugging "
+        "Face folder or `.safetensors` file (one file, or several with `model.safetensors.index.json`), a distrib run "
+        "directory (its `weights/`, else `model.pt`), or a checkpoint (`step_N.pt`, or a sharded `step_N/`); names "
+        'and shapes must match (see "Pretrained weights in, trained weights out"); `fit(..., init_from=PATH)` too')
 
     def __post_init__(self):
         if self.factory:
@@ -161,39 +226,67 @@ class ModelConfig:
                 _fail("model", "factory", self.factory, "must look like package.module:function",
                       "e.g. --set model.factory=mypkg.models:build")
         else:
-            _choice("model", self, "name", ("network", "gpt"))
+            _choice("model", self, "name")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class TrainConfig:
-    epochs: int = 12  # 0 = bounded by max_steps only
-    max_steps: int = 0  # optimizer steps; 0 = no limit
-    global_batch_size: int = 128  # samples per optimizer step, summed over ranks and micro-steps
-    grad_accum_steps: int = 1
-    lr: float = 0.05
-    optimizer: str = "sgd"  # sgd | adam | adamw | package.module:function, (parameter groups, config) -> Optimizer
-    momentum: float = 0.9  # sgd only
-    betas: tuple[float, ...] = (0.9, 0.999)  # adam, adamw: the moving averages' coefficients
-    weight_decay: float = 0.0
-    decay: str = "weights"  # adam, adamw: weights (no weight decay on biases, norms, embeddings) | all
-    schedule: str = "cosine"  # constant | cosine (with linear warm-up)
-    schedule_steps: int = 0  # the schedule's length in steps; 0 = this run's total (fix it if the run may be extended)
-    warmup_steps: int = 100
-    grad_clip: float = 0.0  # max global grad norm; 0 = off
-    seed: int = 0
-    precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 uses a GradScaler)
-    log_every: int = 50  # optimizer steps between log lines (each log line syncs with the host)
-    eval_every_epochs: int = 1  # 0 = evaluate only at the end
-    finite_check_every: int = 1  # steps between checks that the reduced gradients are finite; 0 = never
-    sync_every: int = 10  # steps between the ranks' all-reduce of (loss, stop votes); log steps always sync
-    early_stop_metric: str = ""  # "" = off | test_loss | test_accuracy | ..._ema | val_loss ... (a validation set)
-    early_stop_patience: int = 3  # evaluations without improvement before every rank stops
-    early_stop_min_delta: float = 0.0  # an improvement must exceed this to reset the patience
-    ema_decay: float = 0.0  # exponential moving average of the weights, updated every step; 0 = off
-    loss: str = "cross_entropy"  # cross_entropy | mse | l1 | bce_with_logits | package.module:function (a model's
-    # own outputs.loss wins over it)
-    label_smoothing: float = 0.0  # cross_entropy only
-    callbacks: tuple[str, ...] = ()  # package.module:Class each, called with no arguments (distrib.training.callbacks)
+    epochs: int = key(12,
+        "passes over the training data; the run stops at `train.epochs` or `train.max_steps`, whichever comes first; "
+        "0 = bounded by `train.max_steps` only")
+    max_steps: int = key(0,
+        "optimizer steps; the run stops at whichever of `train.epochs` and `train.max_steps` comes first; 0 = no limit")
+    global_batch_size: int = key(128,
+        "samples per optimizer step over all workers; must divide by workers × `grad_accum_steps`")
+    grad_accum_steps: int = key(1, "micro-steps per optimizer step; DDP syncs only in the last")
+    lr: float = key(0.05, "the peak learning rate (after warm-up)")
+    optimizer: str = key("sgd",
+        "`sgd` (with `train.momentum`), `adam`, `adamw`, or `package.module:function`, `(parameters or groups, train "
+        "config) -> Optimizer`")
+    momentum: float = key(0.9, "`sgd` only: its momentum")
+    betas: tuple[float, ...] = key((0.9, 0.999),
+        "adam, adamw: the coefficients of the moving averages (transformers often use `[0.9, 0.95]`)")
+    weight_decay: float = key(0.0, "weight decay (every optimizer; see `train.decay`)")
+    decay: str = key("weights",
+        "adam, adamw with weight decay: `weights` decays the weight matrices only, not biases, norms or embeddings "
+        "(two parameter groups, named in one log line); `all` decays every parameter", choices=("weights", "all"))
+    schedule: str = key("cosine",
+        "`constant` or `cosine` (to zero), each after a linear warm-up of `train.warmup_steps`",
+        choices=("constant", "cosine"))
+    schedule_steps: int = key(0,
+        "the cosine's length in steps; 0 = this run's total steps. Set it when a run may be extended (see below)")
+    warmup_steps: int = key(100, "steps of linear warm-up from 0 to `train.lr`")
+    grad_clip: float = key(0.0, "max global gradient norm; 0 = off")
+    seed: int = key(0, "initial weights and the data order")
+    precision: str = key("fp32", "`bf16` autocast, or `fp16` with a GradScaler", choices=("fp32", "bf16", "fp16"))
+    log_every: int = key(50,
+        "optimizer steps between log lines (each one reads the loss on the host: a sync); the last step is always "
+        "logged")
+    eval_every_epochs: int = key(1,
+        "evaluate on the test set after every N epochs; 0 = only at the end (the end always evaluates)")
+    finite_check_every: int = key(1,
+        "steps between checks that the all-reduced gradients are finite (0 = never); a flag kept on the device, read "
+        "at the next sync step (no host read of its own)")
+    sync_every: int = key(10,
+        "steps between the ranks' small all-reduce of (loss, stop votes, finite flag); log and checkpoint steps "
+        "always sync")
+    early_stop_metric: str = key("",
+        "`test_loss`, `test_accuracy` (or `test_loss_ema`, `test_accuracy_ema` with EMA on), or with a validation set "
+        "`val_loss`, `val_accuracy` (and their `_ema` forms): stop when it stops improving",
+        choices=EVAL_METRICS + ("",))
+    early_stop_patience: int = key(3, "evaluations in a row without an improvement before every rank stops")
+    early_stop_min_delta: float = key(0.0, "an improvement must exceed this to count")
+    ema_decay: float = key(0.0,
+        "keep an exponential moving average of the weights (e.g. 0.999), updated after every optimizer step")
+    loss: str = key("cross_entropy",
+        "`cross_entropy` (classes per sample or per position, -100 not counted), `mse`, `l1`, `bce_with_logits` "
+        "(multi-label), or `package.module:function`, `(outputs, targets) -> scalar mean`; a model whose output has a "
+        "`loss` trains on that instead; evaluation reports the test loss of the same loss")
+    label_smoothing: float = key(0.0, "`cross_entropy` only: label smoothing in [0, 1)")
+    callbacks: tuple[str, ...] = key((),
+        "`package.module:Class` each, called with no arguments: objects with any of the hooks "
+        "`on_train_start(model)`, `on_step_end(step, loss)`, `on_evaluate(step, metrics)`, `on_train_end(summary)`, "
+        "called on every rank in this order (then `fit(callbacks=...)`'s); see \"Callbacks\"")
 
     def __post_init__(self):
         if self.loss not in LOSSES and not _FACTORY.match(self.loss):
@@ -205,7 +298,7 @@ class TrainConfig:
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             _fail("train", "betas", list(self.betas), "must be two numbers in [0, 1)",
                   "e.g. --set train.betas=[0.9,0.95]")
-        _choice("train", self, "decay", ("weights", "all"))
+        _choice("train", self, "decay")
         for spec in self.callbacks:
             if not _FACTORY.match(spec):
                 _fail("train", "callbacks", list(self.callbacks), f"{spec!r} must look like package.module:Class",
@@ -222,15 +315,15 @@ class TrainConfig:
             _fail("train", "epochs", 0, "and train.max_steps = 0 leave the run unbounded",
                   "set --set train.epochs=1 or --set train.max_steps=100")
         _positive("train", self, "lr", 0.01)
-        _choice("train", self, "schedule", ("constant", "cosine"))
-        _choice("train", self, "precision", ("fp32", "bf16", "fp16"))
+        _choice("train", self, "schedule")
+        _choice("train", self, "precision")
         _at_least("train", self, "weight_decay", 0.0)
         _at_least("train", self, "grad_clip", 0.0)
         if not (0.0 <= self.momentum < 1.0):
             _fail("train", "momentum", self.momentum, "must be in [0, 1)", "e.g. --set train.momentum=0.9")
         if not (0.0 <= self.ema_decay < 1.0):
             _fail("train", "ema_decay", self.ema_decay, "must be in [0, 1)", "e.g. --set train.ema_decay=0.999")
-        _choice("train", self, "early_stop_metric", EVAL_METRICS + ("",))
+        _choice("train", self, "early_stop_metric")
         _at_least("train", self, "early_stop_patience", 1)
         _at_least("train", self, "early_stop_min_delta", 0.0)
         _needs_ema("train", "early_stop_metric", self.early_stop_metric, self.ema_decay)
@@ -241,8 +334,12 @@ class TrainConfig:
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class RunConfig:
-    dir: str = "runs/default"  # config, metrics, summary and model are written here
-    progress: bool | str = "auto"  # tqdm bar on rank 0: auto (only when stderr is a terminal) | true | false
+    dir: str = key("runs/default",
+        "outputs; under fsdp, hsdp and tensor parallel one folder shared by every node (every rank writes its part of "
+        "`weights/`; checked at start)")
+    progress: bool | str = key("auto",
+        "tqdm bar on rank 0: `auto` (only when stderr is a terminal; a log file gets plain lines, no carriage "
+        "returns), `true`, `false`")
 
     def __post_init__(self):
         if not self.dir:
@@ -253,16 +350,34 @@ class RunConfig:
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class DistConfig:
-    device: str = "auto"  # auto (cuda when available, else cpu) | cpu | cuda
-    timeout_s: float = 60.0  # a collective that waits longer fails, naming the ranks it waited for, instead of hanging
-    strategy: str = "ddp"  # ddp (a whole replica per rank) | fsdp (FSDP2: parameters, gradients, optimizer sharded)
-    # | hsdp (FSDP2 on a 2-D mesh: sharded within groups of dist.shard_size ranks, replicated across them)
-    shard_size: int = 0  # hsdp: ranks per shard group; 0 = one node's (LOCAL_WORLD_SIZE / dist.tensor_parallel)
-    tensor_parallel: int = 1  # ranks that split each layer of the built-in GPT (innermost mesh dim); fsdp/hsdp outside
-    shard_modules: str | tuple[str, ...] = "auto"  # fsdp units (and checkpointed blocks): class names, or auto
-    reshard_after_forward: bool = True  # fsdp: free gathered parameters after forward (less memory, one more gather)
-    cpu_offload: bool = False  # fsdp: keep parameter, gradient and optimizer shards in host memory
-    sync_batchnorm: bool = False  # BatchNorm statistics over the global batch (torch's SyncBatchNorm; GPUs only)
+    device: str = key("auto",
+        "`auto` (CUDA when present), `cpu`, or `cuda` (an error when CUDA is missing)", choices=("auto", "cpu", "cuda"))
+    timeout_s: float = key(60.0,
+        "a collective that waits longer fails (exit 69), naming the ranks it waited for; raise it if one rank may "
+        "work alone longer (a large checkpoint to a slow disk)")
+    strategy: str = key("ddp",
+        "`ddp`: a whole replica per rank; `fsdp`: FSDP2 (`fully_shard`) shards parameters, gradients and optimizer "
+        "state over all ranks; `hsdp`: FSDP2 on a 2-D mesh (`replicate` × `shard`): sharded within groups of "
+        '`dist.shard_size` ranks, replicated across the groups (see "Scaling out")', choices=("ddp", "fsdp", "hsdp"))
+    shard_size: int = key(0,
+        "hsdp: ranks per shard group; 0 = one node's (`LOCAL_WORLD_SIZE` / `dist.tensor_parallel`). Must divide the "
+        "data-parallel ranks; set under another strategy, refused")
+    tensor_parallel: int = key(1,
+        "ranks that split each layer of a model that declares a plan (the built-in GPT), on the innermost mesh "
+        "dimension, composed with fsdp or hsdp on the others; the ranks of one group read the same micro-batches. "
+        'Must divide the world and the heads; refused under ddp, and for a model without `_tp_plan` (see "Scaling '
+        'out")')
+    shard_modules: str | tuple[str, ...] = key("auto",
+        'the blocks: module class names (`["TransformerBlock"]`), or `auto`: the classes the model lists in '
+        "`_no_split_modules` (the Hugging Face convention; the built-in GPT's `Block`), else children, looking inside "
+        "`ModuleList`/`Sequential`, with at least 1/64 of the parameters; each gets `fully_shard`, then the root")
+    reshard_after_forward: bool = key(True,
+        "fsdp, hsdp: free gathered parameters after forward (less memory, one more all-gather in backward)")
+    cpu_offload: bool = key(False,
+        "fsdp, hsdp: parameter, gradient and optimizer shards live in host memory (`CPUOffloadPolicy`)")
+    sync_batchnorm: bool = key(False,
+        "BatchNorm statistics over each micro-step's global batch (SyncBatchNorm; GPUs only). Without it a BatchNorm "
+        "model's statistics are per micro-batch, and the log says that world sizes then no longer agree exactly")
 
     @property
     def sharded(self) -> bool:
@@ -270,9 +385,9 @@ class DistConfig:
         return self.strategy in ("fsdp", "hsdp")
 
     def __post_init__(self):
-        _choice("dist", self, "device", ("auto", "cpu", "cuda"))
+        _choice("dist", self, "device")
         _positive("dist", self, "timeout_s", 60)
-        _choice("dist", self, "strategy", ("ddp", "fsdp", "hsdp"))
+        _choice("dist", self, "strategy")
         names = (self.shard_modules,) if isinstance(self.shard_modules, str) else self.shard_modules
         if not names or not all(isinstance(n, str) and n.isidentifier() for n in names):
             _fail("dist", "shard_modules", self.shard_modules, "must be auto or a list of module class names",
@@ -292,17 +407,26 @@ class DistConfig:
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class CheckpointConfig:
-    dir: str = ""  # "" = RUN_DIR/checkpoints
-    every_steps: int = 500  # optimizer steps between checkpoints; 0 = only at the end (and on preemption)
-    resume: str = "auto"  # auto (the newest good checkpoint in dir, if any) | never | a checkpoint path
-    keep_last: int = 2
-    signals: str = "SIGTERM,SIGUSR1"  # checkpoint and exit 75 on these (SLURM: #SBATCH --signal)
-    allow_config_change: bool = False  # resume even if model, data or global batch differ from the checkpoint's
-    async_save: bool = False  # fsdp: write sharded checkpoints in the background (dcp.async_save); the TOML key is
-    # async_save, not async: a Python keyword cannot name a dataclass field
-    keep_best: int = 0  # also keep the k best evaluations' checkpoints as best_STEP.pt (never pruned); 0 = off
-    best_metric: str = "test_loss"  # what keep_best ranks by: test_loss | test_accuracy | ..._ema | val_loss ...
-    foreign: str = "refuse"  # refuse | keep: a new run in a dir holding another run's checkpoints (kept, never pruned)
+    dir: str = key("", "one directory shared by every node")
+    every_steps: int = key(500, "optimizer steps between checkpoints; 0 = only at the end and on preemption")
+    resume: str = key("auto", "`auto`: the newest good checkpoint in `dir`, if any; `never`; or a path")
+    keep_last: int = key(2,
+        "this run's older ones are deleted only after the new one is safely in place, so 1 is safe; never another "
+        "run's")
+    signals: str = key("SIGTERM,SIGUSR1", "checkpoint at the next step boundary and exit 75")
+    allow_config_change: bool = key(False, "resume although model, data, seed, optimizer or global batch changed")
+    async_save: bool = key(False,
+        "fsdp: sharded checkpoints are written in the background (`dcp.async_save`); the commit waits for the write")
+    keep_best: int = key(0,
+        "also keep the checkpoints of the k best evaluations as `best_STEP.pt` (ddp) or `best_STEP/` (fsdp), "
+        "`best_STEP-RUNID` beside another run's; `keep_last` never prunes them")
+    best_metric: str = key("test_loss",
+        "what `keep_best` ranks by: `test_loss`, `test_accuracy` (or their `_ema` forms), or with a validation set "
+        "`val_loss`, `val_accuracy` (and `_ema`)", choices=EVAL_METRICS)
+    foreign: str = key("refuse",
+        "a new run in a `dir` holding another run's checkpoints: `refuse` (one line naming the choices), or `keep` "
+        "(train beside them for good: its own are named `step_N-RUNID`, theirs are never touched, and `resume=auto` "
+        "continues the run that saved last)", choices=("refuse", "keep"))
 
     def __post_init__(self):
         _at_least("checkpoint", self, "every_steps", 0)
@@ -316,28 +440,33 @@ class CheckpointConfig:
         if self.keep_last < 1:  # 1 is safe: a new checkpoint is in place before the previous one is pruned
             _fail("checkpoint", "keep_last", self.keep_last, "must be >= 1 (the newest checkpoint is always kept)",
                   "e.g. --set checkpoint.keep_last=2")
-        _choice("checkpoint", self, "foreign", ("refuse", "keep"))
+        _choice("checkpoint", self, "foreign")
         if not self.resume:
             _fail("checkpoint", "resume", self.resume, "must be auto, never or a path",
                   "e.g. --set checkpoint.resume=auto")
         _at_least("checkpoint", self, "keep_best", 0)
-        _choice("checkpoint", self, "best_metric", EVAL_METRICS)
+        _choice("checkpoint", self, "best_metric")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class SpeedConfig:
-    compile: bool = False  # torch.compile the DDP model; its warm-up steps stay out of the throughput figures
-    compile_mode: str = "default"  # default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
-    channels_last: bool = False  # NHWC weights and 4-D inputs (faster convolutions on tensor cores)
-    gradient_as_bucket_view: bool = False  # DDP: gradients are views into its all-reduce buckets (one copy less)
-    static_graph: bool = False  # DDP: the same parameters get gradients every step (lets DDP skip some checks)
-    bucket_cap_mb: float = 0.0  # DDP: gradient bucket size in MB; 0 = DDP's default (25, and a 1 MB first bucket)
-    activation_checkpointing: str = "none"  # none | blocks: recompute each dist.shard_modules block in backward
+    compile: bool = key(False, "`torch.compile` the DDP model; its warm-up steps stay out of the throughput figures")
+    compile_mode: str = key("default",
+        "`torch.compile`'s mode: `default`, `reduce-overhead`, `max-autotune` or `max-autotune-no-cudagraphs`",
+        choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
+    channels_last: bool = key(False, "NHWC weights and 4-D inputs (tensor-core convolutions)")
+    gradient_as_bucket_view: bool = key(False,
+        "DDP: gradients are views into the all-reduce buckets (one copy and its memory less)")
+    static_graph: bool = key(False,
+        "DDP: the same parameters get gradients every step; not with `train.grad_accum_steps` > 1")
+    bucket_cap_mb: float = key(0.0, "DDP gradient bucket size in MB; 0 = DDP's default (25, with a 1 MB first bucket)")
+    activation_checkpointing: str = key("none",
+        "`blocks`: each block keeps only its inputs and recomputes in backward (either strategy; same weights)",
+        choices=("none", "blocks"))
 
     def __post_init__(self):
-        _choice("speed", self, "compile_mode", ("default", "reduce-overhead", "max-autotune",
-                                                "max-autotune-no-cudagraphs"))
-        _choice("speed", self, "activation_checkpointing", ("none", "blocks"))
+        _choice("speed", self, "compile_mode")
+        _choice("speed", self, "activation_checkpointing")
         _at_least("speed", self, "bucket_cap_mb", 0.0)
 
 
@@ -346,16 +475,25 @@ LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow")
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class MetricsConfig:
-    loggers: tuple[str, ...] = ("jsonl",)  # jsonl (always on) | tensorboard | wandb | mlflow; rank 0 only
-    tensorboard: bool = False  # the same as naming tensorboard in loggers (run.dir/tensorboard)
-    project: str = "distrib"  # the W&B project / MLflow experiment
-    run_name: str = ""  # the tracker run's name; "" = the name of run.dir
-    tags: tuple[str, ...] = ()  # W&B tags / MLflow tags
-    mlflow_uri: str = ""  # http://host:5000 or file:/path; "" = MLFLOW_TRACKING_URI if set, else file:RUN_DIR/mlruns
-    logger_errors: str = "fail"  # a tracker that cannot start: fail (exit 2 before training) | warn (go on without)
-    peak_flops: float = 0.0  # peak FLOP/s of one device for MFU; 0 = from distrib.throughput's table
-    timing_skip_steps: int = 5  # first optimizer steps left out of samples/s (compile and warm-up)
-    eval: tuple[str, ...] = ()  # the user's metrics, package.module:function: (outputs, targets) -> {name: (sum, n)}
+    loggers: tuple[str, ...] = key(("jsonl",),
+        "any of `jsonl` (always on), `tensorboard`, `wandb`, `mlflow`; rank 0 only", choices=LOGGERS)
+    tensorboard: bool = key(False, "the same as naming `tensorboard` in `metrics.loggers` (kept for existing configs)")
+    project: str = key("distrib", "the W&B project / MLflow experiment")
+    run_name: str = key("", "the tracker run's name; `\"\"` = the name of `run.dir`")
+    tags: tuple[str, ...] = key((), "W&B tags / MLflow run tags")
+    mlflow_uri: str = key("",
+        'MLflow tracking URI (`http://host:5000`, `file:/path/mlruns`); `""` = `MLFLOW_TRACKING_URI` if set, else '
+        "`file:RUN_DIR/mlruns`")
+    logger_errors: str = key("fail",
+        "a tracker that cannot start (no login, server down): `fail` = one line, exit 2 before training; `warn` = a "
+        "warning, and the run goes on with the other loggers", choices=("fail", "warn"))
+    peak_flops: float = key(0.0,
+        "peak FLOP/s of one device for MFU; 0 = `distrib.training.throughput`'s table (H100/H200/A100/...; CPU: 1e11 "
+        "per thread)")
+    timing_skip_steps: int = key(5, "first steps left out of samples/s and step times (compile, warm-up)")
+    eval: tuple[str, ...] = key((),
+        "the user's metrics, `package.module:function` each, `(outputs, targets) -> {name: (sum, count)}`, reported "
+        "as `test_<name>`, summed exactly over the test set")
 
     def __post_init__(self):
         for spec in self.eval:
@@ -370,7 +508,7 @@ class MetricsConfig:
                       f"{', '.join(LOGGERS)}", 'e.g. --set metrics.loggers=["jsonl","tensorboard"]')
         if len(set(self.loggers)) != len(self.loggers):
             _fail("metrics", "loggers", list(self.loggers), "names a logger twice", "name each once")
-        _choice("metrics", self, "logger_errors", ("fail", "warn"))
+        _choice("metrics", self, "logger_errors")
         if not self.project:
             _fail("metrics", "project", self.project, "must not be empty", "e.g. --set metrics.project=mnist")
 
