@@ -1,6 +1,6 @@
 """Using a trained model: `distrib eval` gives exactly the run's final test metrics at world sizes 1 and 2 and touches
-no other file; `distrib predict` writes one line per input in input order; model.json and the README's plain-PyTorch
-load reproduce the predictions; user mistakes are one line, exit 2."""
+no other file; `distrib predict` writes one line per input in input order; model.json and the plain-PyTorch load of
+docs/using-a-model.md reproduce the predictions; user mistakes are one line, exit 2."""
 
 import hashlib
 import json
@@ -109,16 +109,16 @@ def _image_folder(root: Path, count: int) -> list[Path]:
     return sorted(paths)
 
 
-def _readme_snippet(run: Path) -> str:
-    """The five-line plain-PyTorch load of the README's section on using a trained model."""
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("## Using a trained model"):]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+def _docs_snippet(run: Path) -> str:
+    """The five-line plain-PyTorch load of docs/using-a-model.md, model.json."""
+    text = (REPO / "docs" / "using-a-model.md").read_text()
+    section = text[text.index("## model.json"):]
+    code = re.search(r"```python[^\n]*\n(.*?)```", section, re.S).group(1)
     assert len(code.strip().splitlines()) == 5
     return code.replace("runs/default", str(run))
 
 
-def test_predict_folder_and_the_readme_load_agree(run_dir, tmp_path):
+def test_predict_folder_and_the_docs_load_agree(run_dir, tmp_path):
     paths = _image_folder(tmp_path / "images", 7)
     out = tmp_path / "folder.jsonl"
     assert cli.main(["predict", str(run_dir), "--input", str(tmp_path / "images"), "--out", str(out)]) == 0
@@ -129,7 +129,7 @@ def test_predict_folder_and_the_readme_load_agree(run_dir, tmp_path):
     assert card["data"]["input_shape"] == [1, 28, 28] and card["data"]["num_classes"] == NUM_CLASSES
     assert len(card["data"]["class_names"]) == NUM_CLASSES and card["model"]["factory"]
     scope: dict = {}
-    exec(_readme_snippet(run_dir), scope)  # the README's five lines, as a user runs them
+    exec(_docs_snippet(run_dir), scope)  # the docs' five lines, as a user runs them
     model = scope["model"]
     mean, std = (torch.tensor(card["data"][k]).view(-1, 1, 1) for k in ("mean", "std"))
     images = torch.stack([torch.from_numpy(np.array(Image.open(p))).float()[None] / 255 for p in paths])

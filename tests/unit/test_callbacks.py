@@ -79,12 +79,12 @@ def test_frozen_batchnorm_keeps_its_statistics_through_evaluations_and_hooks_see
     assert f'"test_loss": {summary["test_loss"]}' in calls[-2]  # on_evaluate got the exact metrics
 
 
-def test_the_readme_recipe_runs(tmp_path, monkeypatch, capsys):
-    readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("### Callbacks"):]
-    code = section[section.index("```python\n") + len("```python\n"):section.index("\n```\n")]
+def test_the_docs_recipe_runs(tmp_path, monkeypatch, capsys):
+    page = (REPO / "docs" / "training-features.md").read_text()
+    section = page[page.index("## Callbacks"):]
+    code = section[section.index("```python") + len("```python"):section.index("\n```\n")].split("\n", 1)[1]
     monkeypatch.chdir(tmp_path)  # it writes runs/fine-tune
-    exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
+    exec(compile(code, "docs/training-features.md", "exec"), {"__name__": "docs"})
     printed = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in printed] == ["step 8", "step 16"], printed
     weights = load_weights(tmp_path / "runs" / "fine-tune")
