@@ -43,7 +43,7 @@ def fit(model: nn.Module | Callable[..., nn.Module], train_data, test_data,
         tokenized Hugging Face dataset; the dict goes to model(**batch), its "labels" are the targets), or
         (inputs, targets) pairs of tensors. Inputs and targets may be tensors of any dtype and shape, or dicts.
         train_data may be a stream: an IterableDataset, or a Hugging Face streaming dataset (train.max_steps then
-        required; see the README's "Streams").
+        required; see docs/data.md, Streams).
     config: a TOML path or a distrib.Config (default: the built-in defaults); overrides: {"train.lr": 0.1, ...}.
     loss_fn: (outputs, targets) -> scalar mean; default: the model's own outputs.loss if it returns one, else
         train.loss (cross-entropy).

@@ -79,7 +79,7 @@ class DataConfig:
         "`fashion-mnist`, `mnist`, `cifar10` (the python pickle batches in `data.root` or "
         "`data.root/cifar-10-batches-py`), `imagefolder` (`data.root/train/CLASS/*`, `data.root/test/CLASS/*`, any "
         "image PIL reads), `synthetic` (seeded, learnable, needs no files), `text` and `tokens` (language models: see "
-        '"Language models")',
+        "docs/language-models.md)",
         choices=("fashion-mnist", "mnist", "cifar10", "imagefolder", "synthetic", "text", "tokens"))
     root: str = key("data",
         "your dataset folder, read only: unpacked or downloaded files go into torchvision's own subfolder "
@@ -87,8 +87,8 @@ class DataConfig:
         "refused")
     factory: str = key("",
         "`package.module:function` called with `data.kwargs`, returning `(train, test)`: map-style datasets of "
-        'samples (see "Tasks"), streams, or `(inputs, targets)` pairs of tensors or of dicts of tensors; wins over '
-        "`data.name`")
+        "samples (see docs/data.md, Tasks), streams, or `(inputs, targets)` pairs of tensors or of dicts of tensors; "
+        "wins over `data.name`")
     kwargs: dict = key({}, "keyword arguments of `data.factory`, e.g. `--set 'data.kwargs={size = 64}'`")
     loader: str = key("auto",
         "`device` (the whole set on the device, uint8 kept, batches sliced and normalised there), `dataloader`, or "
@@ -127,18 +127,18 @@ class DataConfig:
         "for evaluation")
     val_fraction: float = key(0.0,
         "the share of the training samples held out as a validation set (the same samples at every world size and "
-        'seed), evaluated during training as `val_*`; the test set then only at the end (see "Validation set"); 0 = '
-        "none")
+        "seed), evaluated during training as `val_*`; the test set then only at the end (see "
+        "docs/training-features.md); 0 = none")
     vocab_size: int = key(0,
         "tokens: the vocabulary size (required: every id in `train.bin`/`val.bin` must be below it; the GPT's "
         "embedding has this many rows); text is bytes, 256")
     collate: str = key("",
         "`package.module:function` of a list of samples returning a micro-batch (a dict of tensors, e.g. a Hugging "
         "Face data collator's, or an `(inputs, targets)` pair); `\"\"` = distrib stacks, right-padding dict samples "
-        'of different lengths (see "Tasks")')
+        'of different lengths (see docs/data.md, Tasks)')
     pad_id: int = key(0, "the `input_ids` value of that padding (`attention_mask` 0, `labels` -100)")
     train_files: str = key("",
-        "tokens: a glob of training token shards, raw uint16 or llm.c's (see \"Language models\"), read as one "
+        "tokens: a glob of training token shards, raw uint16 or llm.c's (see docs/language-models.md), read as one "
         'stream; `""` = `data.root/train.bin`')
     test_files: str = key("",
         'tokens: a glob of held-out token shards, as `data.train_files`; `""` = `data.root/val.bin`')
@@ -205,9 +205,9 @@ class DataConfig:
 @dataclass(kw_only=True, frozen=True, slots=True)
 class ModelConfig:
     name: str = key("network",
-        '`gpt` (the built-in decoder-only transformer, `model.kwargs` as in "Language models"), or the seed CNN (conv '
-        "1→6 5×5, conv 6→12 5×5, fc 192→120→60→classes), 1×28×28 inputs only: other shapes are one line naming the "
-        "shape and `model.factory`", choices=("network", "gpt"))
+        "`gpt` (the built-in decoder-only transformer, `model.kwargs` as in docs/language-models.md), or the seed CNN "
+        "(conv 1→6 5×5, conv 6→12 5×5, fc 192→120→60→classes), 1×28×28 inputs only: other shapes are one line naming "
+        "the shape and `model.factory`", choices=("network", "gpt"))
     factory: str = key("",
         "`package.module:function` returning any `nn.Module`, called with `model.kwargs` (`--set 'model.kwargs={width "
         "= 64}'`) plus from the data what it declares: `num_classes`; `in_channels`, `image_size` for images; "
@@ -218,7 +218,7 @@ class ModelConfig:
         "pretrained weights read into the built model before the first step (a resumed checkpoint wins): a Hugging "
         "Face folder or `.safetensors` file (one file, or several with `model.safetensors.index.json`), a distrib run "
         "directory (its `weights/`, else `model.pt`), or a checkpoint (`step_N.pt`, or a sharded `step_N/`); names "
-        'and shapes must match (see "Pretrained weights in, trained weights out"); `fit(..., init_from=PATH)` too')
+        'and shapes must match (see docs/checkpoints.md, Pretrained weights in); `fit(..., init_from=PATH)` too')
 
     def __post_init__(self):
         if self.factory:
@@ -254,7 +254,8 @@ class TrainConfig:
         "`constant` or `cosine` (to zero), each after a linear warm-up of `train.warmup_steps`",
         choices=("constant", "cosine"))
     schedule_steps: int = key(0,
-        "the cosine's length in steps; 0 = this run's total steps. Set it when a run may be extended (see below)")
+        "the cosine's length in steps; 0 = this run's total steps. Set it when a run may be extended "
+        "(docs/checkpoints.md, Extending a finished run)")
     warmup_steps: int = key(100, "steps of linear warm-up from 0 to `train.lr`")
     grad_clip: float = key(0.0, "max global gradient norm; 0 = off")
     seed: int = key(0, "initial weights and the data order")
@@ -272,12 +273,12 @@ class TrainConfig:
         "always sync")
     early_stop_metric: str = key("",
         "`test_loss`, `test_accuracy` (or `test_loss_ema`, `test_accuracy_ema` with EMA on), or with a validation set "
-        "`val_loss`, `val_accuracy` (and their `_ema` forms): stop when it stops improving",
+        "`val_loss`, `val_accuracy` (and their `_ema` forms): stop when it stops improving; `""` = off",
         choices=EVAL_METRICS + ("",))
     early_stop_patience: int = key(3, "evaluations in a row without an improvement before every rank stops")
     early_stop_min_delta: float = key(0.0, "an improvement must exceed this to count")
     ema_decay: float = key(0.0,
-        "keep an exponential moving average of the weights (e.g. 0.999), updated after every optimizer step")
+        "keep an exponential moving average of the weights (e.g. 0.999), updated after every optimizer step; 0 = off")
     loss: str = key("cross_entropy",
         "`cross_entropy` (classes per sample or per position, -100 not counted), `mse`, `l1`, `bce_with_logits` "
         "(multi-label), or `package.module:function`, `(outputs, targets) -> scalar mean`; a model whose output has a "
@@ -286,7 +287,7 @@ class TrainConfig:
     callbacks: tuple[str, ...] = key((),
         "`package.module:Class` each, called with no arguments: objects with any of the hooks "
         "`on_train_start(model)`, `on_step_end(step, loss)`, `on_evaluate(step, metrics)`, `on_train_end(summary)`, "
-        "called on every rank in this order (then `fit(callbacks=...)`'s); see \"Callbacks\"")
+        "called on every rank in this order (then `fit(callbacks=...)`'s); see docs/training-features.md")
 
     def __post_init__(self):
         if self.loss not in LOSSES and not _FACTORY.match(self.loss):
@@ -358,15 +359,16 @@ class DistConfig:
     strategy: str = key("ddp",
         "`ddp`: a whole replica per rank; `fsdp`: FSDP2 (`fully_shard`) shards parameters, gradients and optimizer "
         "state over all ranks; `hsdp`: FSDP2 on a 2-D mesh (`replicate` × `shard`): sharded within groups of "
-        '`dist.shard_size` ranks, replicated across the groups (see "Scaling out")', choices=("ddp", "fsdp", "hsdp"))
+        "`dist.shard_size` ranks, replicated across the groups (see docs/parallelism.md)",
+        choices=("ddp", "fsdp", "hsdp"))
     shard_size: int = key(0,
         "hsdp: ranks per shard group; 0 = one node's (`LOCAL_WORLD_SIZE` / `dist.tensor_parallel`). Must divide the "
         "data-parallel ranks; set under another strategy, refused")
     tensor_parallel: int = key(1,
         "ranks that split each layer of a model that declares a plan (the built-in GPT), on the innermost mesh "
         "dimension, composed with fsdp or hsdp on the others; the ranks of one group read the same micro-batches. "
-        'Must divide the world and the heads; refused under ddp, and for a model without `_tp_plan` (see "Scaling '
-        'out")')
+        'Must divide the world and the heads; refused under ddp, and for a model without `_tp_plan` (see '
+        'docs/parallelism.md)')
     shard_modules: str | tuple[str, ...] = key("auto",
         'the blocks: module class names (`["TransformerBlock"]`), or `auto`: the classes the model lists in '
         "`_no_split_modules` (the Hugging Face convention; the built-in GPT's `Block`), else children, looking inside "
@@ -407,7 +409,7 @@ class DistConfig:
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class CheckpointConfig:
-    dir: str = key("", "one directory shared by every node")
+    dir: str = key("", "one directory shared by every node; `\"\"` = `run.dir/checkpoints`")
     every_steps: int = key(500, "optimizer steps between checkpoints; 0 = only at the end and on preemption")
     resume: str = key("auto", "`auto`: the newest good checkpoint in `dir`, if any; `never`; or a path")
     keep_last: int = key(2,
@@ -419,7 +421,7 @@ class CheckpointConfig:
         "fsdp: sharded checkpoints are written in the background (`dcp.async_save`); the commit waits for the write")
     keep_best: int = key(0,
         "also keep the checkpoints of the k best evaluations as `best_STEP.pt` (ddp) or `best_STEP/` (fsdp), "
-        "`best_STEP-RUNID` beside another run's; `keep_last` never prunes them")
+        "`best_STEP-RUNID` beside another run's; `keep_last` never prunes them; 0 = off")
     best_metric: str = key("test_loss",
         "what `keep_best` ranks by: `test_loss`, `test_accuracy` (or their `_ema` forms), or with a validation set "
         "`val_loss`, `val_accuracy` (and `_ema`)", choices=EVAL_METRICS)

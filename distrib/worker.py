@@ -185,7 +185,7 @@ def _model_notes(config: Config, model: nn.Module) -> list[str]:
     return [f"the model has {len(norms)} BatchNorm layers ({norms[0]}, ...): their statistics are per micro-batch, "
             "so runs at other world sizes or grad_accum_steps no longer agree exactly; on GPUs, --set "
             "dist.sync_batchnorm=true computes them over each micro-step's global batch (frozen ones: a callback "
-            "keeps them in eval mode, README \"Callbacks\")"]
+            "keeps them in eval mode: docs/training-features.md, Callbacks)"]
 
 
 def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None] | None = None, *,

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # measure this checkout, whichever one is installed
-from bench_gpt import GptFsdpHandLoop, GptHandLoop, byte_stream, gpt_overrides  # noqa: E402 - scripts/ is on the path as __file__'s
+from bench_gpt import GptFsdpHandLoop, GptHandLoop, byte_stream, docs_text, gpt_overrides  # noqa: E402 - scripts/ is on the path as __file__'s
 
 # Variants: the hand loop, or the trainer with these --set overrides on top of the common ones.
 VARIANTS = {
@@ -378,8 +378,8 @@ def parse_args(argv):
     parser.add_argument("--warmup-runs", type=int, default=1, help="untimed rounds before the repeats")
     parser.add_argument("--model", default="network", choices=("network", "gpt"),
                         help="the seed Network on images, or the built-in GPT on --text (tokens/s)")
-    parser.add_argument("--text", default=str(Path(__file__).resolve().parents[1] / "README.md"),
-                        help="--model gpt: the UTF-8 file it trains on")
+    parser.add_argument("--text", default=None,
+                        help="--model gpt: the UTF-8 file it trains on (default: README.md and docs/*.md as one text)")
     parser.add_argument("--seq-len", type=int, default=64, help="--model gpt: tokens per sample")
     parser.add_argument("--batch", type=int, default=None, help="global batch size (default 128; --model gpt: 32)")
     parser.add_argument("--world-sizes", default="1,2")
@@ -396,6 +396,7 @@ def parse_args(argv):
     parser.add_argument("--json", default="bench.json", help="where the result is written")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.text = args.text or str(docs_text())
     gpt = args.model == "gpt"
     args.batch, args.steps = args.batch or (32 if gpt else 128), args.steps or (100 if gpt else 200)
     args.repeats = args.repeats or (5 if gpt else 7)

@@ -7,8 +7,27 @@ sample order, then each sample's hashed start), so both take the same steps from
 
 from __future__ import annotations
 
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
 GPT_KWARGS = {"n_layers": 4, "n_heads": 4, "dim": 128}  # ~0.43 s a step of 32 x 64 tokens on one CPU thread
 LR = 1e-3
+
+
+def docs_text() -> Path:
+    """The default text of the GPT benchmarks: the repository's docs as one UTF-8 file (README.md, then docs/*.md
+    sorted; about 140 KB, as the README alone was before docs/ took its text), written once per content to the
+    temporary folder, atomically (several workers of gpu_check.py may ask at once)."""
+    repo = Path(__file__).resolve().parents[1]
+    data = b"".join(path.read_bytes() for path in [repo / "README.md", *sorted((repo / "docs").glob("*.md"))])
+    path = Path(tempfile.gettempdir()) / f"distrib-docs-{hashlib.sha256(data).hexdigest()[:12]}.txt"
+    if not path.exists():
+        partial = path.with_name(f".{path.name}.{os.getpid()}")
+        partial.write_bytes(data)
+        partial.replace(path)
+    return path
 
 
 def gpt_overrides(args) -> list[str]:

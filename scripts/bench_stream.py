@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from bench_gpt import GPT_KWARGS, LR  # noqa: E402 - scripts/ is on the path now
+from bench_gpt import GPT_KWARGS, LR, docs_text  # noqa: E402 - scripts/ is on the path now
 
 from distrib import fit  # noqa: E402
 from distrib.config import TrainConfig  # noqa: E402
@@ -69,7 +69,7 @@ def one_run(kind: str, args, x: torch.Tensor, y: torch.Tensor, folder: Path) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--text", type=Path, default=REPO / "README.md")
+    parser.add_argument("--text", type=Path, default=None, help="default: README.md and docs/*.md as one text")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=60)
@@ -77,6 +77,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    args.text = args.text or docs_text()
     torch.set_num_threads(1)
     x, y = windows(args.text, args.seq_len)
     rows = {"memory": [], "stream": []}

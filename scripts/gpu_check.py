@@ -185,8 +185,10 @@ GPT_QUICK = {"n_layers": 2, "n_heads": 2, "dim": 32}
 
 
 def measure_gpt(runtime, mode: str, args, run_dir: Path) -> dict:
-    """The built-in GPT on the README's bytes through worker.train_on: tokens/s, MFU (6 x parameters + attention per
-    token), and the peak device memory."""
+    """The built-in GPT on the docs' bytes (README.md and docs/*.md) through worker.train_on: tokens/s, MFU (6 x
+    parameters + attention per token), and the peak device memory."""
+    from bench_gpt import docs_text  # scripts/, on the path as this file's folder
+
     from distrib.config import load_config
     from distrib.worker import train_on
 
@@ -195,7 +197,7 @@ def measure_gpt(runtime, mode: str, args, run_dir: Path) -> dict:
                                          "gpu_check.sh runs it under distrib launch on 2+ GPUs"}
     size = GPT_QUICK if args.quick else GPT_SIZE
     kwargs = ", ".join(f"{key} = {value}" for key, value in size.items())
-    overrides = ["data.name=text", f"data.root={Path(__file__).resolve().parents[1] / 'README.md'}",
+    overrides = ["data.name=text", f"data.root={docs_text()}",
                  f"data.seq_len={args.gpt_seq_len}", "model.name=gpt", f"model.kwargs={{{kwargs}}}",
                  "train.optimizer=adamw", "train.lr=1e-3", f"train.global_batch_size={args.gpt_batch}",
                  "train.epochs=0", f"train.max_steps={args.steps}", "train.eval_every_epochs=0",

@@ -13,8 +13,8 @@ alone and returned when freed.
 
 The exception, return_freed_memory: a sharded model of 64 MiB or more on the CPU (distrib.distributed.strategies.fsdp)
 frees whole gathered parameters block by block, and kept in the heap they held the fsdp workers of a 203M GPT at
-1.8-2.1x its bytes instead of 0.92x (README, "The host allocator"); there every block of 64 KiB and more is mapped
-alone and returned when freed, at the cost of faulting it in anew."""
+1.8-2.1x its bytes instead of 0.92x (docs/performance.md, "The host allocator"); there every block of 64 KiB and
+more is mapped alone and returned when freed, at the cost of faulting it in anew."""
 
 from __future__ import annotations
 

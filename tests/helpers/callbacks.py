@@ -12,8 +12,8 @@ import torch.nn as nn
 
 
 class FreezeBatchNorm:
-    """The README's recipe: BatchNorm layers whose parameters are all frozen run in eval mode (their running
-    statistics used, never updated), as a fine-tune of a pretrained backbone wants."""
+    """The recipe of docs/training-features.md, Callbacks: BatchNorm layers whose parameters are all frozen run in eval
+    mode (their running statistics used, never updated), as a fine-tune of a pretrained backbone wants."""
 
     def on_train_start(self, model: nn.Module) -> None:
         for module in model.modules():

@@ -16,7 +16,7 @@ from tests.helpers.support import REPO, SMALL, assert_ok, distrib, load_weights,
 from tests.helpers.task_package import write_task_package
 
 # SGD: GPT-2's attention has a key bias, whose true gradient is zero; Adam would scale its rounding noise, which
-# differs between world sizes (README, "Tasks").
+# differs between world sizes (docs/data.md, "Tasks").
 RAGGED = [*SMALL, "data.factory=taskpkg.data:ragged_lm", "model.factory=taskpkg.models:gpt2",
           "model.kwargs={seq_len = 32}", "train.epochs=0", "train.max_steps=12", "train.global_batch_size=16",
           "train.warmup_steps=2", "train.lr=0.1", "train.log_every=4"]

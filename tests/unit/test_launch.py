@@ -106,8 +106,8 @@ def _resident_bytes() -> int:
 
 @pytest.mark.skipif(not os.confstr("CS_GNU_LIBC_VERSION"), reason="glibc's allocator only")
 def test_cpu_workers_give_freed_host_tensors_back_unless_the_user_tuned_glibc():
-    """What FSDP gathers and frees block by block on the CPU must not stay in the heap (README, "What each rank
-    holds"): freed tensors of 1 to 8 MiB go back to the system at once."""
+    """What FSDP gathers and frees block by block on the CPU must not stay in the heap (docs/parallelism.md, "What each
+    rank holds"): freed tensors of 1 to 8 MiB go back to the system at once."""
     assert not return_freed_memory({"MALLOC_MMAP_THRESHOLD_": "131072"})
     assert not return_freed_memory({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"})
     assert return_freed_memory({})

@@ -1,6 +1,6 @@
 """Imports point one way: every `import distrib...` in every module of distrib/ (also those inside functions and under
-TYPE_CHECKING) goes to the importer's own package or to a lower layer of the README's order, so a low layer never
-needs a high one and no two packages import each other."""
+TYPE_CHECKING) goes to the importer's own package or to a lower layer of the order in docs/how-it-works.md, so a low
+layer never needs a high one and no two packages import each other."""
 
 from __future__ import annotations
 

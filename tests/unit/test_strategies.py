@@ -106,7 +106,8 @@ def test_weights_to_load_fill_the_shards_of_a_model_never_built_whole(tmp_path, 
 
 
 def test_sharded_models_of_64_mib_and_more_have_freed_host_memory_returned_on_the_cpu(monkeypatch):
-    """Only there is what glibc keeps of the gathers worth the page faults (README, "The host allocator")."""
+    """Only there is what glibc keeps of the gathers worth the page faults (docs/performance.md, "The host
+    allocator")."""
     from distrib.distributed import runtime as runtime_module
     from distrib.distributed.strategies import fsdp as fsdp_strategy
 
