@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
 
 from distrib.errors import EXIT_PREEMPTED, UserError, say
-from distrib.launch.reporting import REPORTS_VAR, failure_lines, quiet_torch_failure_lines
+from distrib.launch.reporting import REPORTS_VAR, cause_of, failure_lines, quiet_torch_failure_lines
 
 # Flags whose defaults we choose ourselves; None after parsing means neither the flag nor its PET_* form was given.
 _OUR_DEFAULTS = ("nnodes", "nproc_per_node", "rdzv_backend", "rdzv_endpoint", "rdzv_id")
@@ -196,10 +196,14 @@ def stop_handlers(raise_for=None) -> Iterator[None]:
 
 
 def exit_code(error) -> int:
-    """The first failure's exit code (so a worker's EXIT_PREEMPTED reaches the job script), or 128 + N for the signal
-    N that killed it (a worker killed by SIGTERM did not checkpoint: no preemption exit)."""
-    _, failure = error.get_first_failure()
-    return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
+    """The failing rank's exit code (reporting.cause_of), or 128 + N for the signal N that killed it (a worker killed
+    by SIGTERM did not checkpoint: no preemption exit); EXIT_PREEMPTED when no rank failed, only preempted, so that
+    the job script requeues."""
+    cause = cause_of(error)
+    if cause is None:
+        return EXIT_PREEMPTED
+    code = error.failures[cause].exitcode
+    return code if code > 0 else 128 - code
 
 
 @contextlib.contextmanager
