@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -25,12 +26,28 @@ SLURM_PORT_BASE, SLURM_PORT_SPAN = 20000, 20000  # rendezvous port = base + job 
 TORCHRUN_DEFAULTS = {"nnodes": "1:1", "rdzv_backend": "static", "rdzv_endpoint": "", "rdzv_id": "none"}
 
 
+def usage_error(prog: str, message: str) -> UserError:
+    """argparse's error as one line (exit 2) that names the flag, the value and the fix, instead of its usage text and
+    the message (7 to 25 lines)."""
+    bad = re.match(r"argument ([^/:]+)[^:]*: invalid (int|float) value: (.*)", message)
+    if bad:
+        flag, kind, value = bad.groups()
+        return UserError(f"{prog} {flag} {value}: not a {'whole ' if kind == 'int' else ''}number; give one, e.g. "
+                         f"{flag} 2 (see {prog} --help)")
+    return UserError(f"{prog}: {message}; see {prog} --help")
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """torchrun's own parser: every flag and PET_* variable (from os.environ) means what it means to torchrun."""
     from torch.distributed.run import get_args_parser
 
     parser = get_args_parser()
     parser.prog = "distrib launch"
+
+    def error(message: str):
+        raise usage_error(parser.prog, message)
+
+    parser.error = error
     parser.set_defaults(**{dest: None for dest in _OUR_DEFAULTS if f"PET_{dest.upper()}" not in os.environ})
     return parser.parse_args(list(argv))
 
