@@ -186,7 +186,6 @@ def test_damaged_weights_are_one_line_naming_the_file_exit_2_at_world_1(tmp_path
     world size 2: tests/integration/test_pretrained.py), and a sharded checkpoint whose shard is cut or whose
     .metadata is garbled: one line that names the file and says to copy it again, exit 2, nothing written."""
     from distrib import cli
-    from tests.helpers.pretrained import token_dicts  # noqa: F401 - the data of the runs below
 
     files = damaged_weights(tmp_path / "damaged")
     torch.manual_seed(0)
@@ -197,10 +196,10 @@ def test_damaged_weights_are_one_line_naming_the_file_exit_2_at_world_1(tmp_path
     capsys.readouterr()  # save_pretrained's progress bars
     for name, path in files.items():
         run_dir = tmp_path / f"run_{name}"
-        argv = ["train", *[item for each in ("data.factory=tests.helpers.pretrained:token_dicts", "train.max_steps=2",
-                                              "train.global_batch_size=16", "model.factory=tests.helpers.pretrained:llama", "run.progress=false",
-                                              "dist.device=cpu", f"model.init_from={path.parent}",
-                                              f"run.dir={run_dir}") for item in ("--set", each)]]
+        overrides = ("data.factory=tests.helpers.pretrained:token_dicts", "train.max_steps=2",
+                     "train.global_batch_size=16", "model.factory=tests.helpers.pretrained:llama", "run.progress=false",
+                     "dist.device=cpu", f"model.init_from={path.parent}", f"run.dir={run_dir}")
+        argv = ["train", *[item for each in overrides for item in ("--set", each)]]
         assert cli.main(argv) == 2, name
         out = capsys.readouterr().err.strip()
         err = out.splitlines()[-1]
