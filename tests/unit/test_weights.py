@@ -45,6 +45,44 @@ def test_byte_runs_put_every_block_of_a_split_tensor_in_its_place():
         assert bytes(buffer) == whole.reshape(-1).view(torch.uint8).numpy().tobytes(), (row_parts, column_parts)
 
 
+@pytest.mark.parametrize("killed", ["writing", "written"])
+def test_a_writer_killed_mid_export_leaves_no_file_a_loader_would_take(tmp_path, monkeypatch, killed):
+    """The weights/ export dies (as under SIGKILL) while the ranks write their blocks, or once they all wrote but
+    before rank 0's renames: the hidden .weights.tmp/ holds only FILE.partial, which neither a *.safetensors glob, nor
+    model.init_from, nor safe_open's callers pick up; weights/ keeps the earlier run's; the next export is complete."""
+    import distrib.checkpoint.weights as weights
+
+    model = llama()
+    tensors = model_tensors(model)
+    folder = tmp_path / "weights"
+    save_weights({name: torch.zeros_like(t) for name, t in tensors.items()}, folder, 0, max_file_bytes=40_000)
+    earlier = read_weights(folder)
+
+    class Killed(BaseException):
+        pass
+
+    def die(*args):
+        raise Killed
+
+    if killed == "writing":
+        monkeypatch.setattr(weights.os, "pwrite", die)
+    else:
+        monkeypatch.setattr(weights, "_finish", die)
+    with pytest.raises(Killed):
+        save_weights(tensors, folder, 0, max_file_bytes=40_000)
+    tmp = tmp_path / ".weights.tmp"
+    names = sorted(path.name for path in tmp.iterdir())
+    assert len(names) > 1 and all(name.endswith(".safetensors.partial") for name in names), names
+    assert not list(tmp.glob("*.safetensors"))
+    with pytest.raises(UserError, match="a folder without .safetensors files"):
+        open_source(str(tmp))
+    assert _equal(read_weights(folder), earlier)  # the earlier export, untouched
+    monkeypatch.undo()
+    save_weights(tensors, folder, 0, max_file_bytes=40_000)
+    assert _equal(read_weights(folder), tensors) and not tmp.exists()
+    assert not list(folder.glob("*.partial"))
+
+
 def test_layout_starts_a_new_file_past_the_limit():
     tensors = {f"t{i}": torch.zeros(100) for i in range(5)}  # 400 bytes each
     files = layout(tensors, max_file_bytes=1000)
