@@ -279,6 +279,15 @@ def load_weights(model: nn.Module, pretrained: Pretrained) -> str:
             f"{whole / 2**20:.2f} MiB{left_out}")
 
 
+def clear_weights(model: nn.Module) -> None:
+    """Every rank: the model's state (parameters and persistent buffers; its local shards) as zeros, in place of
+    model.init_from's weights on a run that resumes a checkpoint, which is loaded over them: the file is not read.
+    Zeros, not the uninitialised memory of a materialised shard, so the checks before the resume run on numbers."""
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            local_part(tensor).zero_()
+
+
 def _nbytes(shape, tensor: torch.Tensor) -> int:
     count = 1
     for size in shape:
