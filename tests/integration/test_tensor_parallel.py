@@ -75,7 +75,7 @@ def test_init_from_under_tensor_parallel_and_hsdp_trains_like_one_process_and_a_
         tmp_path, launched):
     """model.init_from at tp 2 x fsdp 2 and at hsdp 2 x 2 (6 steps, then resumed to 12 with model.init_from a path
     that no longer exists: not read, the checkpoint holds every weight) ends where one process ends, within the float
-    noise of another world size; each rank of the tensor-parallel run read a quarter of the bytes."""
+    noise of another world size; each rank of the tensor-parallel run read under a third of the bytes."""
     folder, logs = launched
     one = run_training(load_config(None, [*GPT, f"run.dir={tmp_path}/one", f"model.init_from={folder}/pretrained"]))
     assert one["resumed_from_step"] is None and one["steps"] == 12
@@ -89,7 +89,7 @@ def test_init_from_under_tensor_parallel_and_hsdp_trains_like_one_process_and_a_
                      logs["tp_init"])
     assert read and "no rank held the model whole" in logs["tp_init"], logs["tp_init"][-3000:]
     *per_rank, whole = map(float, read.groups())
-    assert max(per_rank) < 0.35 * whole, read.group(0)
+    assert max(per_rank) < whole / 3, read.group(0)  # a quarter of the matrices, half of what tp replicates
     assert f"model.init_from {folder}/gone: not read, the run resumes from its checkpoint" in logs["hsdp_resumed"]
 
 
