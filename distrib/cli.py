@@ -19,7 +19,7 @@ import sys
 from typing import NoReturn, Sequence
 
 from distrib.errors import EXIT_PREEMPTED, UserError, say
-from distrib.launch.launcher import add_train_flags, launch_trainer, train_flags, without_train_flags
+from distrib.launch.launcher import add_train_flags, launch_trainer, train_flags, usage_error, without_train_flags
 
 EXIT_USER_ERROR = 2
 
@@ -202,8 +202,16 @@ def _use_parser(commands, name: str, help_text: str) -> argparse.ArgumentParser:
     return use
 
 
+class _Parser(argparse.ArgumentParser):
+    """A wrong argument is one line and exit 2 (launcher.usage_error), not argparse's usage text; the subcommands'
+    parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        raise usage_error(self.prog, message)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="distrib", description="Data-parallel training for PyTorch.")
+    parser = _Parser(prog="distrib", description="Data-parallel training for PyTorch.")
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", allow_abbrev=False,  # an abbreviated launch flag would reach the workers
                                 help="train a model (one process, or N workers with --nproc-per-node)")

@@ -18,7 +18,8 @@ import torch.nn as nn
 
 from distrib.checkpoint import BestCheckpoints, Checkpointer, CheckpointError, committing, make_checkpointer
 from distrib.checkpoint.format import save_atomic, set_rng_state
-from distrib.checkpoint.init_from import check_weights, load_weights, open_source
+from distrib.checkpoint.init_from import check_weights, clear_weights, load_weights, open_source
+from distrib.checkpoint.policy import resumable
 from distrib.checkpoint.weights import WEIGHTS_DIR, write_run_weights
 from distrib.config import Config, to_dict, write_resolved
 from distrib.data import Data, load_data, make_plan
@@ -145,7 +146,8 @@ def _read_summary(path: Path, step: int) -> dict | None:
     return summary if isinstance(summary, dict) and summary.get("steps") == step else None
 
 
-def _build(config: Config, runtime: Runtime, data: Data, model: ModelArg, notes: list[str]) -> Build:
+def _build(config: Config, runtime: Runtime, data: Data, model: ModelArg, notes: list[str],
+           resuming: bool) -> Build:
     """How the strategy builds the config's model (or distrib.fit's: a module as it is, or a function of the data's
     sizes), with SyncBatchNorm if asked."""
     def with_norms(built: nn.Module) -> nn.Module:
@@ -162,20 +164,45 @@ def _build(config: Config, runtime: Runtime, data: Data, model: ModelArg, notes:
 
     given = with_norms(model) if isinstance(model, nn.Module) else None
     return Build(factory, config.train.seed, config.speed, config.train.precision, given=given,
-                 load_weights=_init_from(config, notes), log=notes.append)
+                 load_weights=_init_from(config, notes, resuming), log=notes.append)
 
 
-def _init_from(config: Config, notes: list[str]) -> LoadWeights | None:
+def _init_from(config: Config, notes: list[str], resuming: bool = False) -> LoadWeights | None:
     """model.init_from, read by the strategy's build in place of the model's initialisation: names and shapes checked
     first (one line, exit 2, before anything is written), then every rank reads the blocks it holds (under ddp the
-    whole). A resumed checkpoint is loaded over them later, so it wins; an EMA starts from them."""
+    whole); an EMA starts from them. resuming: checkpoint.dir holds a checkpoint to resume, which holds every weight,
+    so the file is not read and the weights are zeros until the checkpoint is loaded over them."""
     if not config.model.init_from:
         return None
 
     def load(model: nn.Module) -> None:
-        notes.append(load_weights(model, check_weights(model, open_source(config.model.init_from))))
+        if resuming:
+            clear_weights(model)
+            notes.append(f"model.init_from {config.model.init_from}: not read, the run resumes from its checkpoint "
+                         "(which holds every weight)")
+        else:
+            notes.append(load_weights(model, check_weights(model, open_source(config.model.init_from))))
 
     return load
+
+
+def _resuming(config: Config, runtime: Runtime) -> bool:
+    """Whether the run will resume (rank 0 looks at checkpoint.dir's names; every rank hears it), decided before the
+    model is built only for model.init_from, which is then not read; decided for good under run.dir's lock."""
+    if not config.model.init_from:
+        return False
+    found = [resumable(config.checkpoint.resume, checkpoint_dir(config)) if runtime.is_main else None]
+    dist.broadcast_object_list(found, src=0)
+    return bool(found[0])
+
+
+def _init_from_after_all(config: Config, state: TrainState, notes: list[str]) -> None:
+    """model.init_from into the model of a run that found a checkpoint to resume at start-up but none under the lock
+    (each one damaged, beside another run's: checkpoint.foreign = keep): the run starts afresh from the file after
+    all, and so does its EMA."""
+    _init_from(config, notes)(unwrap(state.model))
+    if state.ema is not None:
+        state.ema.reset()
 
 
 def _model_notes(config: Config, model: nn.Module) -> list[str]:
@@ -208,7 +235,8 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
     total_steps = _total_steps(config, plan.steps_per_epoch)
     # Built, materialised (under sharded strategies: only this rank's shards), given model.init_from's weights,
     # placed and wrapped; the checks below run the plain module under the wrappers.
-    wrapped = strategy.setup_module(_build(config, runtime, data, model, notes), runtime)
+    resuming = _resuming(config, runtime)
+    wrapped = strategy.setup_module(_build(config, runtime, data, model, notes, resuming), runtime)
     placed = unwrap(wrapped)
     notes += _model_notes(config, placed)
     dry = dry_batch(placed, data.train, data.info, runtime.device, build_loss(config.train, loss_fn))
@@ -232,6 +260,8 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
                           log=notes.append, strategy=strategy)
         checkpointer = _checkpointer(config, runtime, state, plan.global_batch_size, data)
         resumed_from = _resume(state, config, runtime, checkpointer, plan.global_batch_size, data, notes)
+        if resuming and resumed_from is None:
+            _init_from_after_all(config, state, notes)
         finished = _finished_summary(config, runtime, state, total_steps) if resumed_from is not None else None
         if finished is not None:
             return finished  # nothing written: summary.json, config.toml and metrics.jsonl stay as they were

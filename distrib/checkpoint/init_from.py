@@ -29,6 +29,15 @@ def _refuse(path, why: str) -> UserError:
     return UserError(f"model.init_from = {str(path)!r}: {why}; {_FIX}")
 
 
+def _unreadable(path, file, kind: str, error: Exception) -> UserError:
+    """A weights file that exists but cannot be read (truncated, a few bytes, not of its format): every rank that
+    reads it says this one line, naming the file."""
+    reason = " ".join(str(error).split())[:300] or "no reason given"
+    return UserError(f"model.init_from = {str(path)!r}: {file} is not a readable {kind} ({type(error).__name__}: "
+                     f"{reason}); it is damaged or incomplete (a download or copy cut short?): copy or download it "
+                     "again, or give another model.init_from")
+
+
 # ---------------------------------------------------------------- the sources
 
 
@@ -40,17 +49,20 @@ class Safetensors:
 
     def __init__(self, path: Path, files: list[Path]):
         try:
-            from safetensors import safe_open
+            from safetensors import SafetensorError, safe_open
         except ImportError:
             raise _refuse(path, "safetensors files, and the safetensors package is not installed (pip install "
                                 "safetensors)") from None
 
         self.path, self.handles, self.shapes = path, {}, {}
         for file in files:
-            handle = safe_open(str(file), framework="pt")
-            for name in handle.keys():
-                self.handles[name] = handle
-                self.shapes[name] = tuple(handle.get_slice(name).get_shape())
+            try:
+                handle = safe_open(str(file), framework="pt")  # checks the header against the file's size
+                for name in handle.keys():
+                    self.handles[name] = handle
+                    self.shapes[name] = tuple(handle.get_slice(name).get_shape())
+            except (SafetensorError, OSError) as e:
+                raise _unreadable(path, file, "safetensors file", e) from None
 
     def read(self, name: str, slices: tuple[slice, ...]) -> torch.Tensor:
         part = self.handles[name].get_slice(name)
@@ -92,14 +104,22 @@ class DcpCheckpoint:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         self.path = path
-        metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        try:
+            metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        except Exception as e:  # noqa: BLE001 - a pickle: truncated or garbled, any unpickling error
+            raise _unreadable(path, path / ".metadata", "sharded checkpoint's metadata", e) from None
         self.shapes = {key[len("model."):]: tuple(value.size) for key, value in metadata.items()
                        if key.startswith("model.") and isinstance(value, TensorStorageMetadata)}
 
     def load(self, targets: dict[str, torch.Tensor]) -> int:
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
-        dcp.load({"model": targets}, checkpoint_id=self.path)  # DCP reads this rank's blocks: those of the plan
+        try:  # DCP reads this rank's blocks (those of the plan) and tells every rank of any rank's failure
+            dcp.load({"model": targets}, checkpoint_id=self.path)
+        except CheckpointException as e:  # its text is every failed rank's traceback: name the first one's error
+            rank, (error, _) = next(iter(sorted(e.failures.items())))
+            raise _unreadable(self.path, self.path, f"sharded checkpoint (on rank {rank})", error) from None
         return sum(_nbytes(sizes, targets[name]) for name, (_, sizes) in read_plan(targets).items())
 
 
@@ -257,6 +277,15 @@ def load_weights(model: nn.Module, pretrained: Pretrained) -> str:
     return (f"model.init_from {pretrained.source.path} ({pretrained.source.kind}, {len(targets)} tensors"
             f"{pretrained.renamed}): each rank read {', '.join(f'{b / 2**20:.2f}' for b in per_rank)} MiB of "
             f"{whole / 2**20:.2f} MiB{left_out}")
+
+
+def clear_weights(model: nn.Module) -> None:
+    """Every rank: the model's state (parameters and persistent buffers; its local shards) as zeros, in place of
+    model.init_from's weights on a run that resumes a checkpoint, which is loaded over them: the file is not read.
+    Zeros, not the uninitialised memory of a materialised shard, so the checks before the resume run on numbers."""
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            local_part(tensor).zero_()
 
 
 def _nbytes(shape, tensor: torch.Tensor) -> int:

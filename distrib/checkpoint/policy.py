@@ -80,6 +80,18 @@ def choose(resume: str, directory: Path, device: torch.device, say) -> tuple[Pat
     return Path(resume), read_stored(Path(resume), device)
 
 
+def resumable(resume: str, directory: Path) -> bool:
+    """Rank 0, before the model is built: whether choose() will find a checkpoint to resume, from names and run ids
+    only (no state is read), so that model.init_from is not read for weights the checkpoint replaces. choose() may
+    still find each of them damaged; the worker then reads model.init_from after all."""
+    if resume == "never":
+        return False
+    if resume != "auto":
+        return True  # a path: resumed, or refused in one line
+    owner = read_owner(directory)
+    return any(owner is None or stored_run_id(path) == owner for path in listing(directory))
+
+
 def _refuse_others(resume: str, directory: Path, others: list[Path]) -> None:
     """A new run in a folder that holds checkpoints it did not write: the user says which run the folder is for."""
     why = "resume=never" if resume == "never" else "none of them could be resumed"

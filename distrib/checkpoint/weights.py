@@ -166,12 +166,17 @@ def _fault(folder: Path, e: OSError) -> str:
             "(permissions, a read-only mount), then run the same command again")
 
 
+# A file being written: its header and size are final from the start, so safe_open would take it with the blocks not
+# yet written as zeros. Under this suffix no loader picks it up (a *.safetensors glob, an index, from_pretrained).
+PARTIAL = ".partial"
+
+
 def _create(tmp: Path, files: dict[str, dict]) -> None:
-    """Rank 0: each file with its header, sized to hold every tensor (sparse until the ranks write)."""
+    """Rank 0: each file with its header, sized to hold every tensor (sparse until the ranks write), as FILE.partial."""
     shutil.rmtree(tmp, ignore_errors=True)  # a write that died
     tmp.mkdir(parents=True)
     for file, spec in files.items():
-        with open(tmp / file, "wb") as f:
+        with open(tmp / (file + PARTIAL), "wb") as f:
             f.write(spec["header"])
             f.truncate(spec["size"])
 
@@ -184,7 +189,7 @@ def _write_blocks(tmp: Path, files: dict[str, dict], tensors: dict[str, torch.Te
         mine = {name: at for name, at in spec["at"].items() if writes_block(tensors[name], rank)}
         if not mine:  # never touch a file (or, under ddp, the folder) this rank has no bytes for
             continue
-        fd = os.open(tmp / file, os.O_WRONLY)
+        fd = os.open(tmp / (file + PARTIAL), os.O_WRONLY)
         try:
             for name, at in mine.items():
                 tensor = tensors[name]
@@ -200,7 +205,10 @@ def _write_blocks(tmp: Path, files: dict[str, dict], tensors: dict[str, torch.Te
 
 
 def _finish(tmp: Path, folder: Path, files: dict[str, dict], config) -> None:
-    """Rank 0, once every rank wrote: the index (several files), config.json, then the folder into place."""
+    """Rank 0, once every rank wrote: each file under its name, the index (several files), config.json, then the
+    folder into place. A writer killed at any moment leaves no file a loader takes that is not complete."""
+    for file in files:
+        os.replace(tmp / (file + PARTIAL), tmp / file)
     if len(files) > 1:
         total = sum(spec["size"] - len(spec["header"]) for spec in files.values())
         weight_map = {name: file for file, spec in files.items() for name in spec["at"]}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -17,12 +18,23 @@ from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
 
 from distrib.errors import EXIT_PREEMPTED, UserError, say
-from distrib.launch.reporting import REPORTS_VAR, failure_lines, quiet_torch_failure_lines
+from distrib.launch.reporting import REPORTS_VAR, cause_of, failure_lines, quiet_torch_failure_lines
 
 # Flags whose defaults we choose ourselves; None after parsing means neither the flag nor its PET_* form was given.
 _OUR_DEFAULTS = ("nnodes", "nproc_per_node", "rdzv_backend", "rdzv_endpoint", "rdzv_id")
 SLURM_PORT_BASE, SLURM_PORT_SPAN = 20000, 20000  # rendezvous port = base + job id % span: one per job, no clash
 TORCHRUN_DEFAULTS = {"nnodes": "1:1", "rdzv_backend": "static", "rdzv_endpoint": "", "rdzv_id": "none"}
+
+
+def usage_error(prog: str, message: str) -> UserError:
+    """argparse's error as one line (exit 2) that names the flag, the value and the fix, instead of its usage text and
+    the message (7 to 25 lines)."""
+    bad = re.match(r"argument ([^/:]+)[^:]*: invalid (int|float) value: (.*)", message)
+    if bad:
+        flag, kind, value = bad.groups()
+        return UserError(f"{prog} {flag} {value}: not a {'whole ' if kind == 'int' else ''}number; give one, e.g. "
+                         f"{flag} 2 (see {prog} --help)")
+    return UserError(f"{prog}: {message}; see {prog} --help")
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -31,6 +43,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
     parser = get_args_parser()
     parser.prog = "distrib launch"
+
+    def error(message: str):
+        raise usage_error(parser.prog, message)
+
+    parser.error = error
     parser.set_defaults(**{dest: None for dest in _OUR_DEFAULTS if f"PET_{dest.upper()}" not in os.environ})
     return parser.parse_args(list(argv))
 
@@ -196,10 +213,14 @@ def stop_handlers(raise_for=None) -> Iterator[None]:
 
 
 def exit_code(error) -> int:
-    """The first failure's exit code (so a worker's EXIT_PREEMPTED reaches the job script), or 128 + N for the signal
-    N that killed it (a worker killed by SIGTERM did not checkpoint: no preemption exit)."""
-    _, failure = error.get_first_failure()
-    return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
+    """The failing rank's exit code (reporting.cause_of), or 128 + N for the signal N that killed it (a worker killed
+    by SIGTERM did not checkpoint: no preemption exit); EXIT_PREEMPTED when no rank failed, only preempted, so that
+    the job script requeues."""
+    cause = cause_of(error)
+    if cause is None:
+        return EXIT_PREEMPTED
+    code = error.failures[cause].exitcode
+    return code if code > 0 else 128 - code
 
 
 @contextlib.contextmanager

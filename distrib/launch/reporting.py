@@ -1,11 +1,13 @@
-"""What distrib launch says about how its workers ended: one line per way of failing (ranks that failed alike share
-it), the first failure last and with its exception; torch's own per-worker log lines left out; and the marker that
-tells a worker the launcher prints its error, so it writes it to torch's error file instead of stderr."""
+"""What distrib launch says about how its workers ended: one line per way of ending (ranks that ended alike share
+it), the first failure last and with its exception, or a preemption as one; torch's own per-worker log lines left
+out; and the marker that tells a worker the launcher prints its error, so it writes it to torch's error file instead
+of stderr."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 from typing import Iterator, Mapping
 
 from distrib.errors import EXIT_PREEMPTED
@@ -29,7 +31,7 @@ def errors_reported(environ: Mapping[str, str] = os.environ) -> bool:
 def _how(failure) -> str:
     """How a rank ended, and the first line of its exception when its entry point wrote torch's error file."""
     if failure.exitcode < 0:
-        how = f"was killed by signal {-failure.exitcode} ({failure.signal_name()})"
+        how = f"{{verb}} killed by signal {-failure.exitcode} ({failure.signal_name()})"
     else:
         how = f"exited with code {failure.exitcode}"
     message = failure.message
@@ -39,27 +41,53 @@ def _how(failure) -> str:
     return how
 
 
+def _stopped(failure) -> bool:
+    """Whether a rank ended as the launcher's SIGTERM ends it: with EXIT_PREEMPTED (a distrib worker checkpoints
+    first) or killed by the signal."""
+    return failure.exitcode in (EXIT_PREEMPTED, -signal.SIGTERM)
+
+
+def cause_of(error) -> int | None:
+    """The rank whose failure ended the run: the first one to end, unless it ended with EXIT_PREEMPTED, when it is the
+    first rank that failed otherwise; None when no rank failed, only preempted (the others stopped with it)."""
+    first, failure = error.get_first_failure()
+    if failure.exitcode != EXIT_PREEMPTED:
+        return first
+    failed = [rank for rank, failure in error.failures.items() if not _stopped(failure)]
+    return min(failed, key=lambda rank: (error.failures[rank].timestamp, rank)) if failed else None
+
+
 def failure_lines(error, worker_pids: Mapping[int, int] | None = None) -> list[str]:
-    """A ChildFailedError as one line per way of failing, the first failure last (the cause ends the log, where one
-    looks first): which ranks, how they ended, and the first line of their exception, uncut, when the worker's entry
-    point has @record. Ranks that failed alike (one mistake every rank makes) share one line."""
-    first, _ = error.get_first_failure()
+    """A ChildFailedError as one line per way of ending, the cause last (where one looks first): which ranks, how they
+    ended, and the first line of their exception, uncut, when the worker's entry point has @record. Ranks that
+    failed alike (one mistake every rank makes) share one line. A run whose first rank to end was preempted (exit
+    EXIT_PREEMPTED), and no rank failed otherwise, is a preemption: no line calls it a failure."""
+    cause = cause_of(error)
+    preemption = error.get_first_failure()[1].exitcode == EXIT_PREEMPTED  # the first rank to end was preempted
     by_how: dict[str, list[int]] = {}
     for rank in sorted(error.failures):
         failure = error.failures[rank]
         how = _how(failure)
-        if rank != first and how in (f"exited with code {EXIT_PREEMPTED}", "was killed by signal 15 (SIGTERM)"):
-            how = "was stopped by the launcher when the first failure ended the run"  # not a failure of its own
+        if preemption and failure.exitcode == EXIT_PREEMPTED:
+            how = f"{{verb}} preempted (exit {EXIT_PREEMPTED}: checkpointed, or stopped before training)"
+        elif rank != cause and _stopped(failure):  # not a failure of its own
+            how = f"{{verb}} stopped by the launcher when the {'preemption' if preemption else 'first failure'} " \
+                  "ended the run"
         by_how.setdefault(how, []).append(rank)
     lines = []
-    for how, ranks in sorted(by_how.items(), key=lambda item: first in item[1]):
+    for how, ranks in sorted(by_how.items(), key=lambda item: cause in item[1]):
         failures = [error.failures[rank] for rank in ranks]
         pids = [(worker_pids or {}).get(f.pid, f.pid) for f in failures]  # the worker's own pid, not its lifeline's
         if len(ranks) == 1:
             who = f"rank {ranks[0]} (local rank {failures[0].local_rank}, pid {pids[0]})"
         else:
             who = f"ranks {', '.join(map(str, ranks))} (pids {', '.join(map(str, pids))})"
-        lines.append(f"distrib launch: {who} {how}" + (" [first failure]" if first in ranks else ""))
+        if how.startswith("{verb}"):
+            how = ("was" if len(ranks) == 1 else "were") + how.removeprefix("{verb}")
+        lines.append(f"distrib launch: {who} {how}" + (" [first failure]" if cause in ranks else ""))
+    if cause is None:
+        lines.append(f"distrib launch: the run was preempted; exit {EXIT_PREEMPTED}: requeue the job and it resumes "
+                     "from its last checkpoint")
     return lines
 
 

@@ -56,3 +56,18 @@ def token_dicts(num_train: int = 96, num_test: int = 24, seq_len: int = 16):
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, SIZES["vocab_size"], (num_train + num_test, seq_len), generator=generator)
     return TokenDicts(ids[:num_train]), TokenDicts(ids[num_train:])
+
+
+def damaged_weights(folder: Path) -> dict[str, Path]:
+    """The three damaged safetensors files of the fault sweep, each in a folder of its own beside a saved Llama's
+    model.safetensors: cut in half, its first 50 bytes, and 4 KiB of random bytes."""
+    whole = (save_llama(Path(folder) / "whole", max_shard_size="10MB") / "model.safetensors").read_bytes()
+    generator = torch.Generator().manual_seed(3)
+    damaged = {"truncated": whole[:len(whole) // 2], "fifty_bytes": whole[:50],
+               "random": bytes(torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=generator).tolist())}
+    paths = {}
+    for name, data in damaged.items():
+        paths[name] = Path(folder) / name / "model.safetensors"
+        paths[name].parent.mkdir(parents=True)
+        paths[name].write_bytes(data)
+    return paths

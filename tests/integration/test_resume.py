@@ -252,7 +252,8 @@ FIT_LAUNCHES = {"alone": [sys.executable, str(FIT_SCRIPT)],
 @pytest.mark.parametrize("launch", FIT_LAUNCHES)
 def test_sigterm_in_a_fit_script_exits_75_without_traceback_and_the_rerun_resumes_bitwise(tmp_path, launch):
     """A worker of a distrib.fit script sends itself SIGTERM in step 6 of its first fit: every rank checkpoints, says
-    one line and ends with 75 (distrib.Preempted, a SystemExit), so does the launcher; the same command then resumes
+    one line and ends with 75 (distrib.Preempted, a SystemExit), so does the launcher, which calls it a preemption
+    (no line says failure); the same command then resumes
     and ends bitwise equal to the uninterrupted run, which its second fit (never reached by the stopped command)
     trains in the same processes."""
     env = {"PYTHONPATH": str(REPO)}
@@ -265,6 +266,9 @@ def test_sigterm_in_a_fit_script_exits_75_without_traceback_and_the_rerun_resume
     stopped_at = _final(tmp_path / "stopped")["progress"]["step"]  # the first step the ranks agree at, from 6 on
     assert "Traceback" not in output and f"distrib: preempted at step {stopped_at}; checkpoint" in output, output
     assert 6 <= stopped_at < 16
+    if launch == "distrib launch":  # a preemption of the workers, not of the launcher: said as one, not a failure
+        assert "distrib launch: ranks 0, 1 (pids " in output and " were preempted (exit 75" in output, output
+        assert "distrib launch: the run was preempted; exit 75" in output and "failure" not in output, output
     assert_ok(run_cmd(cmd, timeout=EVENT_S, env=env))
     assert _summary(tmp_path / "stopped")["resumed_from_step"] == stopped_at
     assert _summary(tmp_path / "whole")["resumed_from_step"] is None  # trained from step 0 without a stop

@@ -5,14 +5,22 @@ steps (within float noise across world sizes), the same exact evaluation, half t
 tests/unit/test_tensor_parallel.py)"""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
+from distrib.checkpoint.weights import model_tensors, save_weights
 from distrib.config import load_config
+from distrib.data import load_data
+from distrib.distributed.runtime import Runtime
+from distrib.distributed.strategies.materialise import build_whole
+from distrib.models.build import build_model
 from distrib.plan import Machine, plan_run
 from distrib.worker import run_training
+from tests.helpers.launch_runs import split_runs, torchrun_runs
 from tests.helpers.support import assert_ok, load_weights, max_relative_diff, sets, torchrun_train
 
 TEXT = Path("/usr/share/common-licenses/GPL-3")  # Debian's base-files ships it: 35 kB of English prose
@@ -28,11 +36,61 @@ def _train(run_dir: Path, *overrides: str, nproc: int = 4) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
+def _pretrained(folder: Path) -> Path:
+    """The GPT's weights of another seed, as safetensors (model.init_from)."""
+    config = load_config(None, [*GPT, "train.seed=5"])
+    data = load_data(config.data, Runtime(0, 0, 1, 1, torch.device("cpu"), "gloo"), 5, log=lambda message: None)
+    save_weights(model_tensors(build_whole(lambda: build_model(config.model, data.info), 5)), folder, 0)
+    return folder
+
+
+# model.init_from under tensor parallel and hsdp, and a resume that does not read it (the file is gone by then), in
+# the same launch of 4 workers as the tensor-parallel run: its start-up is paid once.
+LAUNCHED = {"tp2_dp2": TP, "tp_init": [*TP, "model.init_from={pretrained}"],
+            "hsdp_init": ["dist.strategy=hsdp", "dist.shard_size=2", "model.init_from={pretrained}",
+                          "train.max_steps=6", "train.schedule_steps=12"],
+            "hsdp_resumed": ["dist.strategy=hsdp", "dist.shard_size=2", "model.init_from={tmp}/gone",
+                             "train.schedule_steps=12", "run.dir={tmp}/hsdp_init"]}
+
+
 @pytest.fixture(scope="module")
-def tp_run(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("tp2_dp2")
-    _train(run_dir, *TP)
-    return run_dir
+def launched(tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    """The folder of the LAUNCHED runs, and each run's part of rank 0's stderr."""
+    tmp = tmp_path_factory.mktemp("tp_launch")
+    pretrained = _pretrained(tmp / "pretrained")
+    runs = {name: [*GPT, f"run.dir={tmp / name}", *[item.format(tmp=tmp, pretrained=pretrained) for item in items]]
+            for name, items in LAUNCHED.items()}
+    done = torchrun_runs(4, runs, tmp)
+    assert_ok(done)
+    return tmp, split_runs(done.stderr, list(LAUNCHED))
+
+
+@pytest.fixture(scope="module")
+def tp_run(launched) -> Path:
+    return launched[0] / "tp2_dp2"
+
+
+@pytest.mark.timeout(400)
+def test_init_from_under_tensor_parallel_and_hsdp_trains_like_one_process_and_a_resume_does_not_read_it(
+        tmp_path, launched):
+    """model.init_from at tp 2 x fsdp 2 and at hsdp 2 x 2 (6 steps, then resumed to 12 with model.init_from a path
+    that no longer exists: not read, the checkpoint holds every weight) ends where one process ends, within the float
+    noise of another world size; each rank of the tensor-parallel run read under a third of the bytes."""
+    folder, logs = launched
+    one = run_training(load_config(None, [*GPT, f"run.dir={tmp_path}/one", f"model.init_from={folder}/pretrained"]))
+    assert one["resumed_from_step"] is None and one["steps"] == 12
+    resumed = json.loads((folder / "hsdp_init" / "summary.json").read_text())
+    assert resumed["resumed_from_step"] == 6 and resumed["steps"] == 12 and resumed["world_size"] == 4
+    reference = load_weights(tmp_path / "one")
+    assert max_relative_diff(reference, load_weights(folder / "tp2_dp2")) > 1e-2  # not the seed's own weights
+    for name in ("tp_init", "hsdp_init"):
+        assert max_relative_diff(load_weights(folder / name), reference) < 1e-5, name
+    read = re.search(r"model.init_from .*: each rank read ([\d.]+), ([\d.]+), ([\d.]+), ([\d.]+) MiB of ([\d.]+)",
+                     logs["tp_init"])
+    assert read and "no rank held the model whole" in logs["tp_init"], logs["tp_init"][-3000:]
+    *per_rank, whole = map(float, read.groups())
+    assert max(per_rank) < whole / 3, read.group(0)  # a quarter of the matrices, half of what tp replicates
+    assert f"model.init_from {folder}/gone: not read, the run resumes from its checkpoint" in logs["hsdp_resumed"]
 
 
 @pytest.mark.timeout(400)

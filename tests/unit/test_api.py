@@ -54,7 +54,7 @@ def test_bad_arguments_are_one_line_errors(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_fit_init_from_equals_a_model_that_loads_the_weights_itself(tmp_path):
+def test_fit_init_from_equals_a_model_that_loads_the_weights_itself(tmp_path, capsys):
     """fit(..., init_from=PATH): the same trained weights, bit for bit, as a function that loads PATH itself; weights
     of another model are refused before run.dir is touched; a resumed checkpoint wins over init_from."""
     from distrib.errors import UserError
@@ -80,12 +80,21 @@ def test_fit_init_from_equals_a_model_that_loads_the_weights_itself(tmp_path):
             init_from=tmp_path / "pretrained.pt")
     assert not (tmp_path / "other").exists()
 
-    # A resumed checkpoint wins: 6 steps from `pretrained`, then a restart given other weights of the same shapes
-    # continues the checkpoint, ending bitwise where the uninterrupted run ends.
-    torch.save(_model(2, 3, 6).state_dict(), tmp_path / "other.pt")
+    # A resumed checkpoint wins, and init_from is not even read: 6 steps from `pretrained`, then a restart whose
+    # init_from is a damaged file continues the checkpoint, ending bitwise where the uninterrupted run ends.
+    (tmp_path / "damaged.pt").write_bytes(b"not a torch file")
     halves = {**OVERRIDES, "run.dir": str(tmp_path / "halves"), "checkpoint.every_steps": 6, "train.schedule_steps": 12}
     fit(_model, train, test, overrides={**halves, "train.max_steps": 6}, init_from=tmp_path / "pretrained.pt")
-    resumed = fit(_model, train, test, overrides=halves, init_from=tmp_path / "other.pt")
+    resumed = fit(_model, train, test, overrides=halves, init_from=tmp_path / "damaged.pt")
     assert resumed["resumed_from_step"] == 6
-    halves = load_weights(tmp_path / "halves")
-    assert all(torch.equal(halves[k], init[k]) for k in init)
+    assert all(torch.equal(tensor, init[k]) for k, tensor in load_weights(tmp_path / "halves").items())
+    # This run's checkpoint, seen at start-up, that cannot be resumed (its checksum fails; beside another run's:
+    # foreign=keep) starts the run afresh from init_from after all: bitwise the uninterrupted run.
+    for checkpoint in (tmp_path / "halves" / "checkpoints").glob("step_*.pt"):
+        state = torch.load(checkpoint, weights_only=True)
+        state["model"]["1.weight"] += 1  # its run id still reads
+        torch.save(state, checkpoint)
+    again = fit(_model, train, test, overrides={**halves, "checkpoint.foreign": "keep"},
+                init_from=tmp_path / "pretrained.pt")
+    assert again["resumed_from_step"] is None and "checksum mismatch" in capsys.readouterr().err
+    assert all(torch.equal(tensor, init[k]) for k, tensor in load_weights(tmp_path / "halves").items())

@@ -150,6 +150,51 @@ def test_failure_summary_is_one_line_per_rank_first_failure_last(tmp_path):
     assert launcher.signal_exit_code(signal.SIGKILL) == 128 + 9
 
 
+def _failure(tmp_path, rank: int, exitcode: int, message: str, timestamp: int) -> ProcessFailure:
+    """rank's failure as torch's agent reads it: its exit code, and the error file @record wrote (when it ended in
+    Python: message, and when)."""
+    error_file = tmp_path / f"error-{rank}.json"
+    error_file.write_text(json.dumps({"message": {"message": message, "extraInfo": {"py_callstack": "Traceback ...",
+                                                                                  "timestamp": str(timestamp)}}}))
+    return ProcessFailure(rank, 100 + rank, exitcode, str(error_file))
+
+
+def test_workers_preempted_by_sigterm_are_a_preemption_not_a_failure(tmp_path):
+    """SIGTERM to the workers only: each checkpoints and ends with 75 (rank 2 first); the launcher says they were
+    preempted and the run too, exits 75, and no line calls it a failure."""
+    failures = {rank: _failure(tmp_path, rank, EXIT_PREEMPTED, "Preempted: 75", 10 + (rank + 2) % 4)
+                for rank in range(4)}
+    error = ChildFailedError("train", failures)
+    lines = launcher.failure_lines(error)
+    assert lines == ["distrib launch: ranks 0, 1, 2, 3 (pids 100, 101, 102, 103) were preempted (exit 75: "
+                     "checkpointed, or stopped before training)",
+                     "distrib launch: the run was preempted; exit 75: requeue the job and it resumes from its last "
+                     "checkpoint"]
+    assert launcher.exit_code(error) == EXIT_PREEMPTED
+    failures[3] = ProcessFailure(3, 103, -signal.SIGTERM, "/nonexistent")  # one the launcher's SIGTERM killed
+    lines = launcher.failure_lines(ChildFailedError("train", failures))
+    assert lines[0].startswith("distrib launch: ranks 0, 1, 2 (pids 100, 101, 102) were preempted (exit 75"), lines
+    assert lines[1] == "distrib launch: rank 3 (local rank 3, pid 103) was stopped by the launcher when the " \
+                       "preemption ended the run"
+    assert not any("failure" in line for line in lines), lines
+
+
+def test_a_rank_that_fails_during_a_preemption_is_the_failure_and_stopped_ranks_are_plural(tmp_path):
+    failures = {rank: _failure(tmp_path, rank, EXIT_PREEMPTED, "Preempted: 75", 10 + rank) for rank in range(3)}
+    failures[3] = _failure(tmp_path, 3, 1, "OSError: disk full", 20)  # ended after rank 0's preemption, failed
+    error = ChildFailedError("train", failures)
+    assert launcher.failure_lines(error) == [
+        "distrib launch: ranks 0, 1, 2 (pids 100, 101, 102) were preempted (exit 75: checkpointed, or stopped before "
+        "training)",
+        "distrib launch: rank 3 (local rank 3, pid 103) exited with code 1: OSError: disk full [first failure]"]
+    assert launcher.exit_code(error) == 1  # not a preemption: the job script must not requeue it as one
+    failures = {rank: _failure(tmp_path, rank, EXIT_PREEMPTED, "Preempted: 75", 20 + rank) for rank in range(1, 4)}
+    failures[0] = _failure(tmp_path, 0, 2, "ConfigError: bad", 10)
+    assert launcher.failure_lines(ChildFailedError("train", failures))[0] == \
+        "distrib launch: ranks 1, 2, 3 (pids 101, 102, 103) were stopped by the launcher when the first failure " \
+        "ended the run"
+
+
 def test_a_collective_timeout_or_lost_peer_names_the_step_and_other_errors_pass_through():
     with pytest.raises(CollectiveTimeoutError, match=r"^after step 7: a collective waited longer than "
                                                       r"dist.timeout_s = 3 s \(Timed out waiting 3000ms") as caught:

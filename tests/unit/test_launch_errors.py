@@ -36,3 +36,25 @@ def test_the_launcher_checks_once_before_any_worker(argv, line, tmp_path, capfd,
     assert main([*argv, "--set", f"run.dir={tmp_path}/run"] if argv[0] == "train" else argv) == 2
     assert capfd.readouterr().err.splitlines() == [line]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["train", "--nproc-per-node", "abc"],
+     "distrib: error: distrib train --nproc-per-node 'abc': not a whole number; give one, e.g. --nproc-per-node 2 "
+     "(see distrib train --help)"),
+    (["launch", "--max-restarts", "abc", "x.py"],
+     "distrib: error: distrib launch --max-restarts 'abc': not a whole number; give one, e.g. --max-restarts 2 "
+     "(see distrib launch --help)"),
+    (["launch", "--nproc-per-node", "abc", "x.py"],
+     "distrib: error: --nproc-per-node 'abc': Unsupported nproc_per_node value: abc; give a number, or auto, cpu or "
+     "gpu"),
+    (["eval"], "distrib: error: distrib eval: the following arguments are required: RUN_DIR|CHECKPOINT; see distrib "
+               "eval --help"),
+], ids=["train-nproc", "launch-int", "launch-nproc", "missing"])
+def test_a_wrong_argument_is_one_line_naming_the_flag_value_and_fix(argv, line, tmp_path, capfd, monkeypatch,
+                                                                     no_workers):
+    """Not argparse's usage text (7 lines for distrib train, 25 for torchrun's parser): one line, exit 2."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "x.py").write_text("")
+    assert main(argv) == 2
+    assert capfd.readouterr().err.splitlines() == [line]

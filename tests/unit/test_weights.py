@@ -21,7 +21,7 @@ from distrib.checkpoint.weights import (
     save_weights,
 )
 from distrib.errors import UserError
-from tests.helpers.pretrained import llama, save_llama
+from tests.helpers.pretrained import damaged_weights, llama, save_llama
 from tests.helpers.support import fake_rank
 
 
@@ -43,6 +43,44 @@ def test_byte_runs_put_every_block_of_a_split_tensor_in_its_place():
                 for start, local, length in byte_runs(offsets, tuple(block.shape), tuple(whole.shape), 4):
                     buffer[start:start + length] = data[local:local + length]
         assert bytes(buffer) == whole.reshape(-1).view(torch.uint8).numpy().tobytes(), (row_parts, column_parts)
+
+
+@pytest.mark.parametrize("killed", ["writing", "written"])
+def test_a_writer_killed_mid_export_leaves_no_file_a_loader_would_take(tmp_path, monkeypatch, killed):
+    """The weights/ export dies (as under SIGKILL) while the ranks write their blocks, or once they all wrote but
+    before rank 0's renames: the hidden .weights.tmp/ holds only FILE.partial, which neither a *.safetensors glob, nor
+    model.init_from, nor safe_open's callers pick up; weights/ keeps the earlier run's; the next export is complete."""
+    import distrib.checkpoint.weights as weights
+
+    model = llama()
+    tensors = model_tensors(model)
+    folder = tmp_path / "weights"
+    save_weights({name: torch.zeros_like(t) for name, t in tensors.items()}, folder, 0, max_file_bytes=40_000)
+    earlier = read_weights(folder)
+
+    class Killed(BaseException):
+        pass
+
+    def die(*args):
+        raise Killed
+
+    if killed == "writing":
+        monkeypatch.setattr(weights.os, "pwrite", die)
+    else:
+        monkeypatch.setattr(weights, "_finish", die)
+    with pytest.raises(Killed):
+        save_weights(tensors, folder, 0, max_file_bytes=40_000)
+    tmp = tmp_path / ".weights.tmp"
+    names = sorted(path.name for path in tmp.iterdir())
+    assert len(names) > 1 and all(name.endswith(".safetensors.partial") for name in names), names
+    assert not list(tmp.glob("*.safetensors"))
+    with pytest.raises(UserError, match="a folder without .safetensors files"):
+        open_source(str(tmp))
+    assert _equal(read_weights(folder), earlier)  # the earlier export, untouched
+    monkeypatch.undo()
+    save_weights(tensors, folder, 0, max_file_bytes=40_000)
+    assert _equal(read_weights(folder), tensors) and not tmp.exists()
+    assert not list(folder.glob("*.partial"))
 
 
 def test_layout_starts_a_new_file_past_the_limit():
@@ -179,6 +217,45 @@ def test_a_path_that_holds_no_weights_is_refused(tmp_path):
                       (tmp_path / "notes.txt", "not readable as safetensors or a torch file")):
         with pytest.raises(UserError, match=f"model.init_from = .*: {why}.*; give a Hugging Face folder"):
             open_source(str(path))
+
+
+def test_damaged_weights_are_one_line_naming_the_file_exit_2_at_world_1(tmp_path, capsys):
+    """A safetensors file truncated, of 50 bytes, or of random bytes (distrib train in this process; under fsdp at
+    world size 2: tests/integration/test_pretrained.py), and a sharded checkpoint whose shard is cut or whose
+    .metadata is garbled: one line that names the file and says to copy it again, exit 2, nothing written."""
+    from distrib import cli
+
+    files = damaged_weights(tmp_path / "damaged")
+    torch.manual_seed(0)
+    dcp_saved = tmp_path / "step_00000004"
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": nn.Linear(4, 3).state_dict()}, checkpoint_id=dcp_saved)  # one process
+    capsys.readouterr()  # save_pretrained's progress bars
+    for name, path in files.items():
+        run_dir = tmp_path / f"run_{name}"
+        overrides = ("data.factory=tests.helpers.pretrained:token_dicts", "train.max_steps=2",
+                     "train.global_batch_size=16", "model.factory=tests.helpers.pretrained:llama", "run.progress=false",
+                     "dist.device=cpu", f"model.init_from={path.parent}", f"run.dir={run_dir}")
+        argv = ["train", *[item for each in overrides for item in ("--set", each)]]
+        assert cli.main(argv) == 2, name
+        out = capsys.readouterr().err.strip()
+        err = out.splitlines()[-1]
+        assert out.count("error") == 1 and "Traceback" not in out, out
+        assert err.startswith(f"distrib: error: model.init_from = '{path.parent}': {path} is not a readable "
+                              "safetensors file (SafetensorError: Error while deserializing header: "), err
+        assert err.endswith("it is damaged or incomplete (a download or copy cut short?): copy or download it "
+                            "again, or give another model.init_from"), err
+        assert not run_dir.exists()
+    shard = next(dcp_saved.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    model = nn.Linear(4, 3)
+    with pytest.raises(UserError, match=r"step_00000004 is not a readable sharded checkpoint \(on rank 0\) "
+                                        r"\(RuntimeError: PytorchStreamReader failed"):
+        load_weights(model, check_weights(model, open_source(str(dcp_saved))))
+    (dcp_saved / ".metadata").write_bytes(b"\x80garbled")
+    with pytest.raises(UserError, match=r"\.metadata is not a readable sharded checkpoint's metadata"):
+        open_source(str(dcp_saved))
 
 
 def test_eval_predict_and_generate_read_weights_when_there_is_no_model_pt(tmp_path):

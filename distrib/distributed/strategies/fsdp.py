@@ -90,7 +90,7 @@ class FSDPStrategy(Strategy):
             materialise.restore_buffers(model, buffers)
             build.load_weights(model)
             build.log("the model was built on the meta device and each rank materialised only its shards, filled by "
-                      "the weights loaded (model.init_from): no rank held the model whole")
+                      "the weights loaded (model.init_from, or the checkpoint resumed): no rank held the model whole")
         elif self_init:
             materialise.init_shards(model, build.seed)
         else:
