@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from distrib import cli
+from distrib.errors import UserError
 from tests.helpers.support import REPO
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -198,12 +199,10 @@ def block_commands(block: Block) -> list[list[str]]:
 
 
 def _parse(parser_parse, argv: list[str], where: str) -> argparse.Namespace:
-    errors = io.StringIO()
     try:
-        with contextlib.redirect_stderr(errors):
-            return parser_parse(argv)
-    except SystemExit:
-        pytest.fail(f"{where}: {' '.join(argv)}: {errors.getvalue().strip().splitlines()[-1]}")
+        return parser_parse(argv)
+    except UserError as e:  # distrib's parsers and torchrun's under distrib launch: one line, no usage text
+        pytest.fail(f"{where}: {' '.join(argv)}: {e}")
 
 
 def _torchrun(argv: list[str], where: str) -> None:
