@@ -85,6 +85,7 @@ class DataConfig:
     vocab_size: int = 0  # tokens: the vocabulary size (token ids < vocab_size); text is bytes: 256
     collate: str = ""  # package.module:function making a micro-batch of a list of samples; "" = distrib's padding
     pad_id: int = 0  # the input_ids of padding, when distrib pads dict samples of different lengths
+    pad: str = "auto"  # auto (dict samples' 1-D ids padded when the data's first samples differ in length) | always
     train_files: str = ""  # tokens: a glob of token shards (raw uint16 or llm.c's); "" = data.root/train.bin
     test_files: str = ""  # tokens: a glob of held-out token shards; "" = data.root/val.bin
 
@@ -98,6 +99,7 @@ class DataConfig:
                                            "tokens"))
         _choice("data", self, "loader", ("auto", "device", "dataloader"))
         _choice("data", self, "augment", ("none", "flip", "crop_flip"))
+        _choice("data", self, "pad", ("auto", "always"))
         if not self.root:
             _fail("data", "root", self.root, "must not be empty", "e.g. --set data.root=data")
         if self.collate and not _FACTORY.match(self.collate):
