@@ -4,6 +4,7 @@ the per-position form of the built-ins, for exact evaluation sums."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import torch
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 
 from distrib.config import TrainConfig
 from distrib.data import samples
+from distrib.distributed.parallel import unwrap
 from distrib.factory import import_object
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -20,8 +22,27 @@ BUILTIN = ("cross_entropy", "mse", "l1", "bce_with_logits")
 
 
 def forward(model, inputs):
-    """The model on a batch's inputs, as they are: model(inputs), or model(**inputs) for a dict."""
-    return model(**inputs) if isinstance(inputs, dict) else model(inputs)
+    """The model on a batch's inputs, as they are: model(inputs), or model(**inputs) for a dict, whose "labels" stay
+    out when forward takes none (they are the targets: the loss gets them)."""
+    if not isinstance(inputs, dict):
+        return model(inputs)
+    if samples.LABELS in inputs and not takes(model, samples.LABELS):
+        inputs = {key: value for key, value in inputs.items() if key != samples.LABELS}
+    return model(**inputs)
+
+
+_TAKES: dict[tuple[type, str], bool] = {}  # by the model's class: its forward's signature is the class's
+
+
+def takes(model, key: str) -> bool:
+    """Whether the plain module's forward (under DDP or torch.compile) takes `key` (by name, or as **kwargs)."""
+    module = unwrap(model)
+    found = _TAKES.get((type(module), key))
+    if found is None:
+        parameters = inspect.signature(module.forward).parameters
+        found = key in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+        _TAKES[(type(module), key)] = found
+    return found
 
 
 def own_loss(outputs) -> torch.Tensor | None:
