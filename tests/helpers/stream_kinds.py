@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils.data import IterableDataset
 
 from tests.helpers.streams import NUM_FEATURES, FileStream, _test_split, write_jsonl_shards, write_tensor_shards
@@ -63,6 +64,14 @@ class CausalBag(nn.Module):
         assert attention_mask.shape == input_ids.shape
         x = self.embed(input_ids).cumsum(1) / torch.arange(1, input_ids.shape[1] + 1).view(1, -1, 1)
         return self.head(x)
+
+
+def loss_of_each_alone(model: nn.Module, test: list[dict]) -> float:
+    """The mean cross-entropy over every test position, each sample alone and unpadded."""
+    with torch.no_grad():
+        sums = [F.cross_entropy(model(s["input_ids"][None], torch.ones(1, len(s["input_ids"]), dtype=torch.long))[0],
+                                s["labels"], reduction="sum") for s in test]
+    return (sum(sums) / sum(len(s["labels"]) for s in test)).item()
 
 
 def features_grow(folder: str, grow_after: int = 288):

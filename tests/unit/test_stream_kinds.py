@@ -10,7 +10,6 @@ import importlib.util
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from distrib import cli, fit
 from distrib.config import load_config
@@ -18,7 +17,7 @@ from distrib.data.batching import Failed
 from distrib.data.collate import Collate
 from distrib.data.stream_read import Layout, StreamCollate, WorkerStream, kinds_of
 from distrib.errors import ConfigError, UserError
-from tests.helpers.stream_kinds import CausalBag, RaggedIds, ragged_test, write_bad_jsonl
+from tests.helpers.stream_kinds import CausalBag, RaggedIds, loss_of_each_alone, ragged_test, write_bad_jsonl
 from tests.helpers.support import load_weights, sets
 
 FIT = {"train.global_batch_size": 8, "train.optimizer": "sgd", "train.lr": 0.1, "train.warmup_steps": 2,
@@ -79,14 +78,6 @@ def test_a_stream_that_raises_mid_pass_ends_its_workers_items_with_one_failed_li
                                               "string to int64; fix:")
 
 
-def _loss_of_each_alone(model: torch.nn.Module, test: list[dict]) -> float:
-    """The mean cross-entropy over every test position, each sample alone and unpadded."""
-    with torch.no_grad():
-        sums = [F.cross_entropy(model(s["input_ids"][None], torch.ones(1, len(s["input_ids"]), dtype=torch.long))[0],
-                                s["labels"], reduction="sum") for s in test]
-    return (sum(sums) / sum(len(s["labels"]) for s in test)).item()
-
-
 @pytest.mark.timeout(300)
 def test_lists_of_samples_and_labels_that_forward_does_not_take(tmp_path, capfd):
     """A list of ragged dict samples trains (map-style, padded), its labels the targets of a model whose forward takes
@@ -99,7 +90,7 @@ def test_lists_of_samples_and_labels_that_forward_does_not_take(tmp_path, capfd)
     assert summary["steps"] == 6 and summary["test_count"] == 18
     model = CausalBag()
     model.load_state_dict(load_weights(tmp_path / "ids"))
-    assert summary["test_loss"] == pytest.approx(_loss_of_each_alone(model.eval(), test), rel=1e-5)
+    assert summary["test_loss"] == pytest.approx(loss_of_each_alone(model.eval(), test), rel=1e-5)
 
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(64, 6, generator=g), torch.randint(0, 3, (64,), generator=g)
