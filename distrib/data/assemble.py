@@ -13,7 +13,7 @@ from distrib.config import DataConfig
 from distrib.data import samples
 from distrib.data.augment import Augment
 from distrib.data.batching import BatchSource, DeviceBatches, Failed, Finish, LoaderBatches, collate
-from distrib.data.collate import IDS_KEY, MASK_KEY, Collate, paddable
+from distrib.data.collate import Collate, probe, with_mask
 from distrib.data.stream import StreamBatches, describe, is_stream
 from distrib.data.stream_read import as_split, rows_of
 from distrib.data.tensors import DataInfo, Normalizer, Split, channel_stats, stats_indices
@@ -23,7 +23,6 @@ from distrib.launch.preempt import ignore_stop_signals
 
 Stats = tuple[tuple[float, ...], tuple[float, ...]]
 STREAM_HEAD = 256  # a stream's first samples: where its kind, classes and image statistics are learnt
-PROBE = 256  # samples spread over a map-style dataset of dict samples of ids: whether their lengths differ
 IGNORE_INDEX = -100  # a dense class target that is not counted (cross-entropy's ignore_index, Hugging Face's)
 
 
@@ -75,7 +74,9 @@ def build(loaded: Loaded, config: DataConfig, runtime: Runtime, seed: int, log, 
     device_path = _device_path(loaded, config, runtime)
     train, test, val = loaded.train, loaded.test, loaded.val
     collate_fn = learn_kind(collate_fn or Collate(config.pad_id), config, runtime,
-                            lambda: [row for split in (train, test, val) for row in _probe(split)])
+                            lambda: [row for split in (train, test, val) for row in probe(split)])
+    if collate_fn.padded:  # a stacked split of ids gets the mask that padded micro-batches have
+        train, test, val = (with_mask(split) if isinstance(split, Split) else split for split in (train, test, val))
     if device_path:
         train, test = materialize(train, config, collate_fn), materialize(test, config, collate_fn)
         val = None if val is None else materialize(val, config, collate_fn)
@@ -92,7 +93,7 @@ def build(loaded: Loaded, config: DataConfig, runtime: Runtime, seed: int, log, 
                         for split, aug in ((train, augment), (test, None), (val, None)))
     else:  # each split's samples checked against its first one's kind, so every micro-batch has one structure
         sources = tuple(LoaderBatches(split, runtime, config.num_workers, normalizer, aug, config,
-                                      _expecting(collate_fn, split)) if split is not None else None
+                                      collate_fn.expecting(split)) if split is not None else None
                         for split, aug in ((train, augment), (test, None), (val, None)))
     log(_normalize_line(config, loaded, info, len(train)))
     classes = f"{info.num_classes} classes" if info.num_classes else "no classes"
@@ -112,8 +113,8 @@ def build_stream(loaded: Loaded, config: DataConfig, runtime: Runtime, seed: int
             for name, split in splits.items() if is_stream(split)}
     collate_fn = learn_kind(collate_fn or Collate(config.pad_id), config, runtime, lambda: [
         *(row for part in rows.values() for row in part), *(row for name, split in splits.items()
-                                                           if name not in rows for row in _probe(split))])
-    made = {name: as_split(rows[name], f"{name} data", collate_fn.expecting(rows[name][0])) if name in rows
+                                                           if name not in rows for row in probe(split))])
+    made = {name: as_split(rows[name], f"{name} data", collate_fn.expecting(rows[name])) if name in rows
             else None if split is None else materialize(split, config, collate_fn) for name, split in splits.items()}
     sample, test, val = made["train"], made["test"], made["val"]
     if not is_stream(loaded.train):
@@ -126,7 +127,7 @@ def build_stream(loaded: Loaded, config: DataConfig, runtime: Runtime, seed: int
     normalizer = Normalizer(info.mean, info.std, uint8)
     augment = _augment(config, seed, first[0])
     source = StreamBatches(loaded.train, runtime, config, Finish(normalizer, augment), log,
-                           collate_fn.expecting(rows["train"][0]))
+                           collate_fn.expecting(rows["train"]))
     log(_normalize_line(config, loaded, info, len(sample)))
     how = describe(loaded.train, runtime.data_world_size)
     log(f"data {info.name}: a {how} train stream / {len(test)} test samples of {info.inputs} -> {info.targets}, "
@@ -145,23 +146,6 @@ def learn_kind(collate_fn: Collate, config: DataConfig, runtime: Runtime, rows) 
         return collate_fn  # the user's function makes the batches
     padded = on_rank0(runtime, lambda: collate_fn.learnt(rows(), config.pad).padded)
     return replace(collate_fn, padded=padded)
-
-
-def _expecting(collate_fn: Collate, split) -> Collate:
-    return collate_fn if isinstance(split, Split) else collate_fn.expecting(split[0])  # a Split: stacked already
-
-
-def _probe(split) -> list:
-    """Samples spread over a map-style dataset, where dict samples of ids may differ in length (at most PROBE of
-    them; just the first of any other kind). A Split is stacked: its samples are of one length."""
-    if split is None or isinstance(split, Split):
-        return []
-    first = split[0]
-    if not (isinstance(first, dict) and any(paddable(value) for value in first.values())):
-        return [first]
-    picks = torch.linspace(0, len(split) - 1, min(len(split), PROBE)).long().unique().tolist()
-    many = getattr(split, "__getitems__", None)
-    return list(many(picks)) if callable(many) else [split[index] for index in picks]
 
 
 def _normalize_line(config: DataConfig, loaded: Loaded, info: DataInfo, num_train: int) -> str:
@@ -192,8 +176,8 @@ def materialize(split: Split | Dataset, config: DataConfig, collate_fn: Collate 
     to its longest where the data's kind is (collate_fn.padded), each sample checked against the first one's kind."""
     distribs = replace(collate_fn, user=None) if collate_fn is not None else Collate(config.pad_id)
     if isinstance(split, Split):
-        return _masked(split) if distribs.padded else split
-    distribs = distribs.expecting(split[0])
+        return with_mask(split) if distribs.padded else split
+    distribs = distribs.expecting(split)
     loader = DataLoader(split, batch_size=256, collate_fn=list if distribs.padded else distribs,
                         num_workers=config.num_workers, worker_init_fn=ignore_stop_signals)
     if distribs.padded:  # one micro-batch of every sample: padded to the split's longest
@@ -209,14 +193,6 @@ def materialize(split: Split | Dataset, config: DataConfig, collate_fn: Collate 
         raise UserError(f"data: samples of different shapes or types ({'; '.join(kinds[:3])}); fix: give samples "
                         "of one shape (pad or cut sequences to one length)")
     return Split(samples.cat(inputs), None if targets[0] is None else samples.cat(targets))
-
-
-def _masked(split: Split) -> Split:
-    """A stacked split of dict samples of ids, with the attention_mask (all ones) that padded batches have."""
-    inputs = split.inputs
-    if not isinstance(inputs, dict) or IDS_KEY not in inputs or MASK_KEY in inputs or inputs[IDS_KEY].dim() != 2:
-        return split
-    return Split({**inputs, MASK_KEY: torch.ones_like(inputs[IDS_KEY], dtype=torch.long)}, split.targets)
 
 
 def first_batch(split: Split | Dataset, collate_fn=collate):

@@ -14,12 +14,14 @@ import torch
 
 from distrib.data import samples
 from distrib.data.batching import Failed, collate
+from distrib.data.tensors import Split
 from distrib.errors import UserError
 from distrib.factory import import_object
 
 IGNORE_INDEX = -100  # labels on padding: the loss does not count them
 MASK_KEY, LABELS_KEY, IDS_KEY = "attention_mask", samples.LABELS, "input_ids"
 ANY_LENGTH = "*"  # a padded length, in a kind
+PROBE = 256  # samples spread over a map-style dataset of dict samples of ids: whether their lengths differ
 
 
 def pad_values(pad_id: int) -> dict[str, int]:
@@ -89,8 +91,12 @@ class Collate:
     expected: str = ""
     loose: str = ""  # the expected kind with its paddable lengths as any length
 
-    def expecting(self, sample) -> Collate:
-        """This collate for a split whose samples are all of `sample`'s kind."""
+    def expecting(self, split) -> Collate:
+        """This collate for a split (a dataset, or a list of samples) whose samples are all of its first one's kind;
+        a Split is stacked already."""
+        if isinstance(split, Split):
+            return self
+        sample = split[0]
         return replace(self, expected=kind_of(sample, self.padded) or "", loose=kind_of(sample, True) or "")
 
     def learnt(self, rows: list, declared: str = "auto") -> Collate:
@@ -146,6 +152,27 @@ class Collate:
             return tuple(result)
         return Failed(f"{self.where}: returned {type(result).__name__}; fix: return a dict of tensors (e.g. a Hugging "
                       "Face BatchEncoding) or an (inputs, targets) pair of batched tensors")
+
+
+def probe(split) -> list:
+    """Samples spread over a map-style dataset, where dict samples of ids may differ in length (at most PROBE of
+    them; just the first of any other kind). A Split is stacked: its samples are of one length."""
+    if split is None or isinstance(split, Split):
+        return []
+    first = split[0]
+    if not (isinstance(first, dict) and any(paddable(value) for value in first.values())):
+        return [first]
+    picks = torch.linspace(0, len(split) - 1, min(len(split), PROBE)).long().unique().tolist()
+    many = getattr(split, "__getitems__", None)
+    return list(many(picks)) if callable(many) else [split[index] for index in picks]
+
+
+def with_mask(split: Split) -> Split:
+    """A stacked split of dict samples of ids, with the attention_mask (all ones) that padded batches have."""
+    inputs = split.inputs
+    if not isinstance(inputs, dict) or IDS_KEY not in inputs or MASK_KEY in inputs or inputs[IDS_KEY].dim() != 2:
+        return split
+    return Split({**inputs, MASK_KEY: torch.ones_like(inputs[IDS_KEY], dtype=torch.long)}, split.targets)
 
 
 def user_collate(spec: str) -> Callable | None:

@@ -38,7 +38,7 @@ def test_padding_and_the_mask_follow_the_datas_kind_not_the_micro_batch():
     assert padded.padded and not Collate().learnt(rows[:8]).padded
     kinds = set()
     for part in (rows[:4], rows[4:8], rows[6:10], rows[8:]):  # equal lengths, or not: one structure
-        inputs, _ = padded.expecting(rows[0])(part)
+        inputs, _ = padded.expecting(rows)(part)
         assert inputs.keys() == {"input_ids", "labels", "attention_mask"}
         kinds.add(kinds_of((inputs, None)))
     assert kinds == {"{input_ids: int64 [*], labels: int64 [*], attention_mask: int64 [*]} -> none"}
@@ -49,14 +49,14 @@ def test_padding_and_the_mask_follow_the_datas_kind_not_the_micro_batch():
     with pytest.raises(ConfigError, match="data.pad = 'sometimes': must be one of auto, always"):
         load_config(None, ["data.pad=sometimes"])
     # Learnt unpadded (every sample 16 ids): a shorter one later is one line naming its sizes and data.pad.
-    unpadded = Collate().learnt(rows[:8]).expecting(rows[0])
+    unpadded = Collate().learnt(rows[:8]).expecting(rows)
     wrong = unpadded(rows[6:10])
     assert isinstance(wrong, Failed) and wrong.message.startswith(
         "data: a sample of {input_ids: int64 [11], labels: int64 [11]}, where the data's samples are {input_ids: "
         "int64 [16], labels: int64 [16]}; fix: --set data.pad=always"), wrong.message
     # Float features are never padded: a vector of 5 where the data's are 4 is another kind of sample.
     x4 = [{"x": torch.zeros(4), "labels": torch.tensor(1)}] * 2
-    features = Collate().learnt(x4 + [{"x": torch.zeros(5), "labels": torch.tensor(1)}]).expecting(x4[0])
+    features = Collate().learnt(x4 + [{"x": torch.zeros(5), "labels": torch.tensor(1)}]).expecting(x4)
     assert not features.padded
     assert features([{"x": torch.zeros(5), "labels": torch.tensor(0)}]).message.startswith(
         "data: a sample of {x: float32 [5], labels: int64 []}, where the data's samples are {x: float32 [4], labels: "
