@@ -201,18 +201,17 @@ def guarded(source) -> Iterator:
 
 
 def kinds_of(batch) -> str:
-    """A collated micro-batch's structure (keys, dtypes, dimensions and their sizes, except a dict's [B, T] ids,
-    whose length padding varies), to compare across batches: a stream may change it halfway."""
+    """A collated micro-batch's structure (keys, dtypes and dimensions, not sizes: a collate function may pad any of
+    them), to compare across batches: a stream may change it halfway. distrib's own collate checks each sample's sizes
+    too, against the data's kind (distrib.data.collate), where it knows which length is padded."""
     return " -> ".join(_structure(part) for part in batch)
 
 
-def _structure(tree, in_dict: bool = False) -> str:
+def _structure(tree) -> str:
     if isinstance(tree, torch.Tensor):
-        ids = in_dict and tree.dim() == 2 and not tree.is_floating_point() and not tree.is_complex()
-        sizes = ["*"] if ids else [str(size) for size in tree.shape[1:]]
-        return f"{str(tree.dtype).removeprefix('torch.')} [{', '.join(sizes)}]"
+        return f"{str(tree.dtype).removeprefix('torch.')} {tree.dim() - 1}-d"
     if isinstance(tree, dict):
-        return "{" + ", ".join(f"{key}: {_structure(value, True)}" for key, value in tree.items()) + "}"
+        return "{" + ", ".join(f"{key}: {_structure(value)}" for key, value in tree.items()) + "}"
     return "none"
 
 

@@ -41,7 +41,7 @@ def test_padding_and_the_mask_follow_the_datas_kind_not_the_micro_batch():
         inputs, _ = padded.expecting(rows)(part)
         assert inputs.keys() == {"input_ids", "labels", "attention_mask"}
         kinds.add(kinds_of((inputs, None)))
-    assert kinds == {"{input_ids: int64 [*], labels: int64 [*], attention_mask: int64 [*]} -> none"}
+    assert kinds == {"{input_ids: int64 1-d, labels: int64 1-d, attention_mask: int64 1-d} -> none"}
     # Declared: samples all of one length are padded (a mask) when data.pad = always.
     assert Collate().learnt(rows[:8], "always")(rows[:2])[0]["attention_mask"].tolist() == [[1] * 16] * 2
     with pytest.raises(UserError, match=r"^data.pad = 'always': the samples are float32 \[4\] -> int64 \[\], not"):
