@@ -174,14 +174,14 @@ def _device_path(loaded: Loaded, config: DataConfig, runtime: Runtime) -> bool:
 def materialize(split: Split | Dataset, config: DataConfig, collate_fn: Collate | None = None) -> Split:
     """A Dataset read whole into tensors (through a DataLoader with data.num_workers), for the device path: padded
     to its longest where the data's kind is (collate_fn.padded), each sample checked against the first one's kind."""
-    distribs = replace(collate_fn, user=None) if collate_fn is not None else Collate(config.pad_id)
+    own = replace(collate_fn, user=None) if collate_fn is not None else Collate(config.pad_id)
     if isinstance(split, Split):
-        return with_mask(split) if distribs.padded else split
-    distribs = distribs.expecting(split)
-    loader = DataLoader(split, batch_size=256, collate_fn=list if distribs.padded else distribs,
+        return with_mask(split) if own.padded else split
+    own = own.expecting(split)
+    loader = DataLoader(split, batch_size=256, collate_fn=list if own.padded else own,
                         num_workers=config.num_workers, worker_init_fn=ignore_stop_signals)
-    if distribs.padded:  # one micro-batch of every sample: padded to the split's longest
-        batch = _checked(distribs([row for rows in loader for row in rows]))
+    if own.padded:  # one micro-batch of every sample: padded to the split's longest
+        batch = _checked(own([row for rows in loader for row in rows]))
         return Split(*batch)
     inputs, targets = [], []
     for batch in loader:

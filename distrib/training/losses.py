@@ -4,6 +4,7 @@ the per-position form of the built-ins, for exact evaluation sums."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Callable
 
@@ -31,18 +32,16 @@ def forward(model, inputs):
     return model(**inputs)
 
 
-_TAKES: dict[tuple[type, str], bool] = {}  # by the model's class: its forward's signature is the class's
-
-
 def takes(model, key: str) -> bool:
     """Whether the plain module's forward (under DDP or torch.compile) takes `key` (by name, or as **kwargs)."""
-    module = unwrap(model)
-    found = _TAKES.get((type(module), key))
-    if found is None:
-        parameters = inspect.signature(module.forward).parameters
-        found = key in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-        _TAKES[(type(module), key)] = found
-    return found
+    return _forward_takes(type(unwrap(model)), key)
+
+
+@functools.cache
+def _forward_takes(module_class: type, key: str) -> bool:
+    """By the class: every step asks, and a signature is read once."""
+    parameters = inspect.signature(module_class.forward).parameters
+    return key in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
 def own_loss(outputs) -> torch.Tensor | None:
