@@ -92,11 +92,13 @@ class GrowingFeatures(FileStream):
             yield row
 
 
-def write_bad_jsonl(folder: Path, sizes: list[int]) -> list[Path]:
-    """JSON-lines files of {x, ids, labels} (tests.helpers.streams's); the last one's labels are strings."""
+def write_bad_jsonl(folder: Path, sizes: list[int], bad: str = "type") -> list[Path]:
+    """JSON-lines files of {x, ids, labels} (tests.helpers.streams's); the last one's labels are strings (bad =
+    "type"), or its rows have an extra key (bad = "key")."""
     paths = write_jsonl_shards(folder, sizes)
     rows = [json.loads(line) for line in paths[-1].read_text().splitlines()]
-    paths[-1].write_text("".join(json.dumps({**row, "labels": f"class {row['labels']}"}) + "\n" for row in rows))
+    changed = [{**row, "labels": f"class {row['labels']}"} if bad == "type" else {**row, "extra": 1} for row in rows]
+    paths[-1].write_text("".join(json.dumps(row) + "\n" for row in changed))
     return paths
 
 

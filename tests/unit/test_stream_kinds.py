@@ -130,13 +130,20 @@ def test_a_feature_vector_that_grows_at_a_batch_boundary_is_one_line(tmp_path, c
 
 @pytest.mark.skipif(not importlib.util.find_spec("datasets"), reason="needs datasets (the dev extra)")
 @pytest.mark.timeout(300)
-def test_a_hugging_face_stream_whose_column_changes_type_is_one_line(tmp_path, capfd):
+@pytest.mark.parametrize("bad, said", [
+    ("type", "ArrowInvalid: Failed to parse string: 'class 0' as a scalar of type int64 (at step 19 of pass 0: the "
+             "checkpoints before it are kept)"),
+    ("key", "CastError: Couldn't cast x: list<item: double> child 0, item: double ids: int64 labels: int64 extra: "
+            "int64 to {'x': List(Value('float64')), 'ids': Value('int64'), 'labels': Value('int64')} because column "
+            "names don't match (at step 19 of pass 0: the checkpoints before it are kept)"),
+])
+def test_a_hugging_face_stream_whose_column_changes_type_is_one_line(tmp_path, capfd, bad, said):
     """World 1 here (the world-2 run: tests/integration/test_streams.py): 4 files of 100 rows, the last one's labels
-    strings; one DataLoader worker reads them in order, so steps 1-18 train and step 19 meets the last file."""
-    write_bad_jsonl(tmp_path / "jsonl", [100] * 4)
+    strings (or an extra key in its rows); one DataLoader worker reads them in order, so steps 1-18 train and step 19
+    meets the last file."""
+    write_bad_jsonl(tmp_path / "jsonl", [100] * 4, bad)
     run_dir = tmp_path / "run"
     code = cli.main(["train", *sets(*STREAMS, "data.factory=tests.helpers.streams:hugging_face", "data.num_workers=1",
                                     f"data.kwargs={{folder = '{tmp_path / 'jsonl'}'}}", f"run.dir={run_dir}")])
-    _one_line(code, capfd.readouterr().err, "train data: reading the stream raised ArrowInvalid: Failed to parse "
-              "string: 'class 0' as a scalar of type int64 (at step 19 of pass 0: the checkpoints before it are kept)")
+    _one_line(code, capfd.readouterr().err, f"train data: reading the stream raised {said}")
     assert _checkpoints(run_dir) == ["step_00000010.pt", "step_00000015.pt"]
