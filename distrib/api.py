@@ -39,9 +39,10 @@ def fit(model: nn.Module | Callable[..., nn.Module], train_data, test_data,
 
     model: an nn.Module, or a function returning one (called after seeding, with num_classes, in_channels and
         image_size from the data if it declares them: the same initial weights at any world size).
-    train_data, test_data: map-style datasets of (inputs, targets) (e.g. torchvision's) or of dicts of tensors (a
-        tokenized Hugging Face dataset; the dict goes to model(**batch), its "labels" are the targets), or
-        (inputs, targets) pairs of tensors. Inputs and targets may be tensors of any dtype and shape, or dicts.
+    train_data, test_data: map-style datasets (or Python lists) of (inputs, targets) (e.g. torchvision's) or of
+        dicts of tensors (a tokenized Hugging Face dataset; the dict goes to model(**batch), its "labels" are the
+        targets, kept out of forward when it takes none), or (inputs, targets) pairs of tensors. Inputs and targets
+        may be tensors of any dtype and shape, or dicts.
         train_data may be a stream: an IterableDataset, or a Hugging Face streaming dataset (train.max_steps then
         required; see docs/data.md, Streams).
     config: a TOML path or a distrib.Config (default: the built-in defaults); overrides: {"train.lr": 0.1, ...}.
@@ -51,7 +52,8 @@ def fit(model: nn.Module | Callable[..., nn.Module], train_data, test_data,
         exactly over the whole test set (as metrics.eval does for functions named in the config).
     collate_fn: list of samples -> a batch (a dict of tensors, e.g. a Hugging Face data collator's, or an (inputs,
         targets) pair), for datasets read through the DataLoader; default (and data.collate unset): dict samples of
-        different lengths are right-padded per micro-batch (input_ids with data.pad_id, attention_mask 0, labels -100).
+        ids of different lengths are right-padded in every micro-batch (input_ids with data.pad_id, attention_mask 0,
+        labels -100).
     init_from: pretrained weights for the model (model.init_from): a Hugging Face folder or file of safetensors, a
         distrib run directory, or a checkpoint; names and shapes must match the model's, and each rank reads only
         the slices it holds.

@@ -137,6 +137,10 @@ class DataConfig:
         "Face data collator's, or an `(inputs, targets)` pair); `\"\"` = distrib stacks, right-padding dict samples "
         'of different lengths (see docs/data.md, Tasks)')
     pad_id: int = key(0, "the `input_ids` value of that padding (`attention_mask` 0, `labels` -100)")
+    pad: str = key("auto",
+        "`auto`: dict samples' 1-D ids are padded (and get an `attention_mask`) in every micro-batch when their "
+        "lengths differ among the data's first samples (a stream's first 256, 256 spread over a dataset); `always`: "
+        "padded even when those are all of one length", choices=("auto", "always"))
     train_files: str = key("",
         "tokens: a glob of training token shards, raw uint16 or llm.c's (see docs/language-models.md), read as one "
         'stream; `""` = `data.root/train.bin`')
@@ -152,6 +156,7 @@ class DataConfig:
             _choice("data", self, "name")
         _choice("data", self, "loader")
         _choice("data", self, "augment")
+        _choice("data", self, "pad")
         if not self.root:
             _fail("data", "root", self.root, "must not be empty", "e.g. --set data.root=data")
         if self.collate and not _FACTORY.match(self.collate):

@@ -241,6 +241,7 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
     notes += _model_notes(config, placed)
     dry = dry_batch(placed, data.train, data.info, runtime.device, build_loss(config.train, loss_fn))
     loss, task = dry.loss, task_for(dry, config.metrics.eval, metrics)
+    notes += [dry.note] if dry.note else []
     validation = data.val is not None
     task.check_watched("train.early_stop_metric", config.train.early_stop_metric, validation)
     task.check_watched("checkpoint.best_metric", config.checkpoint.best_metric if config.checkpoint.keep_best else "",

@@ -3,7 +3,7 @@ normalisation probed once (rank 0) and the same on every rank, and the two batch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -13,9 +13,9 @@ from distrib.config import DataConfig
 from distrib.data import samples
 from distrib.data.augment import Augment
 from distrib.data.batching import BatchSource, DeviceBatches, Failed, Finish, LoaderBatches, collate
-from distrib.data.collate import Collate
+from distrib.data.collate import Collate, probe, with_mask
 from distrib.data.stream import StreamBatches, describe, is_stream
-from distrib.data.stream_read import read_whole
+from distrib.data.stream_read import as_split, rows_of
 from distrib.data.tensors import DataInfo, Normalizer, Split, channel_stats, stats_indices
 from distrib.distributed.runtime import Runtime
 from distrib.errors import UserError
@@ -68,15 +68,18 @@ def on_rank0(runtime: Runtime | None, fn):
 def build(loaded: Loaded, config: DataConfig, runtime: Runtime, seed: int, log, collate_fn: Collate | None = None
           ) -> Data:
     """Chooses the path once, for both splits, and builds the two sources; collate_fn makes the DataLoader path's
-    micro-batches (padding ragged dict samples, or the user's function)."""
+    micro-batches (padding dict samples of ids whose lengths differ, or the user's function)."""
     if is_stream(loaded.train) or is_stream(loaded.test):
         return build_stream(loaded, config, runtime, seed, log, collate_fn)
     device_path = _device_path(loaded, config, runtime)
     train, test, val = loaded.train, loaded.test, loaded.val
+    collate_fn = learn_kind(collate_fn or Collate(config.pad_id), config, runtime,
+                            lambda: [row for split in (train, test, val) for row in probe(split)])
+    if collate_fn.padded:  # a stacked split of ids gets the mask that padded micro-batches have
+        train, test, val = (with_mask(split) if isinstance(split, Split) else split for split in (train, test, val))
     if device_path:
-        train, test = materialize(train, config), materialize(test, config)
-        val = None if val is None else materialize(val, config)
-    collate_fn = collate_fn or Collate(config.pad_id)
+        train, test = materialize(train, config, collate_fn), materialize(test, config, collate_fn)
+        val = None if val is None else materialize(val, config, collate_fn)
     first = first_batch(train, collate_fn)
     _same_kind(loaded.name, first, first_batch(test, collate_fn))
     info = on_rank0(runtime, lambda: _info(loaded, train, test, first, config))
@@ -88,9 +91,10 @@ def build(loaded: Loaded, config: DataConfig, runtime: Runtime, seed: int, log, 
     if device_path:
         sources = tuple(DeviceBatches(split, runtime, normalizer, aug) if split is not None else None
                         for split, aug in ((train, augment), (test, None), (val, None)))
-    else:
-        sources = tuple(LoaderBatches(split, runtime, config.num_workers, normalizer, aug, config, collate_fn)
-                        if split is not None else None for split, aug in ((train, augment), (test, None), (val, None)))
+    else:  # each split's samples checked against its first one's kind, so every micro-batch has one structure
+        sources = tuple(LoaderBatches(split, runtime, config.num_workers, normalizer, aug, config,
+                                      collate_fn.expecting(split)) if split is not None else None
+                        for split, aug in ((train, augment), (test, None), (val, None)))
     log(_normalize_line(config, loaded, info, len(train)))
     classes = f"{info.num_classes} classes" if info.num_classes else "no classes"
     log(f"data {info.name}: {len(train)} train / " + (f"{len(val)} validation / " if val is not None else "")
@@ -104,29 +108,44 @@ def build_stream(loaded: Loaded, config: DataConfig, runtime: Runtime, seed: int
                  collate_fn: Collate | None = None) -> Data:
     """A stream for training (distrib.data.stream); its first samples stand in for the split where the data's kind,
     classes and statistics are learnt. A test stream is read whole into memory (evaluation is exact over it)."""
-    train, test, val = loaded.train, loaded.test, loaded.val
-    collate_fn = collate_fn or Collate(config.pad_id)
-    test = read_whole(test, "test data", None, collate_fn) if is_stream(test) else materialize(test, config)
-    if val is not None:  # a validation set is read whole too
-        val = read_whole(val, "val data", None, collate_fn) if is_stream(val) else materialize(val, config)
-    if not is_stream(train):
-        train = materialize(train, config)
-        return build(Loaded(loaded.name, train, test, loaded.class_names, loaded.stats, val), config, runtime, seed,
+    splits = {"train": loaded.train, "test": loaded.test, "val": loaded.val}
+    rows = {name: rows_of(split, f"{name} data", STREAM_HEAD if name == "train" else None)
+            for name, split in splits.items() if is_stream(split)}
+    collate_fn = learn_kind(collate_fn or Collate(config.pad_id), config, runtime, lambda: [
+        *(row for part in rows.values() for row in part), *(row for name, split in splits.items()
+                                                           if name not in rows for row in probe(split))])
+    made = {name: as_split(rows[name], f"{name} data", collate_fn.expecting(rows[name])) if name in rows
+            else None if split is None else materialize(split, config, collate_fn) for name, split in splits.items()}
+    sample, test, val = made["train"], made["test"], made["val"]
+    if not is_stream(loaded.train):
+        return build(Loaded(loaded.name, sample, test, loaded.class_names, loaded.stats, val), config, runtime, seed,
                      log, collate_fn)
-    sample = read_whole(train, "train data", STREAM_HEAD, collate_fn)
     first = first_batch(sample)
     _same_kind(loaded.name, first, first_batch(test))
     info = on_rank0(runtime, lambda: _info(loaded, sample, test, first, config))
     uint8 = isinstance(first[0], torch.Tensor) and first[0].dtype == torch.uint8
     normalizer = Normalizer(info.mean, info.std, uint8)
     augment = _augment(config, seed, first[0])
-    source = StreamBatches(train, runtime, config, Finish(normalizer, augment), log, collate_fn)
+    source = StreamBatches(loaded.train, runtime, config, Finish(normalizer, augment), log,
+                           collate_fn.expecting(rows["train"]))
     log(_normalize_line(config, loaded, info, len(sample)))
-    how = describe(train, runtime.data_world_size)
+    how = describe(loaded.train, runtime.data_world_size)
     log(f"data {info.name}: a {how} train stream / {len(test)} test samples of {info.inputs} -> {info.targets}, "
         f"{info.num_classes or 'no'} classes, DataLoader ({config.num_workers} workers)")
     return Data(info, source, DeviceBatches(test, runtime, normalizer),
                 None if val is None else DeviceBatches(val, runtime, normalizer))
+
+
+# ---------------------------------------------------------------- the samples' kind: padded or not
+
+
+def learn_kind(collate_fn: Collate, config: DataConfig, runtime: Runtime, rows) -> Collate:
+    """collate_fn with the data's kind: padded when data.pad = always or when dict samples' ids differ in length
+    among `rows()` (a stream's first samples, samples spread over each dataset), learnt on rank 0 for every rank."""
+    if collate_fn.user is not None:
+        return collate_fn  # the user's function makes the batches
+    padded = on_rank0(runtime, lambda: collate_fn.learnt(rows(), config.pad).padded)
+    return replace(collate_fn, padded=padded)
 
 
 def _normalize_line(config: DataConfig, loaded: Loaded, info: DataInfo, num_train: int) -> str:
@@ -152,12 +171,18 @@ def _device_path(loaded: Loaded, config: DataConfig, runtime: Runtime) -> bool:
     return loaded.train.nbytes() + loaded.test.nbytes() < runtime.free_memory_bytes() // 2
 
 
-def materialize(split: Split | Dataset, config: DataConfig) -> Split:
-    """A Dataset read whole into tensors (through a DataLoader with data.num_workers), for the device path."""
+def materialize(split: Split | Dataset, config: DataConfig, collate_fn: Collate | None = None) -> Split:
+    """A Dataset read whole into tensors (through a DataLoader with data.num_workers), for the device path: padded
+    to its longest where the data's kind is (collate_fn.padded), each sample checked against the first one's kind."""
+    own = replace(collate_fn, user=None) if collate_fn is not None else Collate(config.pad_id)
     if isinstance(split, Split):
-        return split
-    loader = DataLoader(split, batch_size=256, collate_fn=collate, num_workers=config.num_workers,
-                        worker_init_fn=ignore_stop_signals)
+        return with_mask(split) if own.padded else split
+    own = own.expecting(split)
+    loader = DataLoader(split, batch_size=256, collate_fn=list if own.padded else own,
+                        num_workers=config.num_workers, worker_init_fn=ignore_stop_signals)
+    if own.padded:  # one micro-batch of every sample: padded to the split's longest
+        batch = _checked(own([row for rows in loader for row in rows]))
+        return Split(*batch)
     inputs, targets = [], []
     for batch in loader:
         batch = _checked(batch)

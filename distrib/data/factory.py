@@ -14,8 +14,8 @@ from distrib.data import hf, samples
 from distrib.data.tensors import Split, check_inputs
 from distrib.errors import UserError
 
-EXPECTED = ("(train, test): two map-style datasets of (inputs, targets) or of dicts of tensors, two (inputs, "
-            "targets) pairs of tensors (or of dicts of tensors), or a stream (an IterableDataset) for train")
+EXPECTED = ("(train, test): two map-style datasets (or lists) of (inputs, targets) or of dicts of tensors, two "
+            "(inputs, targets) pairs of tensors (or of dicts of tensors), or a stream (an IterableDataset) for train")
 SAMPLE = "(inputs, targets), each a tensor or a dict of tensors (or an int class), or one dict of tensors"
 
 
@@ -55,6 +55,29 @@ def _describe(value) -> str:
     return f"a {type(value).__name__}"
 
 
+class SampleList(Dataset):
+    """A Python list or tuple of samples as a map-style dataset."""
+
+    def __init__(self, items):
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int):
+        return self.items[index]
+
+
+def _sample_list(value) -> bool:
+    """A list or tuple whose items are samples: not an (inputs, targets) pair of batched tensors, which two dicts of
+    other keys, or two tensors, are (two dicts of the same keys are two dict samples)."""
+    if not isinstance(value, (list, tuple)) or not value or samples.as_pair(value[0]) is None:
+        return False
+    if len(value) == 2 and all(samples.is_tree(item) for item in value):
+        return isinstance(value[0], dict) and isinstance(value[1], dict) and value[0].keys() == value[1].keys()
+    return True
+
+
 def as_split_or_dataset(value, what: str) -> Split | Dataset:
     """A pair of tensors (or dicts of tensors) or a TensorDataset -> a Split; another map-style Dataset stays one (its
     first sample is checked here); anything else is a UserError naming `what`."""
@@ -65,6 +88,8 @@ def as_split_or_dataset(value, what: str) -> Split | Dataset:
         return value
     if isinstance(value, TensorDataset) and len(value.tensors) == 2:
         value = value.tensors
+    if _sample_list(value):  # a list (or tuple) of samples: map-style, as a DataLoader takes it
+        value = SampleList(value)
     if isinstance(value, (tuple, list)) and len(value) == 2 and all(samples.is_tree(v) for v in value):
         inputs, targets = value
         check_inputs(what, inputs, targets)

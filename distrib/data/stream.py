@@ -185,7 +185,7 @@ class StreamBatches:
 
     def _vote(self, items: list[Item | None]) -> tuple[int, str]:
         failed = next((item.batch for item in items if item is not None and isinstance(item.batch, Failed)), None)
-        message = f"train data: {failed.message.removeprefix('data: ')}" if failed else ""
+        message = f"train data: {self._at_step(failed.message.removeprefix('data: '))}" if failed else ""
         if not failed and all(items):
             message = self._changed(items)
         vote = FAILED if message else OK if all(items) else DRY
@@ -199,6 +199,12 @@ class StreamBatches:
             dist.all_gather_object(said, message)
             message = next(m for m in said if m)
         return vote, message
+
+    def _at_step(self, message: str) -> str:
+        """A bad sample's line, with where the pass met it."""
+        at = f" (at step {self.step_in_epoch + 1} of pass {self.epoch}: the checkpoints before it are kept)"
+        head, fix, rest = message.partition("; fix:")
+        return f"{head}{at}{fix}{rest}"
 
     def _changed(self, items: list[Item]) -> str:
         for item in items:

@@ -83,7 +83,7 @@ class WorkerStream(IterableDataset):
 
     def _plain(self, worker: int) -> Iterator[Item]:
         layout, skip = self.layout, self.start.get("samples", 0)
-        stream, size = iter(self.source), layout.global_batch_size
+        stream, size = guarded(self.source), layout.global_batch_size
         read = sum(1 for _ in islice(stream, skip))
         if read < skip:
             yield Item(worker, count=0, read=read)
@@ -92,6 +92,9 @@ class WorkerStream(IterableDataset):
         while True:
             chunk = list(islice(stream, size))
             read += len(chunk)
+            if chunk and isinstance(chunk[-1], Failed):  # the stream raised: this worker's last item says so
+                yield Item(worker, chunk[-1], size)
+                return
             if len(chunk) < size:
                 yield Item(worker, count=len(chunk), read=read)
                 return
@@ -119,13 +122,16 @@ class WorkerStream(IterableDataset):
         stateful = callable(getattr(source, "state_dict", None)) and callable(getattr(source, "load_state_dict", None))
         if "state" in mine and stateful:
             source.load_state_dict(mine["state"])
-        stream, read = iter(source), mine.get("read", 0)
+        stream, read = guarded(source), mine.get("read", 0)
         if "state" not in mine and read:
             list(islice(stream, read))  # no state of its own: skip what was trained
         size = self.layout.micro_batch_size
         while True:
             chunk = list(islice(stream, size))
             read += len(chunk)
+            if chunk and isinstance(chunk[-1], Failed):  # the stream raised: this worker's last item says so
+                yield Item(worker, chunk[-1], size)
+                return
             if len(chunk) < size:
                 yield Item(worker, count=len(chunk), read=read)
                 return
@@ -154,27 +160,50 @@ class Shards(IterableDataset):
             yield from self.read(path)
 
 
-def read_whole(stream, what: str, limit: int | None = None, collate_fn: Callable = collate) -> Split:
-    """A stream's samples (its first `limit`) as tensors, collated as training collates them (ragged samples
-    padded to the longest); an empty stream or a bad sample is one line."""
-    rows = head(stream, limit) if limit else list(stream)
+def rows_of(stream, what: str, limit: int | None = None) -> list:
+    """A stream's samples (its first `limit`), read in this process, as tensors; an empty stream, or one that
+    raised, is one line."""
+    rows = head(stream, limit) if limit else list(guarded(stream))
+    if rows and isinstance(rows[-1], Failed):
+        raise UserError(f"{what}: {rows[-1].message.removeprefix('data: ')}")
     if not rows:
         raise UserError(f"{what}: an empty stream (it yielded no sample); fix: give a stream with samples (check "
                         "its files or its filter)")
-    batch = StreamCollate(collate_fn)(rows)
+    return [as_tensors(row) for row in rows]
+
+
+def as_split(rows: list, what: str, collate_fn: Callable = collate) -> Split:
+    """Samples as tensors, collated as training collates them (padded where the data's kind is); a bad sample is one
+    line."""
+    batch = collate_fn(rows)
     if isinstance(batch, Failed):
         raise UserError(f"{what}: {batch.message.removeprefix('data: ')} (among its first {len(rows)} samples)")
     return Split(*batch)
 
 
 def head(source, count: int) -> list:
-    """The first `count` samples of a stream, read in this process (what the data's kind is learnt from)."""
-    return list(islice(iter(source), count))
+    """The first `count` samples of a stream, read in this process (what the data's kind is learnt from); an error of
+    reading it ends the list as a Failed."""
+    return list(islice(guarded(source), count))
+
+
+def guarded(source) -> Iterator:
+    """The stream's samples; what its iteration raises (a Hugging Face stream's cast error when a column changes type
+    mid-pass, a reader's error) becomes one Failed item at its end, which travels from a DataLoader worker to every
+    rank's one line, as a bad sample does."""
+    try:
+        yield from source
+    except Exception as e:  # noqa: BLE001 - the user's stream (or datasets'): one line, not a worker's traceback
+        said = " ".join(str(e).split())
+        said = said if len(said) <= 240 else f"{said[:140]} ... {said[-90:]}"
+        yield Failed(f"data: reading the stream raised {type(e).__name__}: {said}; fix: make every sample of the "
+                     "stream alike (a Hugging Face stream's columns keep the names and types of its first file)")
 
 
 def kinds_of(batch) -> str:
-    """A collated micro-batch's structure (keys, dtypes and dimensions, not lengths: padding varies them), to
-    compare across batches: a stream may change it halfway."""
+    """A collated micro-batch's structure (keys, dtypes and dimensions, not sizes: a collate function may pad any of
+    them), to compare across batches: a stream may change it halfway. distrib's own collate checks each sample's sizes
+    too, against the data's kind (distrib.data.collate), where it knows which length is padded."""
     return " -> ".join(_structure(part) for part in batch)
 
 

@@ -4,6 +4,8 @@ the per-position form of the built-ins, for exact evaluation sums."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Callable
 
 import torch
@@ -12,6 +14,7 @@ import torch.nn.functional as F
 
 from distrib.config import TrainConfig
 from distrib.data import samples
+from distrib.distributed.parallel import unwrap
 from distrib.factory import import_object
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -20,8 +23,25 @@ BUILTIN = ("cross_entropy", "mse", "l1", "bce_with_logits")
 
 
 def forward(model, inputs):
-    """The model on a batch's inputs, as they are: model(inputs), or model(**inputs) for a dict."""
-    return model(**inputs) if isinstance(inputs, dict) else model(inputs)
+    """The model on a batch's inputs, as they are: model(inputs), or model(**inputs) for a dict, whose "labels" stay
+    out when forward takes none (they are the targets: the loss gets them)."""
+    if not isinstance(inputs, dict):
+        return model(inputs)
+    if samples.LABELS in inputs and not takes(model, samples.LABELS):
+        inputs = {key: value for key, value in inputs.items() if key != samples.LABELS}
+    return model(**inputs)
+
+
+def takes(model, key: str) -> bool:
+    """Whether the plain module's forward (under DDP or torch.compile) takes `key` (by name, or as **kwargs)."""
+    return _forward_takes(type(unwrap(model)), key)
+
+
+@functools.cache
+def _forward_takes(module_class: type, key: str) -> bool:
+    """By the class: every step asks, and a signature is read once."""
+    parameters = inspect.signature(module_class.forward).parameters
+    return key in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
 def own_loss(outputs) -> torch.Tensor | None:

@@ -26,24 +26,30 @@ class DryBatch:
     targets: samples.Tree | None
     outputs: object  # what the model returned
     loss: Loss  # the loss to train on: the model's own when it returned one, else the configured one
+    note: str = ""  # the log's line on where a dict sample's labels go, when not to forward
 
 
 def _shape(shape) -> str:
     return "[" + ", ".join(str(s) for s in shape) + "]"
 
 
-def _check_keys(model: nn.Module, inputs) -> None:
-    """A dict batch goes in as model(**batch): every key must be a parameter of forward (or it takes **kwargs)."""
+def _check_keys(model: nn.Module, inputs) -> str:
+    """A dict batch goes in as model(**batch): every key must be a parameter of forward (or it takes **kwargs), but
+    "labels", which are then the targets only. Returns the log's line that says so, or ''."""
     if not isinstance(inputs, dict):
-        return
+        return ""
     parameters = inspect.signature(model.forward).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        return
-    unknown = [key for key in inputs if key not in parameters]
+        return ""
+    unknown = [key for key in inputs if key not in parameters and key != samples.LABELS]
     if unknown:
         raise UserError(f"the data's samples have the key {unknown[0]!r}, which {type(model).__name__}.forward"
                         f"({', '.join(parameters)}) does not take (dict samples go in as model(**batch)); fix: "
                         "drop or rename that key in the samples, or let forward take it")
+    if samples.LABELS in inputs and samples.LABELS not in parameters:
+        return (f"the samples' 'labels' are the targets: {type(model).__name__}.forward({', '.join(parameters)}) takes "
+                "none, so they go to the loss, not to forward")
+    return ""
 
 
 def _run(model: nn.Module, inputs, info: DataInfo, device: torch.device):
@@ -73,7 +79,7 @@ def dry_batch(model: nn.Module, source, info: DataInfo, device: torch.device, lo
     inputs, targets = next(iter(source.batches([indices])))
     check_batch({**samples.named(inputs, "inputs"), **samples.named(targets, "targets")}, device)
     model = unwrap(model)
-    _check_keys(model, inputs)
+    note = _check_keys(model, inputs)
     was_training = model.training
     model.eval()
     try:
@@ -81,14 +87,14 @@ def dry_batch(model: nn.Module, source, info: DataInfo, device: torch.device, lo
     finally:
         model.train(was_training)
     if own_loss(outputs) is not None:
-        return DryBatch(inputs, targets, outputs, model_loss(outputs, targets))
+        return DryBatch(inputs, targets, outputs, model_loss(outputs, targets), note)
     if targets is None:
         raise UserError(f"the data's samples {info.inputs} have no targets (a dict sample keeps them under 'labels'), "
                         "and the model returned no loss (outputs.loss); fix: add labels to the samples, or return "
                         "the loss from the model")
     _check_fit(logits_of(outputs), inputs, targets, info, loss)
     _try_loss(loss, outputs, targets)
-    return DryBatch(inputs, targets, outputs, loss)
+    return DryBatch(inputs, targets, outputs, loss, note)
 
 
 def _check_fit(logits, inputs, targets, info: DataInfo, loss: Loss) -> None:

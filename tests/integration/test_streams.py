@@ -1,8 +1,9 @@
 """Streams through `distrib train`: a plain IterableDataset over 10 shard files read by 2 DataLoader workers (world 1
 = world 2, every sample of the pass trained once, SIGTERM and rerun bitwise equal to an uninterrupted run); a Hugging
 Face streaming dataset over 4 JSON-lines files of unequal lengths under fsdp (no hang, no sample twice, what each
-rank left, SIGTERM and rerun bitwise); bad streams (a wrong structure halfway, an empty stream): one line, exit 2.
-The world-size-2 runs of the first two share two torchrun launches (see _launch)."""
+rank left, SIGTERM and rerun bitwise); bad streams (a wrong structure halfway, an empty stream, a Hugging Face
+column that changes type): one line, exit 2. The world-size-2 runs of the first three share two torchrun launches
+(see _launch)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from distrib.worker import run_training
 from tests.helpers.launch_runs import launch_runs, split_runs
 from tests.helpers.launch_support import distrib_cmd
 from tests.helpers.processes import EVENT_S, Launches, clean_env
+from tests.helpers.stream_kinds import write_bad_jsonl
 from tests.helpers.streams import write_jsonl_shards, write_tensor_shards
 from tests.helpers.support import load_weights, max_relative_diff, sets
 
@@ -80,11 +82,16 @@ def streams(tmp_path_factory):
         first += [(f"{kind}/two", {"DISTRIB_TEST_IDS": str(out / kind / "ids")}, overrides["two"]),
                   (f"{kind}/stopped", {"DISTRIB_TEST_DIE_AT": str(die_at)}, overrides["stopped"])]
         rerun.append((f"{kind}/rerun", {}, overrides["stopped"]))
+    if "hf" in kinds:  # last: a run that fails (exit 2 on every rank) in the shared launch
+        write_bad_jsonl(out / "jsonl_bad", [100] * 4)
+        first.append(("hf/bad", {}, _overrides(out / "hf" / "bad", "hugging_face", out / "jsonl_bad", *HF_BAD)))
     codes, said = _launch(out, "first", first)
     rerun_codes, rerun_said = _launch(out, "rerun", rerun)
     return out, {**codes, **rerun_codes}, {**said, **rerun_said}
 
 
+# One worker per rank; rank 1 reads files 1 and 3 (the bad one) in order: 12 steps, then step 13 meets file 3.
+HF_BAD = ("data.num_workers=1", "checkpoint.every_steps=5")
 PLAIN_EXTRA = ("train.grad_accum_steps=2",)  # micro-batches of 4 at world 2, read by 2 workers in turn
 HF_EXTRA = ("dist.strategy=fsdp",)  # sharded checkpoints: the workers' positions go into trainer.pt
 
@@ -114,6 +121,20 @@ def test_a_sharded_hugging_face_stream_ends_together_and_resumes_exactly(streams
     assert sum(trained.values()) == 30 * 16 and set(trained.values()) == {1}  # no sample twice
     assert "resumed at step" in said["hf/rerun"], said["hf/rerun"]
     _assert_bitwise(out / "hf" / "stopped", out / "hf" / "two")
+
+
+@pytest.mark.timeout(1200)
+def test_a_hugging_face_stream_whose_column_changes_type_is_one_line_at_world_2(streams):
+    """World 1: tests/unit/test_stream_kinds.py. Before, datasets' cast error escaped a DataLoader worker as a 161-line
+    traceback; now it is a bad sample's line, on every rank at the same step."""
+    pytest.importorskip("datasets")
+    out, codes, said = streams
+    text = said["hf/bad"]
+    assert codes["hf/bad"] == 2 and "Traceback" not in text, text
+    assert ("train data: reading the stream raised ArrowInvalid: Failed to parse string: 'class 0' as a scalar of type"
+            " int64 (at step 13 of pass 0: the checkpoints before it are kept)") in text, text
+    kept = sorted(p.name for p in (out / "hf" / "bad" / "checkpoints").glob("step_*"))
+    assert kept == ["step_00000005.pt", "step_00000010.pt"], kept
 
 
 @pytest.mark.timeout(900)

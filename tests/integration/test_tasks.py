@@ -37,6 +37,11 @@ FIT_OVERRIDES = {"train.max_steps": 8, "train.epochs": 0, "train.global_batch_si
                  "checkpoint.every_steps": 0}
 MULTITASK_OVERRIDES = {**FIT_OVERRIDES, "train.max_steps": 6, "train.optimizer": "adam", "train.lr": 0.01,
                        "data.eval_batch_size": 300}
+# A plain stream of 16-id samples, every third run of four shorter, and a map-style ragged test set (a list): padded
+# alike in every micro-batch at both world sizes (tests/helpers/stream_kinds.py).
+RAGGED_STREAM_OVERRIDES = {**FIT_OVERRIDES, "train.max_steps": 12, "train.global_batch_size": 8,
+                           "train.optimizer": "sgd", "train.lr": 0.5, "train.schedule": "constant",
+                           "data.eval_batch_size": 6}
 # SGD: GPT-2's attention has a key bias, whose true gradient is zero (softmax ignores a constant per row); Adam would
 # scale its rounding noise, which differs between world sizes, up to whole steps.
 HF_GPT2 = [*BASE, "data.factory=taskpkg.data:dict_lm", "model.factory=taskpkg.models:gpt2", "train.max_steps=6",
@@ -61,6 +66,7 @@ from taskpkg.metrics import label_accuracy, multitask_loss, next_token_accuracy
 from taskpkg.models import DictLM, TwoHeads
 
 from distrib import cli, fit
+from tests.helpers.stream_kinds import CausalBag, ragged_ids, ragged_test
 
 out, rank = Path(sys.argv[1]), os.environ["RANK"]
 # dict samples and a model that returns its own loss
@@ -72,6 +78,8 @@ print(f"fit_dict done on rank {{rank}}", file=sys.stderr, flush=True)
 train, test = multitask()
 fit(TwoHeads, train, test, overrides={{"run.dir": str(out / "multitask"), **{MULTITASK_OVERRIDES!r}}},
     loss_fn=multitask_loss, metrics=[label_accuracy])
+fit(CausalBag, ragged_ids(), ragged_test(), overrides={{"run.dir": str(out / "ragged_stream"),
+                                                       **{RAGGED_STREAM_OVERRIDES!r}}})
 for name, overrides in {TWO_PROCESS_RUNS!r}.items():
     sets = [item for each in [*overrides, f"run.dir={{out / name}}"] for item in ("--set", each)]
     code = cli.main(["train", *sets])
@@ -171,6 +179,24 @@ def test_dict_samples_and_the_models_own_loss_through_fit_and_torchrun(task_root
         assert summary["test_next_token_accuracy"] == right.sum().item() / right.numel()  # fit(metrics=[...])
         assert summary["test_count"] == len(test) and "test_perplexity" in summary
         assert "test_token_accuracy" not in summary  # its logits are shifted against its labels: no built-in one
+
+
+@pytest.mark.timeout(900)
+def test_a_ragged_stream_through_fit_agrees_at_world_sizes_1_and_2(task_root, two, tmp_path):
+    """Before, a micro-batch whose samples happened to be alike had no attention_mask, and the run stopped; the
+    model needs the mask in every micro-batch, and takes no labels (they are the targets)."""
+    from distrib import fit
+    from tests.helpers.stream_kinds import CausalBag, loss_of_each_alone, ragged_ids, ragged_test
+
+    one = fit(CausalBag, ragged_ids(), ragged_test(), overrides={"run.dir": str(tmp_path / "one"),
+                                                                **RAGGED_STREAM_OVERRIDES})
+    both = _two_processes(two, "ragged_stream")
+    assert one["steps"] == both["steps"] == 12 and one["test_count"] == both["test_count"] == 20
+    assert max_relative_diff(load_weights(two[0] / "ragged_stream"), load_weights(tmp_path / "one")) < 1e-5
+    expected = loss_of_each_alone(_trained(tmp_path / "one", CausalBag()), ragged_test())
+    assert one["test_loss"] == pytest.approx(expected, rel=1e-5)
+    assert both["test_loss"] == pytest.approx(one["test_loss"], rel=1e-5)
+    assert one["train_loss"] < 0.95 * math.log(32)  # it learned something
 
 
 @pytest.mark.timeout(900)

@@ -42,7 +42,7 @@ class Unlabelled(Ragged):
 def test_ragged_dict_samples_are_right_padded_per_micro_batch():
     samples = [{"input_ids": torch.tensor([5, 6, 7]), "labels": torch.tensor([5, 6, 7])},
                {"input_ids": torch.tensor([8]), "labels": torch.tensor([8])}]
-    inputs, targets = Collate(pad_id=3)(samples)
+    inputs, targets = Collate(pad_id=3, padded=True)(samples)
     assert targets is None  # the labels stay in the dict
     assert inputs["input_ids"].tolist() == [[5, 6, 7], [8, 3, 3]]
     assert inputs["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
@@ -95,7 +95,7 @@ def _tiny_gpt2():
 
 
 def test_a_causal_models_own_loss_is_counted_by_positions_whatever_the_padding():
-    model, dataset, collate = _tiny_gpt2(), Ragged(6), Collate()
+    model, dataset, collate = _tiny_gpt2(), Ragged(6), Collate(padded=True)
     batch, _ = collate([dataset[i] for i in range(6)])
     with torch.no_grad():
         outputs = model(**batch)

@@ -36,8 +36,9 @@ def reads(monkeypatch) -> list:
 
 
 def _batch(rows: HFRows, indices: list[int]):
-    """What the DataLoader makes of these rows: one read, then distrib's collate."""
-    return collate_for(0)(rows.__getitems__(indices))
+    """What the DataLoader makes of these rows: one read, then distrib's collate (the data's kind learnt from them)."""
+    batch = rows.__getitems__(indices)
+    return collate_for(0).learnt(batch)(batch)
 
 
 def test_every_format_gives_the_same_tensors():
