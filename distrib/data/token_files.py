@@ -3,12 +3,14 @@ header of 256 int32: magic 20240520, version 1, token count; then uint16 ids), e
 
 The shards of a split, in sorted path order, are concatenated into one stream, so windows are defined exactly as for
 one train.bin (distrib.data.text) and may span two shards (llm.c and modded-nanogpt start every document, so every
-shard, with an end-of-text token). Each process opens its memory maps on first read: a fork or a pickled copy (a
-DataLoader worker) opens its own instead of sharing a handle."""
+shard, with an end-of-text token). Each process opens the files on first read: a fork or a pickled copy (a DataLoader
+worker) opens its own instead of sharing a handle. Windows are read with os.pread, not from memory maps: a file cut
+short under a live run is then one line, not a SIGBUS."""
 
 from __future__ import annotations
 
 import glob
+import io
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,38 +80,73 @@ def find_shards(key: str, pattern: str) -> list[Shard]:
 
 
 class TokenStream:
-    """The shards of one split as one stream of token ids: reads the ids at any positions (an array of any shape) as
-    int64, each from its shard's memory map, opened on first use in each process."""
+    """The shards of one split as one stream of token ids: reads the ids at any positions (an array of any shape,
+    each row read as one span) as int64, through os.pread on files opened on first use in each process. A file cut
+    short under the run is one line naming it, where a memory map's read would kill the process with SIGBUS; an id
+    at or over vocab_size (when given) is one line naming its file."""
 
-    def __init__(self, shards: list[Shard]):
-        self.shards = shards
+    def __init__(self, shards: list[Shard], key: str = "data.train_files", vocab_size: int = 0):
+        self.shards, self.key, self.vocab_size = shards, key, vocab_size
         counts = np.array([shard.num_tokens for shard in shards], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
         self.num_tokens = int(counts.sum())
-        self._maps: list[np.memmap] | None = None
+        self._files: list[io.FileIO] | None = None
         self._pid = -1
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_maps": None, "_pid": -1}  # a copy in another process maps the files itself
+        return {**self.__dict__, "_files": None, "_pid": -1}  # a copy in another process opens the files itself
 
-    def _opened(self) -> list[np.memmap]:
-        if self._pid != os.getpid():  # also after a fork: never a handle shared with the parent
-            self._maps = [np.memmap(s.path, dtype=np.uint16, mode="r", offset=s.offset, shape=(s.num_tokens,))
-                          for s in self.shards]
+    def _opened(self) -> list[io.FileIO]:
+        if self._pid != os.getpid():  # also after a fork: never a file offset shared with the parent
+            self._files = [open(shard.path, "rb", buffering=0) for shard in self.shards]  # noqa: SIM115 - held
             self._pid = os.getpid()
-        return self._maps
+        return self._files
 
     def __call__(self, positions: np.ndarray) -> torch.Tensor:
-        maps = self._opened()
-        which = np.searchsorted(self.starts, positions, side="right") - 1
-        ids = np.empty(positions.shape, dtype=np.int64)
-        for shard in np.unique(which):
-            here = which == shard
-            ids[here] = maps[shard][positions[here] - self.starts[shard]]  # only these pages are read
-        return torch.from_numpy(ids)
+        rows = positions.reshape(-1, positions.shape[-1] if positions.ndim > 1 else 1)
+        lows, highs = rows.min(axis=1), rows.max(axis=1) + 1
+        first_shards = np.searchsorted(self.starts, lows, side="right") - 1
+        in_order = (np.diff(rows, axis=1) == 1).all(axis=1)  # a window: its span is the row itself
+        ids = np.empty(rows.shape, dtype=np.int64)
+        for out, row, low, high, shard, plain in zip(ids, rows, lows.tolist(), highs.tolist(), first_shards.tolist(),
+                                                     in_order.tolist()):
+            span = self._span(low, high, shard)  # one read per shard the row touches
+            out[:] = span if plain else span[row - low]
+        if self.vocab_size and ids.size and int(ids.max()) >= self.vocab_size:  # on the host: no device sync
+            self._out_of_vocabulary(ids, rows)
+        return torch.from_numpy(ids.reshape(positions.shape))
+
+    def _span(self, low: int, high: int, index: int) -> np.ndarray:
+        """The uint16 ids at stream positions [low, high), read from the shards they lie in, from shard `index` on."""
+        files, parts = self._opened(), []
+        while low < high:
+            shard, start = self.shards[index], int(self.starts[index])
+            end = min(high - start, shard.num_tokens)
+            parts.append(self._read(files[index], shard, low - start, end))
+            low, index = start + end, index + 1
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def _read(self, file: io.FileIO, shard: Shard, first: int, end: int) -> np.ndarray:
+        """Tokens [first, end) of one shard; a short read (the file shrank since it was opened) is one line."""
+        want = 2 * (end - first)
+        data = os.pread(file.fileno(), want, shard.offset + 2 * first)
+        if len(data) < want:
+            size = os.fstat(file.fileno()).st_size
+            raise UserError(f"{self.key}: {shard.path} was cut short under the run: it holds {size} bytes, "
+                            f"{shard.offset + 2 * shard.num_tokens} when the run opened it; fix: restore the file "
+                            "and run the same command again (it resumes from the last checkpoint)")
+        return np.frombuffer(data, dtype="<u2")
+
+    def _out_of_vocabulary(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        where = np.unravel_index(int(ids.argmax()), ids.shape)
+        largest, position = int(ids[where]), int(rows[where])
+        index = int(np.searchsorted(self.starts, position, side="right")) - 1
+        raise UserError(f"data.vocab_size = {self.vocab_size}: {self.shards[index].path} holds token id {largest} "
+                        f"(its token {position - int(self.starts[index])}); fix: --set data.vocab_size={largest + 1} "
+                        "or more (the tokenizer's vocabulary)")
 
 
-def token_streams(train_files: str, test_files: str) -> tuple[TokenStream, TokenStream]:
+def token_streams(train_files: str, test_files: str, vocab_size: int = 0) -> tuple[TokenStream, TokenStream]:
     """(train, test) streams of data.train_files and data.test_files; a file in both is refused."""
     train = find_shards("data.train_files", train_files)
     test = find_shards("data.test_files", test_files)
@@ -117,4 +154,4 @@ def token_streams(train_files: str, test_files: str) -> tuple[TokenStream, Token
     if both:
         raise UserError(f"data.test_files = {test_files!r}: {both[0]} is also a training file (data.train_files = "
                         f"{train_files!r}); fix: give globs that do not overlap, so the test tokens stay held out")
-    return TokenStream(train), TokenStream(test)
+    return TokenStream(train, "data.train_files", vocab_size), TokenStream(test, "data.test_files", vocab_size)
