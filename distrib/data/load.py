@@ -63,7 +63,7 @@ def _token_data(config: DataConfig, runtime: Runtime, seed: int, log) -> Data:
     info, train, test = _on_every_rank(runtime, lambda: token_data(config, runtime, seed))
     log(f"data {info.name}: {train.num_tokens} train / {test.num_tokens} test tokens, vocabulary {info.num_classes}, "
         f"{train.num_samples} windows of {config.seq_len} per epoch, {test.num_samples} test windows"
-        + (" (device-resident)" if config.name == "text" else " (memory-mapped)")
+        + (" (device-resident)" if config.name == "text" else " (read window by window)")
         + (f", {len(train.read.shards)} train / {len(test.read.shards)} test shards" if config.train_files else ""))
     return Data(info, train, test, identity=identity.of_files([*train.paths, *test.paths]))
 
