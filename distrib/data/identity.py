@@ -101,19 +101,24 @@ def data_changes(saved: dict, current: dict) -> list[str]:
 
 
 def _file_changes(old: list[dict], new: list[dict]) -> list[str]:
+    """Files matched by path, then those left by name (a folder moved or copied elsewhere), named as they are now."""
     if [(f["size"], f["hash"]) for f in old] == [(f["size"], f["hash"]) for f in new]:
         return []  # the same bytes in the same order, wherever the files now are
-    now = {f["path"]: f for f in new}
+    left = {f["path"]: f for f in new}
+    pairs = [[before, left.pop(before["path"], None)] for before in old]
+    for pair in pairs:
+        named = [path for path in left if Path(path).name == Path(pair[0]["path"]).name] if pair[1] is None else []
+        if len(named) == 1:  # the one file of that name elsewhere: moved
+            pair[1] = left.pop(named[0])
     changes = []
-    for before in old:
-        after = now.pop(before["path"], None)
+    for before, after in pairs:
         if after is None:
             changes.append(f"{before['path']} is gone")
         elif after["size"] != before["size"]:
-            changes.append(f"{before['path']}: {before['size']} -> {after['size']} bytes")
+            changes.append(f"{after['path']}: {before['size']} -> {after['size']} bytes")
         elif after["hash"] != before["hash"]:
-            changes.append(f"{before['path']}: other content (the same {after['size']} bytes)")
-    changes += [f"{path} is new" for path in now]
+            changes.append(f"{after['path']}: other content (the same {after['size']} bytes)")
+    changes += [f"{path} is new" for path in left]
     return changes or ["the files' order changed"]
 
 

@@ -1,7 +1,8 @@
 """Token shards end to end: llm.c-format shards (3 train, 1 val) through data.train_files / data.test_files train the
 same at world sizes 1 and 2, evaluate every held-out token, and a worker killed mid-run (SIGKILL, --max-restarts 1)
 is restarted and ends bitwise where the uninterrupted run ends; a truncated shard is one line and exit 2, before the
-run and under it; shards changed before a resume are one line naming the file (exit 2) unless allowed."""
+run and under it; shards changed before a resume are one line naming the file, exit 2 on every rank (world sizes 1
+and 2), unless allowed."""
 
 import json
 import os
@@ -16,7 +17,7 @@ from distrib import cli
 from distrib.checkpoint.format import digest
 from distrib.config import load_config
 from distrib.worker import run_training
-from tests.helpers.launch_runs import launch_runs
+from tests.helpers.launch_runs import launch_runs, split_runs
 from tests.helpers.support import max_relative_diff, sets
 from tests.helpers.token_shards import CutShardsShort, learnable_stream, write_llmc, write_llmc_shards
 
@@ -32,17 +33,30 @@ def test_llmc_shards_agree_across_world_sizes_count_every_val_token_and_resume_b
     train, val = write_llmc_shards(tmp_path / "data", learnable_stream(3 * 1500 + VAL_TOKENS), (1200, 1500, 1800))
     run = [*RUN, f"data.train_files={train}", f"data.test_files={val}"]
     one = run_training(load_config(None, [*run, f"run.dir={tmp_path}/one"]))
-    # One launch of 2 workers, two runs (tests/helpers/train_runs.py): the uninterrupted one, then one whose rank 1
-    # kills itself (SIGKILL) inside step 10 of its first attempt. The launcher restarts both workers: the finished
-    # run trains nothing, the killed one resumes from checkpoint 8 and ends where the uninterrupted one ended, to
-    # the bit.
+    # A copy of the shards elsewhere, one of them with other tokens of the same size: resumed from run one's
+    # checkpoint 8 at world size 2, it is refused on every rank.
+    shutil.copytree(tmp_path / "data", tmp_path / "copy")
+    write_llmc(tmp_path / "copy" / "shard_train_000001.bin", learnable_stream(1500, seed=1))
+    changed = [*RUN, f"data.train_files={tmp_path}/copy/shard_train_*.bin",
+               f"data.test_files={tmp_path}/copy/shard_val_*.bin", f"run.dir={tmp_path}/changed",
+               f"checkpoint.resume={tmp_path}/one/checkpoints/step_00000008.pt"]
+    # One launch of 2 workers, three runs (tests/helpers/train_runs.py): the uninterrupted one, then one whose rank 1
+    # kills itself (SIGKILL) inside step 10 of its first attempt, then (in the second attempt only) the refused
+    # resume. The launcher restarts both workers: the finished run trains nothing, the killed one resumes from
+    # checkpoint 8 and ends where the uninterrupted one ended, to the bit.
     runs = [("two", {}, [*run, f"run.dir={tmp_path}/two"]),
             ("killed", {"DISTRIB_TEST_DIE_AT": "10", "DISTRIB_TEST_DIE_ONCE": str(tmp_path / "died")},
-             [*run, f"run.dir={tmp_path}/killed"])]
+             [*run, f"run.dir={tmp_path}/killed"]),
+            ("changed", {"DISTRIB_LAUNCH_REPORTS": "0"}, changed)]  # each rank says its error, not the launcher
     result = launch_runs([sys.executable, "-m", "distrib", "launch", "--nproc-per-node=2", "--max-restarts=1"], runs,
-                         tmp_path)
+                         tmp_path, codes=tmp_path / "codes.json")
     out = result.stdout + result.stderr
     assert result.returncode == 0 and (tmp_path / "died").exists(), out[-4000:]
+    assert json.loads((tmp_path / "codes.json").read_text()) == {"two": 0, "killed": 0, "changed": 2}, out[-4000:]
+    refused = split_runs(result.stderr, ["two", "killed", "changed"])["changed"]
+    assert refused.count(f"step_00000008.pt: the data changed since it was taken ({tmp_path}/copy/shard_train_000001"
+                         ".bin: other content (the same 4024 bytes)), so a resume would not continue") == 2, refused
+    assert "Traceback" not in refused and not list((tmp_path / "changed").glob("checkpoints/step_*"))
     two = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert two["restart_count"] == 0, two  # finished in the first attempt, before the kill
     weights = {name: torch.load(tmp_path / name / "model.pt", weights_only=True) for name in ("one", "two")}

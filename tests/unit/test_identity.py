@@ -46,7 +46,12 @@ def test_changed_token_shards_are_named_with_what_changed(tmp_path):
     saved = identity.of_files(files)()
     assert data_changes(saved, identity.of_files(files)()) == []
     shutil.copytree(tmp_path / "a", tmp_path / "moved")  # the same bytes elsewhere: the same data
-    assert data_changes(saved, identity.of_files(sorted((tmp_path / "moved").glob("*.bin")))()) == []
+    moved = sorted((tmp_path / "moved").glob("*.bin"))
+    assert data_changes(saved, identity.of_files(moved)()) == []
+    write_llmc_shards(tmp_path / "moved", stream, (1200, 1499))  # moved and changed: named where it is now
+    assert data_changes(saved, identity.of_files(moved)()) == [
+        f"{tmp_path}/moved/shard_train_000001.bin: 4024 -> 4022 bytes",
+        f"{tmp_path}/moved/shard_val_000000.bin: 3624 -> 3626 bytes"]
 
     shard = tmp_path / "a" / "shard_train_000001.bin"
     write_llmc_shards(tmp_path / "a", learnable_stream(4000, seed=1), (1200, 1500))  # same sizes, other tokens
