@@ -13,6 +13,7 @@ from typing import Callable, Iterable
 import torch
 
 from distrib.data import samples
+from distrib.data.stream_read import Shards
 from distrib.data.tensors import Split
 
 BLOCK_BYTES = 16 * 1024
@@ -47,15 +48,9 @@ def of_files(paths: Iterable[Path]) -> Callable[[], dict]:
 def of_objects(**splits) -> Callable[[], dict]:
     """The identity of data given as objects (None splits left out), described now so that the objects are not
     kept for it; a distrib.data.Shards stream's files are fingerprinted when asked."""
-    files = of_files(path for value in splits.values() if _is_shards(value) for path in value.files)
+    files = of_files(path for value in splits.values() if isinstance(value, Shards) for path in value.files)
     objects = {name: describe(value) for name, value in splits.items() if value is not None}
     return lambda: {**files(), "objects": objects}
-
-
-def _is_shards(value) -> bool:
-    from distrib.data.stream_read import Shards
-
-    return isinstance(value, Shards)
 
 
 def describe(value) -> dict:
@@ -63,15 +58,19 @@ def describe(value) -> dict:
     holds where that is cheap (a few rows of tensors, an image folder's file names)."""
     kind = type(value).__qualname__ if type(value).__module__ == "builtins" else \
         f"{type(value).__module__}.{type(value).__qualname__}"
-    length = len(value) if hasattr(type(value), "__len__") else None
+    try:
+        length = len(value)
+    except (TypeError, NotImplementedError):  # a stream, or a Dataset whose __len__ says it has none
+        length = None
     if isinstance(value, Split):
         return {"kind": "tensors", "len": length, "hash": _rows_hash(value), "of": "values"}
-    names = getattr(getattr(value, "inner", value), "samples", None)  # an ImageFolder (or distrib's ImageFiles)
-    if isinstance(names, list) and all(isinstance(s, tuple) and len(s) == 2 for s in names[:1]):
-        root = getattr(getattr(value, "inner", value), "root", "")
+    folder = getattr(value, "inner", value)  # a torchvision ImageFolder, or distrib's ImageFiles around one
+    names = getattr(folder, "samples", None)  # [(path, class index)]
+    if isinstance(names, list) and names and isinstance(names[0], tuple) and len(names[0]) == 2:
+        root = str(getattr(folder, "root", ""))
         digest = _digest()
-        for path, target in names:
-            digest.update(f"{os.path.relpath(path, root) if root else path}\0{target}\n".encode())
+        for path, target in names:  # relative to the folder: a moved folder holds the same names
+            digest.update(f"{path[len(root):] if root and path.startswith(root) else path}\0{target}\n".encode())
         return {"kind": kind, "len": length, "hash": digest.hexdigest(), "of": "file names"}
     return {"kind": kind, "len": length, "hash": None, "of": ""}
 
