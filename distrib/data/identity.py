@@ -66,10 +66,11 @@ def describe(value) -> dict:
         return {"kind": "tensors", "len": length, "hash": _rows_hash(value), "of": "values"}
     folder = getattr(value, "inner", value)  # a torchvision ImageFolder, or distrib's ImageFiles around one
     names = getattr(folder, "samples", None)  # [(path, class index)]
-    if isinstance(names, list) and names and isinstance(names[0], tuple) and len(names[0]) == 2:
+    if isinstance(names, list) and names and isinstance(names[0], tuple) and isinstance(names[0][0], str):
         root = str(getattr(folder, "root", ""))
         digest = _digest()
-        for path, target in names:  # relative to the folder: a moved folder holds the same names
+        for path, target, *_ in names:  # relative to the folder: a moved folder holds the same names
+            path = str(path)
             digest.update(f"{path[len(root):] if root and path.startswith(root) else path}\0{target}\n".encode())
         return {"kind": kind, "len": length, "hash": digest.hexdigest(), "of": "file names"}
     return {"kind": kind, "len": length, "hash": None, "of": ""}
