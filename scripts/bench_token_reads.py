@@ -1,10 +1,11 @@
-"""Tokens/s of reading training windows from token shards: distrib's checked reads (os.pread, one read per window:
+"""Tokens/s of reading training windows from token shards: distrib's checked reads (os.preadv, one read per window:
 distrib.data.token_files.TokenStream) against the memory maps it used before (numpy fancy indexing, which ends the
 process with SIGBUS when a file shrinks under it), in alternating repeats, medians reported.
 
     python scripts/bench_token_reads.py [--tokens 100_000_000] [--repeats 7] [--batches 100]
 
-Four llm.c shards of random ids are written to a temporary folder (2 bytes a token) and read from the page cache."""
+Four llm.c shards of random ids are written to a temporary folder (2 bytes a token) and read from the page cache
+(read whole once first); the two readers take turns reading first, on the same windows."""
 
 from __future__ import annotations
 
@@ -66,15 +67,18 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         write_shards(Path(folder), args.tokens)
+        for path in Path(folder).iterdir():  # into the page cache: the reads are measured, not the disk
+            path.read_bytes()
         stream = TokenStream(find_shards("bench", f"{folder}/shard_*.bin"))
         readers = {"memmap": memmap_reader(stream), "pread": stream}
         print("windows x seq_len   memmap M tokens/s   pread M tokens/s")
         for batch, seq_len in SHAPES:
             rates = {name: [] for name in readers}
             for repeat in range(args.repeats):
-                for name, read in readers.items():
-                    rates[name].append(tokens_per_second(read, stream.num_tokens, batch, seq_len, args.batches,
-                                                         repeat))
+                order = list(readers) if repeat % 2 else list(readers)[::-1]  # neither always reads first
+                for name in order:
+                    rates[name].append(tokens_per_second(readers[name], stream.num_tokens, batch, seq_len,
+                                                         args.batches, repeat))
             medians = {name: statistics.median(values) / 1e6 for name, values in rates.items()}
             print(f"{batch:7d} x {seq_len:<7d}   {medians['memmap']:17.1f}   {medians['pread']:16.1f}")
 

@@ -4,7 +4,7 @@ header of 256 int32: magic 20240520, version 1, token count; then uint16 ids), e
 The shards of a split, in sorted path order, are concatenated into one stream, so windows are defined exactly as for
 one train.bin (distrib.data.text) and may span two shards (llm.c and modded-nanogpt start every document, so every
 shard, with an end-of-text token). Each process opens the files on first read: a fork or a pickled copy (a DataLoader
-worker) opens its own instead of sharing a handle. Windows are read with os.pread, not from memory maps: a file cut
+worker) opens its own instead of sharing a handle. Windows are read with os.preadv, not from memory maps: a file cut
 short under a live run is then one line, not a SIGBUS."""
 
 from __future__ import annotations
@@ -81,61 +81,69 @@ def find_shards(key: str, pattern: str) -> list[Shard]:
 
 class TokenStream:
     """The shards of one split as one stream of token ids: reads the ids at any positions (an array of any shape,
-    each row read as one span) as int64, through os.pread on files opened on first use in each process. A file cut
+    each row read as one span) as int64, through os.preadv on files opened on first use in each process. A file cut
     short under the run is one line naming it, where a memory map's read would kill the process with SIGBUS; an id
     at or over vocab_size (when given) is one line naming its file."""
 
     def __init__(self, shards: list[Shard], key: str = "data.train_files", vocab_size: int = 0):
         self.shards, self.key, self.vocab_size = shards, key, vocab_size
-        counts = np.array([shard.num_tokens for shard in shards], dtype=np.int64)
-        self.starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        self.num_tokens = int(counts.sum())
+        self.counts = np.array([shard.num_tokens for shard in shards], dtype=np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)
+        self.num_tokens = int(self.counts.sum())
         self._files: list[io.FileIO] | None = None
         self._pid = -1
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_files": None, "_pid": -1}  # a copy in another process opens the files itself
 
-    def _opened(self) -> list[io.FileIO]:
-        if self._pid != os.getpid():  # also after a fork: never a file offset shared with the parent
-            self._files = [open(shard.path, "rb", buffering=0) for shard in self.shards]  # noqa: SIM115 - held
+    def _opened(self) -> list[int]:
+        """This process's file descriptors: a pickled copy (a spawned DataLoader worker) has none, a fork opens its
+        own too."""
+        if self._pid != os.getpid():
+            self._files = [open(shard.path, "rb", buffering=0) for shard in self.shards]  # held open for the run
             self._pid = os.getpid()
-        return self._files
+        return [file.fileno() for file in self._files]
 
     def __call__(self, positions: np.ndarray) -> torch.Tensor:
         rows = positions.reshape(-1, positions.shape[-1] if positions.ndim > 1 else 1)
         lows, highs = rows.min(axis=1), rows.max(axis=1) + 1
-        first_shards = np.searchsorted(self.starts, lows, side="right") - 1
-        in_order = (np.diff(rows, axis=1) == 1).all(axis=1)  # a window: its span is the row itself
-        ids = np.empty(rows.shape, dtype=np.int64)
-        for out, row, low, high, shard, plain in zip(ids, rows, lows.tolist(), highs.tolist(), first_shards.tolist(),
-                                                     in_order.tolist()):
-            span = self._span(low, high, shard)  # one read per shard the row touches
-            out[:] = span if plain else span[row - low]
+        shards = np.searchsorted(self.starts, lows, side="right") - 1
+        # A window inside one shard is one read straight into its row; any other row is gathered from its span.
+        direct = (highs <= self.starts[shards] + self.counts[shards]) & (np.diff(rows, axis=1) == 1).all(axis=1)
+        files, starts = self._opened(), self.starts.tolist()
+        tokens = np.empty(rows.shape, dtype="<u2")
+        for out, row, low, high, shard, one_read in zip(tokens, rows, lows.tolist(), highs.tolist(), shards.tolist(),
+                                                        direct.tolist()):
+            if one_read:
+                self._read(files, shard, low - starts[shard], high - starts[shard], out)
+            else:
+                out[:] = self._span(files, low, high, shard)[row - low]
+        ids = tokens.astype(np.int64)
         if self.vocab_size and ids.size and int(ids.max()) >= self.vocab_size:  # on the host: no device sync
             self._out_of_vocabulary(ids, rows)
         return torch.from_numpy(ids.reshape(positions.shape))
 
-    def _span(self, low: int, high: int, index: int) -> np.ndarray:
+    def _span(self, files: list[int], low: int, high: int, index: int) -> np.ndarray:
         """The uint16 ids at stream positions [low, high), read from the shards they lie in, from shard `index` on."""
-        files, parts = self._opened(), []
+        parts = []
         while low < high:
-            shard, start = self.shards[index], int(self.starts[index])
-            end = min(high - start, shard.num_tokens)
-            parts.append(self._read(files[index], shard, low - start, end))
+            start = int(self.starts[index])
+            end = min(high - start, self.shards[index].num_tokens)
+            parts.append(self._read(files, index, low - start, end))
             low, index = start + end, index + 1
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-    def _read(self, file: io.FileIO, shard: Shard, first: int, end: int) -> np.ndarray:
-        """Tokens [first, end) of one shard; a short read (the file shrank since it was opened) is one line."""
-        want = 2 * (end - first)
-        data = os.pread(file.fileno(), want, shard.offset + 2 * first)
-        if len(data) < want:
-            size = os.fstat(file.fileno()).st_size
+    def _read(self, files: list[int], index: int, first: int, end: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Tokens [first, end) of shard `index`, into `out` if given; a short read (the file shrank since it was
+        opened) is one line."""
+        shard, want = self.shards[index], 2 * (end - first)
+        out = np.empty(end - first, dtype="<u2") if out is None else out
+        if os.preadv(files[index], [out], shard.offset + 2 * first) < want:
+            size = os.fstat(files[index]).st_size
             raise UserError(f"{self.key}: {shard.path} was cut short under the run: it holds {size} bytes, "
                             f"{shard.offset + 2 * shard.num_tokens} when the run opened it; fix: restore the file "
                             "and run the same command again (it resumes from the last checkpoint)")
-        return np.frombuffer(data, dtype="<u2")
+        return out
 
     def _out_of_vocabulary(self, ids: np.ndarray, rows: np.ndarray) -> None:
         where = np.unravel_index(int(ids.argmax()), ids.shape)
