@@ -1,18 +1,29 @@
 """What identifies a run's data in its checkpoints (distrib.data.identity): a file's fingerprint reads a bounded few
 blocks whatever its size and changes with them; the changes a resume reports name the file and what changed; data
-from code says its kind, length and, for tensors, a few rows."""
+from code says its kind, length and, for tensors, a few rows; every source of load_data names its files."""
 
 import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
-from distrib.data import identity
+from distrib.config import DataConfig
+from distrib.data import identity, idx, load_data
 from distrib.data.identity import BLOCK_BYTES, NUM_BLOCKS, data_changes, file_identity
+from distrib.data.named import CIFAR_FILES
 from distrib.data.tensors import Split
+from distrib.distributed.runtime import Runtime
+from tests.helpers.support import make_cifar_dir, make_idx_dir, make_image_folder
 from tests.helpers.token_shards import learnable_stream, write_llmc_shards
+
+CPU = Runtime(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"), backend="gloo")
+
+
+def _load(**kwargs):
+    return load_data(DataConfig(**kwargs), CPU, seed=0, log=lambda message: None)
 
 
 def test_a_file_fingerprint_reads_a_bounded_few_blocks_and_changes_with_any_of_them(tmp_path, monkeypatch):
@@ -115,3 +126,31 @@ def test_an_image_folder_is_identified_by_its_file_names(tmp_path):
     os.rename(tmp_path / "train" / "a" / "2.png", tmp_path / "train" / "b" / "2.png")
     now = identity.describe(ImageFiles(tmp_path / "train", 0))
     assert now["len"] == 3 and now["hash"] != saved["hash"]
+
+
+def test_every_source_of_load_data_identifies_its_files_or_objects(tmp_path):
+    make_idx_dir(tmp_path / "idx", num_train=40, num_test=9)
+    mnist = _load(name="mnist", root=str(tmp_path / "idx"))
+    raw = tmp_path / "idx" / "MNIST" / "raw"
+    saved = mnist.identity()
+    assert [f["path"] for f in saved["files"]] == [str(raw / name) for name in idx.RAW_FILES]
+    labels = raw / "t10k-labels-idx1-ubyte"
+    labels.write_bytes(labels.read_bytes()[:8] + bytes(9))  # the same size, other labels
+    assert data_changes(saved, _load(name="mnist", root=str(tmp_path / "idx")).identity()) == [
+        f"{labels}: other content (the same 17 bytes)"]
+
+    make_cifar_dir(tmp_path / "cifar" / "cifar-10-batches-py", per_batch=6, num_test=7)
+    cifar = _load(name="cifar10", root=str(tmp_path / "cifar")).identity()
+    assert [Path(f["path"]).name for f in cifar["files"]] == list(CIFAR_FILES)
+    (tmp_path / "a.txt").write_text("to be or not to be " * 20)
+    text = _load(name="text", root=str(tmp_path / "a.txt"), seq_len=8).identity()
+    assert [f["path"] for f in text["files"]] == [str(tmp_path / "a.txt")]
+    for name in ("train.bin", "val.bin"):
+        (np.arange(100) % 50).astype(np.uint16).tofile(tmp_path / name)
+    tokens = _load(name="tokens", root=str(tmp_path), vocab_size=50, seq_len=8).identity()
+    assert [f["path"] for f in tokens["files"]] == [str(tmp_path / "train.bin"), str(tmp_path / "val.bin")]
+    make_image_folder(tmp_path / "images", per_class=(2, 1), size=(5, 5))
+    images = _load(name="imagefolder", root=str(tmp_path / "images")).identity()
+    assert images["files"] == [] and images["objects"]["train"]["of"] == "file names"
+    synthetic = _load(name="synthetic", synthetic_train_size=64, synthetic_test_size=16).identity()
+    assert synthetic["objects"]["train"]["kind"] == "tensors" and synthetic["objects"]["train"]["len"] == 64
