@@ -105,6 +105,8 @@ def test_shards_changed_before_a_resume_are_one_line_naming_the_file_unless_allo
     refused = (f"distrib: error: checkpoint {tmp_path}/parts/checkpoints/step_00000004.pt: the data changed since it "
                "was taken ({}), so a resume would not continue the same run; restore the data, use a new "
                "checkpoint.dir, or --set checkpoint.allow_config_change=true")
+    written = {path: path.read_bytes() for path in (tmp_path / "parts").rglob("*")
+               if path.is_file() and path.name != ".distrib.lock"}  # the lock says who holds the folder now
     write_llmc(shard, learnable_stream(1500, seed=1))  # the same size, other tokens
     code, said = _train(capfd, *run, f"run.dir={tmp_path}/parts")
     assert code == 2 and said.strip().splitlines()[-1] == refused.format(
@@ -112,6 +114,7 @@ def test_shards_changed_before_a_resume_are_one_line_naming_the_file_unless_allo
     write_llmc(shard, stream[1200:2500])  # 1300 of its 1500 tokens
     code, said = _train(capfd, *run, f"run.dir={tmp_path}/parts")
     assert code == 2 and said.strip().splitlines()[-1] == refused.format(f"{shard}: 4024 -> 3624 bytes"), said[-2000:]
+    assert {path: path.read_bytes() for path in written} == written  # refused before anything is written
 
     code, said = _train(capfd, *run, f"run.dir={tmp_path}/allowed", "checkpoint.allow_config_change=true")
     assert code == 0 and "resumed at step 4" in said, said[-2000:]
