@@ -421,7 +421,9 @@ class CheckpointConfig:
         "this run's older ones are deleted only after the new one is safely in place, so 1 is safe; never another "
         "run's")
     signals: str = key("SIGTERM,SIGUSR1", "checkpoint at the next step boundary and exit 75")
-    allow_config_change: bool = key(False, "resume although model, data, seed, optimizer or global batch changed")
+    allow_config_change: bool = key(False,
+        "resume although model, data (its files or objects: docs/checkpoints.md, The data a resume reads), seed, "
+        "optimizer or global batch changed; the log says what changed")
     async_save: bool = key(False,
         "fsdp: sharded checkpoints are written in the background (`dcp.async_save`); the commit waits for the write")
     keep_best: int = key(0,

@@ -89,7 +89,7 @@ def _checkpointer(config: Config, runtime: Runtime, state: TrainState, global_ba
                 "global_batch_size": global_batch_size, "data": data.info.to_dict(), **position}
 
     return make_checkpointer(config.checkpoint, state.strategy, checkpoint_dir(config), runtime, collect,
-                             run_config=to_dict(config))
+                             run_config=to_dict(config), identify=data.identity)
 
 
 def _resume(state: TrainState, config: Config, runtime: Runtime, checkpointer: Checkpointer,

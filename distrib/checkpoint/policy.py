@@ -1,7 +1,8 @@
 """Which checkpoint, written once for every format: the newest good one of the run that owns checkpoint.dir (either
 format: a ddp checkpoint resumes under fsdp and back), the run id, the refusal of another run's folder
 (checkpoint.foreign), pruning only this run's checkpoints (keep_last), the best k (keep_best), the compatibility
-check, and the temporary files of dead writers. Rank 0 decides; every rank hears the same decision."""
+check of the config and of the data (distrib.data.identity), and the temporary files of dead writers. Rank 0 decides;
+every rank hears the same decision."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from distrib.checkpoint.format import (
 )
 from distrib.checkpoint.sharded import TRAINER, ShardedStorage, load_shards
 from distrib.config import CheckpointConfig
+from distrib.data.identity import data_changes
 from distrib.distributed.runtime import Runtime
 from distrib.distributed.strategies import Strategy
 from distrib.errors import EnvironmentFault, UserError
@@ -52,6 +54,25 @@ def check_compatible(path: str, saved: dict, current: dict, allow_change: bool) 
                               "resume; restore the old values, use a new checkpoint.dir, or "
                               "--set checkpoint.allow_config_change=true")
     return changed
+
+
+def check_data(path: str, saved: dict, current: dict | None, allow_change: bool, say: Callable[[str], None]) -> None:
+    """Rank 0: the data this run reads against the checkpoint's (state["data_identity"]): a change is one line and
+    an error unless the user allowed it; a checkpoint that records nothing of its data is resumed, and said so."""
+    if "data_identity" not in saved:
+        say(f"checkpoint {path}: records nothing that identifies its data (it was written before distrib did), so "
+            "this run cannot check that it reads the same data")
+    if saved.get("data_identity") is None or current is None:  # also data built without one (Data(...) by hand)
+        return
+    changes = data_changes(saved["data_identity"], current)
+    if not changes:
+        return
+    listed = "; ".join(changes[:3]) + (f"; and {len(changes) - 3} more" if len(changes) > 3 else "")
+    if not allow_change:
+        raise CheckpointError(f"checkpoint {path}: the data changed since it was taken ({listed}), so a resume would "
+                              "not continue the same run; restore the data, use a new checkpoint.dir, or "
+                              "--set checkpoint.allow_config_change=true")
+    say(f"checkpoint {path}: resumed on changed data, as checkpoint.allow_config_change allows: {listed}")
 
 
 def _get(tree: dict, dotted: str):
@@ -121,15 +142,17 @@ def decide(resume: str, foreign: str, directory: Path, device: torch.device,
 
 class Checkpoints:
     """The Checkpointer of every strategy: the policy above, over a storage format. Saves the state `collect`
-    returns, plus every rank's RNG states and the run id, every `every_steps` steps; keeps this run's last
-    `keep_last` (a save is in place before anything is pruned, so 1 is safe) and never touches another run's."""
+    returns, plus every rank's RNG states, the run id and what identifies the data, every `every_steps` steps;
+    keeps this run's last `keep_last` (a save is in place before anything is pruned, so 1 is safe) and never touches
+    another run's. `identify` (rank 0, once, in load): the data's identity (distrib.data.identity)."""
 
     def __init__(self, storage: Storage, directory: Path, runtime: Runtime, collect: Callable[..., dict], *,
                  every_steps: int, keep_last: int, foreign: str = "refuse", config: dict | None = None,
-                 allow_config_change: bool = False):
+                 allow_config_change: bool = False, identify: Callable[[], dict] | None = None):
         self.storage, self.directory, self.runtime, self.collect = storage, Path(directory), runtime, collect
         self.every_steps, self.keep_last, self.foreign = every_steps, keep_last, foreign
         self.config, self.allow_config_change = config, allow_config_change  # config: checked against a resume's
+        self.identify, self.data_identity = identify, None  # data_identity: rank 0's, set by load, saved with each
         self.run_id, self.resumed_from = "", None
         self.tagged = False  # whether this run's checkpoint names carry its run id (set by load)
         self.owned: list[Path] = []  # rank 0: this run's periodic checkpoints in `directory`, oldest first
@@ -146,8 +169,11 @@ class Checkpoints:
         path, state, error = None, None, None
         if self.runtime.is_main:
             try:
+                self.data_identity = self.identify() if self.identify is not None else None
                 path, state, self.run_id, self.owned, self.tagged = decide(resume, self.foreign, self.directory,
                                                                            self.runtime.device, say)
+                if state is not None:  # here, so that the verdict reaches every rank with the choice
+                    check_data(str(path), state, self.data_identity, self.allow_config_change, say)
                 for name in remove_dead_temps(self.directory):  # only once the folder is known to be this run's
                     say(f"checkpoint.dir: removed {name}, left by a writer that died")
                 if self.tagged:
@@ -155,6 +181,8 @@ class Checkpoints:
                         f"step_N-{self.run_id} (best_N-{self.run_id}), so that no run's ever takes another's name")
             except CheckpointError as e:
                 error = str(e)
+            except OSError as e:  # a data file gone since it was read: the same line on every rank
+                error = f"data: {e}"
         choice = [str(path) if path else None, self.run_id, error, self.tagged]
         dist.broadcast_object_list(choice, src=0)  # every rank takes part: this is also where the others wait
         if choice[2]:
@@ -210,7 +238,8 @@ class Checkpoints:
         dist.broadcast_object_list(verdict, src=0)
         if verdict[0] is not None:
             raise verdict[0]
-        state = {"format": FORMAT, "version": VERSION, "run_id": self.run_id, **self.collect(), "rng": rngs}
+        state = {"format": FORMAT, "version": VERSION, "run_id": self.run_id, **self.collect(),
+                 "data_identity": self.data_identity, "rng": rngs}
         try:
             self.storage.write(path, state, (lambda: self._committed(path, best)) if self.runtime.is_main else None)
         except EnvironmentFault as e:
@@ -245,14 +274,15 @@ class Checkpoints:
 
 
 def make_checkpointer(config: CheckpointConfig, strategy: Strategy, directory: Path, runtime: Runtime,
-                      collect: Callable[..., dict], run_config: dict | None = None) -> Checkpoints:
+                      collect: Callable[..., dict], run_config: dict | None = None,
+                      identify: Callable[[], dict] | None = None) -> Checkpoints:
     """One file by rank 0 where the strategy's state is whole on every rank (ddp); sharded directories where each
-    rank holds shards (fsdp, hsdp, tensor parallel). The policy is the same; run_config is what a resumed
-    checkpoint's config is checked against."""
+    rank holds shards (fsdp, hsdp, tensor parallel). The policy is the same; run_config and identify (the data's
+    identity) are what a resumed checkpoint is checked against."""
     storage = ShardedStorage(runtime, config.async_save) if strategy.sharded_state else FileStorage(runtime)
     return Checkpoints(storage, directory, runtime, collect, every_steps=config.every_steps,
                        keep_last=config.keep_last, foreign=config.foreign, config=run_config,
-                       allow_config_change=config.allow_config_change)
+                       allow_config_change=config.allow_config_change, identify=identify)
 
 
 @contextlib.contextmanager

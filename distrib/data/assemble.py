@@ -4,6 +4,7 @@ normalisation probed once (rank 0) and the same on every rank, and the two batch
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,7 @@ class Data:
     train: BatchSource
     test: BatchSource
     val: BatchSource | None = None  # a validation set (distrib.data.split): evaluated during training instead of test
+    identity: Callable[[], dict] | None = None  # what identifies the data in a checkpoint (distrib.data.identity)
 
 
 @dataclass(frozen=True)

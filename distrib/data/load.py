@@ -3,6 +3,7 @@ data.factory, or datasets handed to distrib.fit(). Every data mistake is one Use
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Callable
@@ -10,7 +11,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from distrib.config import DataConfig
-from distrib.data import idx, named
+from distrib.data import identity, idx, named
 from distrib.data.assemble import Data, Loaded, build, distributed, materialize, on_rank0
 from distrib.data.collate import collate_for
 from distrib.data.factory import as_split_or_dataset, call_data_factory
@@ -32,7 +33,8 @@ def load_data(config: DataConfig, runtime: Runtime, seed: int, log: Callable[[st
     on_rank0(runtime, lambda: _prepare(config, log))
     loaded = _on_every_rank(runtime, lambda: _read(config))
     _columns_note(loaded, log)
-    return build(loaded, config, runtime, seed, log, collate_for(config.pad_id, config.collate))
+    data = build(loaded, config, runtime, seed, log, collate_for(config.pad_id, config.collate))
+    return dataclasses.replace(data, identity=_identity(config, loaded))
 
 
 def data_from_datasets(train, test, config: DataConfig, runtime: Runtime, seed: int,
@@ -45,7 +47,8 @@ def data_from_datasets(train, test, config: DataConfig, runtime: Runtime, seed: 
         "custom", as_split_or_dataset(train, "train data"), as_split_or_dataset(test, "test data"),
         val=None if val is None else as_split_or_dataset(val, "fit(val_data=...)")))
     _columns_note(loaded, log)
-    return build(loaded, config, runtime, seed, log, collate_for(config.pad_id, config.collate, collate_fn))
+    data = build(loaded, config, runtime, seed, log, collate_for(config.pad_id, config.collate, collate_fn))
+    return dataclasses.replace(data, identity=identity.of_objects(train=loaded.train, test=loaded.test, val=loaded.val))
 
 
 def _columns_note(loaded: Loaded, log) -> None:
@@ -60,9 +63,20 @@ def _token_data(config: DataConfig, runtime: Runtime, seed: int, log) -> Data:
     info, train, test = _on_every_rank(runtime, lambda: token_data(config, runtime, seed))
     log(f"data {info.name}: {train.num_tokens} train / {test.num_tokens} test tokens, vocabulary {info.num_classes}, "
         f"{train.num_samples} windows of {config.seq_len} per epoch, {test.num_samples} test windows"
-        + (" (device-resident)" if config.name == "text" else " (memory-mapped)")
+        + (" (device-resident)" if config.name == "text" else " (read window by window)")
         + (f", {len(train.read.shards)} train / {len(test.read.shards)} test shards" if config.train_files else ""))
-    return Data(info, train, test)
+    return Data(info, train, test, identity=identity.of_files([*train.paths, *test.paths]))
+
+
+def _identity(config: DataConfig, loaded: Loaded) -> Callable[[], dict]:
+    """What identifies the data in a checkpoint: the files of a named set, or what the objects read can say."""
+    if not config.factory and config.name in idx.SETS:
+        raw = idx.SETS[config.name].raw(Path(config.root))
+        return identity.of_files(raw / name for name in idx.RAW_FILES)
+    if not config.factory and config.name == "cifar10":
+        folder = named.cifar_folder(Path(config.root))
+        return identity.of_files(folder / name for name in named.CIFAR_FILES)
+    return identity.of_objects(train=loaded.train, test=loaded.test, val=loaded.val)
 
 
 def _main_log(runtime: Runtime) -> Callable[[str], None]:

@@ -42,7 +42,7 @@ def _has_images(folder: Path) -> bool:
 # ---------------------------------------------------------------- CIFAR-10
 
 
-def _cifar_folder(root: Path) -> Path | None:
+def cifar_folder(root: Path) -> Path | None:
     for folder in (root / "cifar-10-batches-py", root):
         if all((folder / f).is_file() for f in CIFAR_FILES):
             return folder
@@ -50,7 +50,7 @@ def _cifar_folder(root: Path) -> Path | None:
 
 
 def cifar_found(root: Path) -> bool:
-    return _cifar_folder(root) is not None
+    return cifar_folder(root) is not None
 
 
 def _cifar_reader(base_folder: str):
@@ -66,7 +66,7 @@ def _cifar_reader(base_folder: str):
 
 
 def load_cifar10(root: Path) -> tuple[Split, Split, tuple[str, ...]]:
-    folder = _cifar_folder(root)
+    folder = cifar_folder(root)
     reader = _cifar_reader(folder.name if folder != root else ".")
     splits = []
     for train in (True, False):

@@ -1,6 +1,6 @@
 """Language-model data: `text` (a UTF-8 file or folder of .txt files as bytes, vocabulary 256) and `tokens` (nanoGPT's
-train.bin / val.bin of uint16 ids, or the shards data.train_files / data.test_files name (token_files.py), all
-memory-mapped), cut into windows of data.seq_len + 1 tokens.
+train.bin / val.bin of uint16 ids, or the shards data.train_files / data.test_files name, all read window by window
+as token_files.py reads them), cut into windows of data.seq_len + 1 tokens.
 
 A training sample is a window whose start comes from (seed, epoch, sample index) by a counter-based hash, so any
 rank computes any sample's window alone: the order is the same at every world size and resumes exactly. The test
@@ -18,7 +18,7 @@ import torch
 from distrib.config import DataConfig
 from distrib.data.batching import Batch
 from distrib.data.tensors import DataInfo
-from distrib.data.token_files import token_streams
+from distrib.data.token_files import Shard, TokenStream, token_streams
 from distrib.distributed.runtime import Runtime
 from distrib.errors import UserError
 
@@ -47,12 +47,13 @@ def window_starts(seed: int, epoch: int, indices: np.ndarray, num_starts: int) -
 class TokenWindows:
     """A BatchSource over one token stream. Training (an epoch given): (num_tokens - 1) // seq_len windows at hashed
     starts. Evaluation (epoch None): consecutive windows covering every target token once. Yields (inputs [B, T],
-    targets [B, T]) int64 on the runtime's device."""
+    targets [B, T]) int64 on the runtime's device. `paths`: the files the tokens were read from (the data's
+    identity in a checkpoint)."""
 
     def __init__(self, read: Callable[[np.ndarray], torch.Tensor], num_tokens: int, seq_len: int, seed: int,
-                 runtime: Runtime, training: bool, check: Callable[[torch.Tensor], None] | None = None):
+                 runtime: Runtime, training: bool, paths: tuple[Path, ...] = ()):
         self.read, self.num_tokens, self.seq_len, self.seed = read, num_tokens, seq_len, seed
-        self.device, self.check = runtime.device, check
+        self.device, self.paths = runtime.device, paths
         targets = num_tokens - 1  # every token but the first is some window's target
         self.num_samples = targets // seq_len if training else -(-targets // seq_len)
 
@@ -67,8 +68,6 @@ class TokenWindows:
             positions = starts[:, None] + offsets  # [B, T + 1]
             beyond = positions >= self.num_tokens  # only in the last test window
             windows = self.read(np.minimum(positions, self.num_tokens - 1))
-            if self.check is not None:
-                self.check(windows)
             windows = windows.to(self.device, non_blocking=True)
             inputs, targets = windows[:, :-1], windows[:, 1:]
             if beyond.any():  # only the last test window: its positions past the stream count for nothing
@@ -135,7 +134,8 @@ def _on_device(tokens: torch.Tensor, device: torch.device) -> Callable[[np.ndarr
 # ---------------------------------------------------------------- tokens: nanoGPT's train.bin / val.bin
 
 
-def open_tokens(root: Path, name: str, seq_len: int) -> np.memmap:
+def open_tokens(root: Path, name: str, seq_len: int, vocab_size: int) -> TokenStream:
+    """nanoGPT's train.bin or val.bin as a stream of one raw shard (never taken for an llm.c shard)."""
     path = root / name
     if not path.is_file():
         raise UserError(f"data.root = {str(root)!r}: no {name}; fix: give the folder holding nanoGPT's train.bin and "
@@ -146,23 +146,7 @@ def open_tokens(root: Path, name: str, seq_len: int) -> np.memmap:
                         "write it with np.array(ids, dtype=np.uint16).tofile(path)")
     if size // 2 < (seq_len + 2 if name == "train.bin" else 2):
         raise _too_short(str(path), size // 2, seq_len)
-    return np.memmap(path, dtype=np.uint16, mode="r")  # pages are read as windows touch them, never the whole file
-
-
-def _from_memmap(tokens: np.memmap) -> Callable[[np.ndarray], torch.Tensor]:
-    def read(positions: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(tokens[positions].astype(np.int64))  # a copy of just these windows
-
-    return read
-
-
-def _vocab_check(path: Path, vocab_size: int) -> Callable[[torch.Tensor], None]:
-    def check(windows: torch.Tensor) -> None:
-        if int(windows.max()) >= vocab_size:  # on the host, before the copy to the device: no sync
-            raise UserError(f"data.vocab_size = {vocab_size}: {path} holds token id {int(windows.max())}; fix: "
-                            f"--set data.vocab_size={int(windows.max()) + 1} or more (the tokenizer's vocabulary)")
-
-    return check
+    return TokenStream([Shard(path, 0, size // 2)], "data.root", vocab_size)  # windows read as batches need them
 
 
 # ---------------------------------------------------------------- both
@@ -179,24 +163,21 @@ def token_data(config: DataConfig, runtime: Runtime, seed: int) -> tuple[DataInf
     seq_len = config.seq_len
     if config.name == "text":
         train, test = text_streams(config)
-        vocab_size = BYTE_VOCAB
-        reads = [(_on_device(s, runtime.device), len(s), None) for s in (train, test)]
+        vocab_size, files = BYTE_VOCAB, tuple(_text_files(Path(config.root)))
+        reads = [(_on_device(s, runtime.device), len(s), files) for s in (train, test)]
     elif config.train_files:
         vocab_size = config.vocab_size
-        streams = token_streams(config.train_files, config.test_files)
+        streams = token_streams(config.train_files, config.test_files, vocab_size)
         for (key, pattern), stream, least in zip((("train_files", config.train_files),
                                                    ("test_files", config.test_files)), streams, (seq_len + 2, 2)):
             if stream.num_tokens < least:
                 raise _too_short(f"data.{key} = {pattern!r}", stream.num_tokens, seq_len)
-        reads = [(stream, stream.num_tokens, _vocab_check(Path(pattern), vocab_size))
-                 for stream, pattern in zip(streams, (config.train_files, config.test_files))]
+        reads = [(stream, stream.num_tokens, tuple(shard.path for shard in stream.shards)) for stream in streams]
     else:
         root, vocab_size = Path(config.root), config.vocab_size
-        reads = []
-        for name in ("train.bin", "val.bin"):
-            tokens = open_tokens(root, name, seq_len)
-            reads.append((_from_memmap(tokens), len(tokens), _vocab_check(root / name, vocab_size)))
+        streams = [open_tokens(root, name, seq_len, vocab_size) for name in ("train.bin", "val.bin")]
+        reads = [(stream, stream.num_tokens, (stream.shards[0].path,)) for stream in streams]
     info = token_info(config.name, seq_len, vocab_size)
-    sources = [TokenWindows(read, num_tokens, seq_len, seed, runtime, training, check)
-               for (read, num_tokens, check), training in zip(reads, (True, False))]
+    sources = [TokenWindows(read, num_tokens, seq_len, seed, runtime, training, paths)
+               for (read, num_tokens, paths), training in zip(reads, (True, False))]
     return info, sources[0], sources[1]

@@ -1,8 +1,10 @@
 """Token files in the formats distrib reads: llm.c's shards (a 256-int32 header: magic, version, token count; then
-uint16 ids) and nanoGPT's raw uint16 files; and a learnable stream to fill them with."""
+uint16 ids) and nanoGPT's raw uint16 files; a learnable stream to fill them with; a callback that cuts shards short
+under a live run."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -35,3 +37,14 @@ def write_llmc_shards(root: Path, stream: np.ndarray, train_sizes: tuple[int, ..
         start += size
     write_llmc(root / f"{prefix}_val_000000.bin", stream[start:])
     return str(root / f"{prefix}_train_*.bin"), str(root / f"{prefix}_val_*.bin")
+
+
+class CutShardsShort:
+    """A callback (`train.callbacks = ["tests.helpers.token_shards:CutShardsShort"]`) that cuts the files
+    DISTRIB_TEST_CUT_FILES names (os.pathsep between them) down to their llm.c header at the end of step
+    DISTRIB_TEST_CUT_AT: a shard truncated under a live run, at an exact step."""
+
+    def on_step_end(self, step: int, loss) -> None:
+        if step == int(os.environ["DISTRIB_TEST_CUT_AT"]):
+            for path in os.environ["DISTRIB_TEST_CUT_FILES"].split(os.pathsep):
+                os.truncate(path, 256 * 4)

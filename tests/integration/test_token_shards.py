@@ -1,19 +1,25 @@
 """Token shards end to end: llm.c-format shards (3 train, 1 val) through data.train_files / data.test_files train the
 same at world sizes 1 and 2, evaluate every held-out token, and a worker killed mid-run (SIGKILL, --max-restarts 1)
-is restarted and ends bitwise where the uninterrupted run ends; a truncated shard is one line and exit 2."""
+is restarted and ends bitwise where the uninterrupted run ends; a truncated shard is one line and exit 2, before the
+run and under it; shards changed before a resume are one line naming the file, exit 2 on every rank (world sizes 1
+and 2), unless allowed."""
 
 import json
+import os
+import re
+import shutil
 import sys
 
 import pytest
 import torch
 
 from distrib import cli
+from distrib.checkpoint.format import digest
 from distrib.config import load_config
 from distrib.worker import run_training
-from tests.helpers.launch_runs import launch_runs
+from tests.helpers.launch_runs import launch_runs, split_runs
 from tests.helpers.support import max_relative_diff, sets
-from tests.helpers.token_shards import learnable_stream, write_llmc, write_llmc_shards
+from tests.helpers.token_shards import CutShardsShort, learnable_stream, write_llmc, write_llmc_shards
 
 VAL_TOKENS = 700
 RUN = ["data.name=tokens", "data.vocab_size=64", "data.seq_len=16", "model.factory=tests.helpers.dying_model:gpt",
@@ -27,17 +33,30 @@ def test_llmc_shards_agree_across_world_sizes_count_every_val_token_and_resume_b
     train, val = write_llmc_shards(tmp_path / "data", learnable_stream(3 * 1500 + VAL_TOKENS), (1200, 1500, 1800))
     run = [*RUN, f"data.train_files={train}", f"data.test_files={val}"]
     one = run_training(load_config(None, [*run, f"run.dir={tmp_path}/one"]))
-    # One launch of 2 workers, two runs (tests/helpers/train_runs.py): the uninterrupted one, then one whose rank 1
-    # kills itself (SIGKILL) inside step 10 of its first attempt. The launcher restarts both workers: the finished
-    # run trains nothing, the killed one resumes from checkpoint 8 and ends where the uninterrupted one ended, to
-    # the bit.
+    # A copy of the shards elsewhere, one of them with other tokens of the same size: resumed from run one's
+    # checkpoint 8 at world size 2, it is refused on every rank.
+    shutil.copytree(tmp_path / "data", tmp_path / "copy")
+    write_llmc(tmp_path / "copy" / "shard_train_000001.bin", learnable_stream(1500, seed=1))
+    changed = [*RUN, f"data.train_files={tmp_path}/copy/shard_train_*.bin",
+               f"data.test_files={tmp_path}/copy/shard_val_*.bin", f"run.dir={tmp_path}/changed",
+               f"checkpoint.resume={tmp_path}/one/checkpoints/step_00000008.pt"]
+    # One launch of 2 workers, three runs (tests/helpers/train_runs.py): the uninterrupted one, then one whose rank 1
+    # kills itself (SIGKILL) inside step 10 of its first attempt, then (in the second attempt only) the refused
+    # resume. The launcher restarts both workers: the finished run trains nothing, the killed one resumes from
+    # checkpoint 8 and ends where the uninterrupted one ended, to the bit.
     runs = [("two", {}, [*run, f"run.dir={tmp_path}/two"]),
             ("killed", {"DISTRIB_TEST_DIE_AT": "10", "DISTRIB_TEST_DIE_ONCE": str(tmp_path / "died")},
-             [*run, f"run.dir={tmp_path}/killed"])]
+             [*run, f"run.dir={tmp_path}/killed"]),
+            ("changed", {"DISTRIB_LAUNCH_REPORTS": "0"}, changed)]  # each rank says its error, not the launcher
     result = launch_runs([sys.executable, "-m", "distrib", "launch", "--nproc-per-node=2", "--max-restarts=1"], runs,
-                         tmp_path)
+                         tmp_path, codes=tmp_path / "codes.json")
     out = result.stdout + result.stderr
     assert result.returncode == 0 and (tmp_path / "died").exists(), out[-4000:]
+    assert json.loads((tmp_path / "codes.json").read_text()) == {"two": 0, "killed": 0, "changed": 2}, out[-4000:]
+    refused = split_runs(result.stderr, ["two", "killed", "changed"])["changed"]
+    assert refused.count(f"step_00000008.pt: the data changed since it was taken ({tmp_path}/copy/shard_train_000001"
+                         ".bin: other content (the same 4024 bytes)), so a resume would not continue") == 2, refused
+    assert "Traceback" not in refused and not list((tmp_path / "changed").glob("checkpoints/step_*"))
     two = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert two["restart_count"] == 0, two  # finished in the first attempt, before the kill
     weights = {name: torch.load(tmp_path / name / "model.pt", weights_only=True) for name in ("one", "two")}
@@ -59,3 +78,74 @@ def test_llmc_shards_agree_across_world_sizes_count_every_val_token_and_resume_b
     assert said.strip().splitlines()[-1] == (
         f"distrib: error: data.train_files: {tmp_path}/data/shard_train_000001.bin is truncated: its header says "
         "1500 tokens, the file holds 1000; fix: copy or write it again")
+
+
+def _train(capfd, *overrides: str) -> tuple[int, str]:
+    """`distrib train` in this process (world size 1): its exit code and what it said on stderr."""
+    capfd.readouterr()
+    code = cli.main(["train", *sets(*overrides)])
+    return code, capfd.readouterr().err
+
+
+@pytest.mark.timeout(600)
+def test_shards_changed_before_a_resume_are_one_line_naming_the_file_unless_allowed(tmp_path, capfd):
+    stream = learnable_stream(3 * 1500 + VAL_TOKENS)
+    train, val = write_llmc_shards(tmp_path / "data", stream, (1200, 1500, 1800))
+    run = [*RUN, f"data.train_files={train}", f"data.test_files={val}", "train.max_steps=8"]
+    assert _train(capfd, *run, f"run.dir={tmp_path}/whole")[0] == 0
+    assert _train(capfd, *run, f"run.dir={tmp_path}/parts", "train.max_steps=4")[0] == 0
+    for name in ("allowed", "old"):
+        shutil.copytree(tmp_path / "parts", tmp_path / name)
+    old = tmp_path / "old" / "checkpoints" / "step_00000004.pt"  # as a distrib before data identities wrote it
+    state = torch.load(old, weights_only=True)
+    del state["data_identity"]
+    torch.save({**state, "checksum": digest(state)}, old)
+    shard = tmp_path / "data" / "shard_train_000001.bin"
+    original = shard.read_bytes()
+    refused = (f"distrib: error: checkpoint {tmp_path}/parts/checkpoints/step_00000004.pt: the data changed since it "
+               "was taken ({}), so a resume would not continue the same run; restore the data, use a new "
+               "checkpoint.dir, or --set checkpoint.allow_config_change=true")
+    written = {path: path.read_bytes() for path in (tmp_path / "parts").rglob("*")
+               if path.is_file() and path.name != ".distrib.lock"}  # the lock says who holds the folder now
+    write_llmc(shard, learnable_stream(1500, seed=1))  # the same size, other tokens
+    code, said = _train(capfd, *run, f"run.dir={tmp_path}/parts")
+    assert code == 2 and said.strip().splitlines()[-1] == refused.format(
+        f"{shard}: other content (the same 4024 bytes)"), said[-2000:]
+    write_llmc(shard, stream[1200:2500])  # 1300 of its 1500 tokens
+    code, said = _train(capfd, *run, f"run.dir={tmp_path}/parts")
+    assert code == 2 and said.strip().splitlines()[-1] == refused.format(f"{shard}: 4024 -> 3624 bytes"), said[-2000:]
+    assert {path: path.read_bytes() for path in written} == written  # refused before anything is written
+
+    code, said = _train(capfd, *run, f"run.dir={tmp_path}/allowed", "checkpoint.allow_config_change=true")
+    assert code == 0 and "resumed at step 4" in said, said[-2000:]
+    assert (f"step_00000004.pt: resumed on changed data, as checkpoint.allow_config_change allows: {shard}: 4024 -> "
+            "3624 bytes") in said
+    code, said = _train(capfd, *run, f"run.dir={tmp_path}/old")
+    assert code == 0 and "resumed at step 4" in said and (
+        f"checkpoint {old}: records nothing that identifies its data (it was written before distrib did), so this "
+        "run cannot check that it reads the same data") in said, said[-2000:]
+    # The refused resumes wrote nothing: on the files restored, the run resumes and ends bitwise as the whole one.
+    shard.write_bytes(original)
+    code, said = _train(capfd, *run, f"run.dir={tmp_path}/parts")
+    assert code == 0 and "resumed at step 4" in said and "data changed" not in said, said[-2000:]
+    weights = [torch.load(tmp_path / name / "model.pt", weights_only=True) for name in ("parts", "whole")]
+    assert all(torch.equal(weights[0][key], weights[1][key]) for key in weights[1])
+
+
+@pytest.mark.timeout(600)
+def test_a_shard_cut_short_under_a_live_run_is_one_line_and_exit_2_with_its_checkpoint_kept(tmp_path, capfd,
+                                                                                           monkeypatch):
+    train, val = write_llmc_shards(tmp_path / "data", learnable_stream(3 * 1500 + VAL_TOKENS), (1200, 1500, 1800))
+    sizes = {str(path): path.stat().st_size for path in sorted((tmp_path / "data").glob("shard_train_*.bin"))}
+    monkeypatch.setenv("DISTRIB_TEST_CUT_AT", "4")  # after step 4 and its checkpoint: every train shard to its header
+    monkeypatch.setenv("DISTRIB_TEST_CUT_FILES", os.pathsep.join(sizes))
+    code, said = _train(capfd, *RUN, f"data.train_files={train}", f"data.test_files={val}", f"run.dir={tmp_path}/run",
+                        f'train.callbacks=["{CutShardsShort.__module__}:CutShardsShort"]')
+    last = said.strip().splitlines()[-1]
+    found = re.fullmatch(r"distrib: error: data.train_files: (\S+) was cut short under the run: it holds 1024 bytes, "
+                         r"(\d+) when the run opened it; fix: restore the file and run the same command again \(it "
+                         r"resumes from the last checkpoint\)", last)
+    assert code == 2 and found and sizes[found[1]] == int(found[2]), said[-2000:]
+    assert "Traceback" not in said and "step 5" not in said
+    kept = torch.load(tmp_path / "run" / "checkpoints" / "step_00000004.pt", weights_only=True)
+    assert kept["progress"]["step"] == 4

@@ -173,8 +173,8 @@ def test_tokens_errors_are_one_line(tmp_path):
     _write_tokens(tmp_path, np.arange(100) % 60, np.arange(10))
     config = load_config(None, ["data.name=tokens", f"data.root={tmp_path}", "data.vocab_size=50", "data.seq_len=8"])
     data = load_data(config.data, CPU, seed=0, log=lambda message: None)
-    with pytest.raises(UserError, match=r"data.vocab_size = 50: .*train.bin holds token id (5\d); fix: --set "
-                                        r"data.vocab_size=(5\d|60) or more"):
+    with pytest.raises(UserError, match=r"data.vocab_size = 50: .*train.bin holds token id (5\d) \(its token 5\d\); "
+                                        r"fix: --set data.vocab_size=(5\d|60) or more"):
         list(data.train.batches([torch.arange(12)], epoch=0))
     (tmp_path / "val.bin").unlink()
     with pytest.raises(UserError, match=r"no val.bin; fix: give the folder holding nanoGPT's train.bin and val.bin"):

@@ -1,7 +1,9 @@
 """Token shards in process (data.train_files / data.test_files): llm.c's shards and raw uint16 files read as one
 stream per split, windows across shard boundaries, every held-out token once; truncated and foreign files refused
-with one line naming them; memory maps opened anew in another process."""
+with one line naming them, as is a file cut short under a live run and a token id over the vocabulary; files opened
+anew in another process."""
 
+import os
 import pickle
 
 import numpy as np
@@ -85,13 +87,51 @@ def test_token_files_config_is_checked():
         load_config(None, ["data.name=text", "data.train_files=a*.bin", "data.test_files=b*.bin"])
 
 
-def test_memory_maps_are_opened_per_process(tmp_path):
+def test_files_are_opened_per_process(tmp_path):
     write_llmc(tmp_path / "a.bin", np.arange(100))
     stream = TokenStream(find_shards("k", str(tmp_path / "a.bin")))
     assert stream(np.array([[3, 4]])).tolist() == [[3, 4]]
     copy = pickle.loads(pickle.dumps(stream))  # what a DataLoader worker (spawn) receives
-    assert copy._maps is None and copy(np.array([99])).tolist() == [99]
-    stream._pid = -2  # as after a fork: another pid maps the files itself
-    before = stream._maps
+    assert copy._files is None and copy(np.array([99])).tolist() == [99]
+    stream._pid = -2  # as after a fork: another pid opens the files itself
+    before = stream._files
     stream(np.array([0]))
-    assert stream._maps is not before
+    assert stream._files is not before
+
+
+def test_any_positions_read_across_shards_as_numpy_indexing_would(tmp_path):
+    stream_ids = np.random.default_rng(2).integers(0, 60000, 900)
+    write_llmc(tmp_path / "a.bin", stream_ids[:400])
+    write_llmc(tmp_path / "b.bin", stream_ids[400:])
+    stream = TokenStream(find_shards("k", str(tmp_path / "*.bin")))
+    windows = np.arange(380, 420)[None, :] + np.array([[0], [10], [-380], [480]])  # within a, across, within b
+    scattered = np.array([[899, 0, 400, 399, 5, 5], [7, 3, 1, 898, 401, 2]])  # not in order, repeated
+    for positions in (windows, scattered, np.array([899]), np.array([[[1, 2], [3, 899]]])):
+        assert torch.equal(stream(positions), torch.from_numpy(stream_ids[positions]))
+
+
+def test_a_shard_cut_short_under_a_live_stream_is_one_line_naming_it(tmp_path):
+    write_llmc(tmp_path / "a.bin", np.arange(500) % 100)
+    write_llmc(tmp_path / "b.bin", np.arange(500) % 100)
+    stream = TokenStream(find_shards("data.train_files", str(tmp_path / "*.bin")))
+    assert stream(np.arange(490, 510)[None, :]).tolist() == [[*range(90, 100), *range(10)]]
+    os.truncate(tmp_path / "b.bin", 1024 + 2 * 300)  # under the open file, as another process would cut it
+    assert stream(np.arange(600, 610)[None, :]).tolist() == [list(range(100))[:10]]  # what is left reads on
+    with pytest.raises(UserError) as error:
+        stream(np.arange(490, 810)[None, :])  # a memory map's read here would end the process with SIGBUS
+    assert str(error.value) == (
+        f"data.train_files: {tmp_path}/b.bin was cut short under the run: it holds 1624 bytes, 2024 when the run "
+        "opened it; fix: restore the file and run the same command again (it resumes from the last checkpoint)")
+
+
+def test_a_token_id_over_the_vocabulary_names_its_file_and_position(tmp_path):
+    ids = np.arange(2000) % 90
+    ids[1234] = 97
+    train, val = write_llmc_shards(tmp_path, ids, (1000, 700))
+    data = _load(train, val, "data.vocab_size=90")
+    with pytest.raises(UserError) as error:
+        for _ in data.train.batches([torch.arange(52)], epoch=0):  # 52 windows at hashed starts: one holds it
+            pass
+    assert str(error.value) == (
+        f"data.vocab_size = 90: {tmp_path}/shard_train_000001.bin holds token id 97 (its token 234); fix: --set "
+        "data.vocab_size=98 or more (the tokenizer's vocabulary)")
