@@ -229,9 +229,10 @@ class StreamBatches:
         trained = self.step_in_epoch
         if not self.sharded:
             read = max((end.read for end in order.ends), default=0)
+            partial = read - trained * layout.global_batch_size
             self.log(f"stream pass {self.epoch} ended after {read} samples: {trained} steps of "
-                     f"{layout.global_batch_size} trained, the last {read - trained * layout.global_batch_size} (a "
-                     "partial global batch) not")
+                     f"{layout.global_batch_size} trained, "
+                     + (f"the last {partial} (a partial global batch) not" if partial else "none left over"))
             return
         lefts = [left]
         if layout.world_size > 1:
