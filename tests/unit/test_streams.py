@@ -10,7 +10,7 @@ from itertools import chain
 
 import pytest
 import torch
-from torch.utils.data import IterableDataset
+from torch.utils.data import IterableDataset, get_worker_info
 
 from distrib.config import load_config
 from distrib.data.batching import BatchPlan, DeviceBatches, Finish, load_source_state
@@ -58,6 +58,32 @@ def test_a_plain_stream_gives_the_same_global_batches_at_any_world_size_and_work
         assert together == list(range(8 * step, 8 * step + 8))
     trained = [i for rank in ranks for micro in rank for i in micro]
     assert sorted(trained) == list(range(48))  # each once; the partial global batch is not trained
+
+
+class SplitsItself(IterableDataset):
+    """torch's documented worker-aware stream: each DataLoader worker yields every num_workers-th sample."""
+
+    def __iter__(self):
+        info = get_worker_info()
+        ids = range(40) if info is None else range(info.id, 40, info.num_workers)
+        return (_row(i) for i in ids)
+
+
+def test_a_plain_stream_read_by_workers_must_not_split_itself_among_them():
+    """Every worker of a plain stream iterates it whole: a stream that splits itself among the workers would lose
+    half its samples, silently. It is one line at the step that first takes worker 1's micro-batch; the same samples
+    as a plain stream that does not split itself (Rows) train each once."""
+    config = load_config(None, ["data.num_workers=2"]).data
+    finish, plan = Finish(Normalizer((), (), uint8=False), None), BatchPlan(None, 4, 1, 0, 1, 0)
+    whole = _take(StreamBatches(Rows(40), CPU, config, finish, lambda line: None), plan, 0)
+    assert sorted(i for ids in whole for i in ids) == list(range(40))
+    try:  # not pytest.raises: its traceback would keep the DataLoader's workers alive past the test
+        _take(StreamBatches(SplitsItself(), CPU, config, finish, lambda line: None), plan, 0)
+        message = ""
+    except UserError as error:
+        message = str(error)
+    assert message.startswith("train data: the plain stream began with another sample in DataLoader worker 1 than in "
+                              "worker 0 ") and "fix: give it n_shards" in message and "\n" not in message, message
 
 
 def test_a_plain_stream_restarts_at_a_position_exactly():
