@@ -182,10 +182,11 @@ def test_fit_on_a_plain_stream_trains_as_the_same_samples_in_memory(tmp_path, ca
 
 
 @pytest.mark.timeout(300)
-def test_a_finite_stream_with_a_constant_schedule_trains_by_passes(tmp_path, capfd):
+@pytest.mark.parametrize("sharded", [False, True], ids=["plain", "sharded"])
+def test_a_finite_stream_with_a_constant_schedule_trains_by_passes(tmp_path, capfd, sharded):
     """No train.max_steps: 200 samples in global batches of 8 are 25 steps a pass; 2 passes are 50 steps, bitwise what
     train.max_steps = 50 gave; runs stopped at step 25 (a pass boundary) and 37 (mid-pass) and resumed by passes end
-    there too."""
+    there too (sharded: 4 files of 50, resumed from the position in the checkpoint)."""
     from distrib import fit
     from tests.helpers.support import load_weights
 
@@ -200,13 +201,17 @@ def test_a_finite_stream_with_a_constant_schedule_trains_by_passes(tmp_path, cap
 
     def run(name: str, **overrides) -> dict:
         settings = {**common, "train.epochs": 2, "run.dir": str(tmp_path / name), **overrides}
-        return fit(model, Pairs(x, y), (x[:40], y[:40]), overrides=settings)
+        source = Shards(["0", "50", "100", "150"], lambda first: zip(x[int(first):int(first) + 50],
+                                                                     y[int(first):int(first) + 50]))
+        return fit(model, source if sharded else Pairs(x, y), (x[:40], y[:40]), overrides=settings)
 
     one = run("one", **{"train.epochs": 1})
     said = capfd.readouterr().err
     assert (one["steps"], one["epochs"], one["stop_reason"]) == (25, 1, "completed"), one
     assert "an unknown number of steps (train.epochs = 1 passes over the stream" in said, said
-    assert "stream pass 0 ended after 200 samples: 25 steps of 8 trained, none left over" in said, said
+    assert ("stream pass 0 ended at step 25 of the pass, when a rank's shards ran dry: samples left untrained per "
+            "rank [0]" if sharded else "stream pass 0 ended after 200 samples: 25 steps of 8 trained, none left "
+            "over") in said, said
     two = run("two")
     reference = run("max_steps", **{"train.max_steps": 50})  # as a stream had to be given before
     assert two["steps"] == reference["steps"] == 50 and two["epochs"] == 2
