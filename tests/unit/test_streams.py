@@ -15,7 +15,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from distrib.config import load_config
 from distrib.data.batching import BatchPlan, DeviceBatches, Finish, load_source_state
 from distrib.data.stream import StreamBatches, WorkerOrder
-from distrib.data.stream_read import Layout, Shards, StreamCollate, WorkerStream
+from distrib.data.stream_read import Layout, Shards, StreamCollate, WorkerStream, fingerprint
 from distrib.data.tensors import Normalizer, Split
 from distrib.distributed.runtime import Runtime
 from distrib.errors import ConfigError, UserError
@@ -84,6 +84,9 @@ def test_a_plain_stream_read_by_workers_must_not_split_itself_among_them():
         message = str(error)
     assert message.startswith("train data: the plain stream began with another sample in DataLoader worker 1 than in "
                               "worker 0 ") and "fix: give it n_shards" in message and "\n" not in message, message
+    # What the workers compare: contents, not an object's address (its repr), nor a tensor's identity.
+    assert fingerprint([_row(0)]) == fingerprint([_row(0)]) != fingerprint([_row(1)])
+    assert fingerprint([(object(), [1, 2.5], "a")]) == fingerprint([(object(), [1, 2.5], "a")])
 
 
 def test_a_plain_stream_restarts_at_a_position_exactly():
