@@ -142,8 +142,9 @@ def _finished_summary(config: Config, runtime: Runtime, state: TrainState, total
     dist.broadcast_object_list(found, src=0)  # every rank returns, or every rank trains on: the same collectives
     summary = found[0]
     if summary is not None and runtime.is_main:
-        done = (early_stop.reason() if stopped_early else f"{step} of {total_steps} steps done" if step == total_steps
-                else f"{step} steps in train.epochs = {config.train.epochs} passes over the stream done")
+        passes = f"{step} steps in train.epochs = {config.train.epochs} passes done"
+        done = (early_stop.reason() if stopped_early else passes if total_steps is None or step < total_steps
+                else f"{step} of {total_steps} steps done")
         extend = "" if stopped_early else "; to extend it, raise train.max_steps or train.epochs"
         # Not resume=never in the same folders: the checkpoint contract refuses to start afresh beside another run's.
         say(f"distrib: {config.run.dir}: the run is finished ({done}), nothing to train; its summary.json is left as "

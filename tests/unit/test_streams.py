@@ -226,4 +226,4 @@ def test_a_finite_stream_with_a_constant_schedule_trains_by_passes(tmp_path, cap
         assert (first["steps"], resumed["resumed_from_step"], resumed["steps"]) == (stop, stop, 50), resumed
         assert all(torch.equal(weights[key], value) for key, value in load_weights(tmp_path / f"at_{stop}").items())
     assert run("at_37")["steps"] == 50  # finished: trains nothing
-    assert "the run is finished (50 steps in train.epochs = 2 passes over the stream done)" in capfd.readouterr().err
+    assert "the run is finished (50 steps in train.epochs = 2 passes done)" in capfd.readouterr().err
