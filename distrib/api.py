@@ -43,8 +43,9 @@ def fit(model: nn.Module | Callable[..., nn.Module], train_data, test_data,
         dicts of tensors (a tokenized Hugging Face dataset; the dict goes to model(**batch), its "labels" are the
         targets, kept out of forward when it takes none), or (inputs, targets) pairs of tensors. Inputs and targets
         may be tensors of any dtype and shape, or dicts.
-        train_data may be a stream: an IterableDataset, or a Hugging Face streaming dataset (train.max_steps then
-        required; see docs/data.md, Streams).
+        train_data may be a stream: an IterableDataset, or a Hugging Face streaming dataset (train.epochs counts
+        its passes; train.max_steps is needed only by a cosine schedule without train.schedule_steps; see
+        docs/data.md, Streams).
     config: a TOML path or a distrib.Config (default: the built-in defaults); overrides: {"train.lr": 0.1, ...}.
     loss_fn: (outputs, targets) -> scalar mean; default: the model's own outputs.loss if it returns one, else
         train.loss (cross-entropy).

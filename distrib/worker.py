@@ -61,16 +61,28 @@ def peers_lost(config: Config, runtime: Runtime):
     return collective_timeouts(config.dist.timeout_s, lambda: "outside the training steps", runtime.peers)
 
 
-def _total_steps(config: Config, steps_per_epoch: int | None) -> int:
+def _total_steps(config: Config, steps_per_epoch: int | None) -> int | None:
+    """The run's optimizer steps; None for a stream with no train.max_steps: then train.epochs passes bound it, each
+    ending when the stream does, so the count is known only at the end."""
+    train = config.train
     if steps_per_epoch is None:  # a stream: train.epochs counts its passes, which end when the stream does
-        if not config.train.max_steps:
-            raise ConfigError(f"train.max_steps = 0: the training data is a stream, whose length is unknown until it "
-                              "ends, so the run needs a step count for its schedule; fix: --set train.max_steps=N "
-                              f"(train.epochs = {config.train.epochs} then caps the passes over the stream)")
-        return config.train.max_steps
-    by_epochs = config.train.epochs * steps_per_epoch
-    by_steps = config.train.max_steps
+        if not train.max_steps and train.schedule == "cosine" and not train.schedule_steps:
+            raise ConfigError("train.max_steps = 0: the training data is a stream, whose length is unknown until it "
+                              "ends, and train.schedule = cosine needs the run's length; fix: --set train.max_steps=N, "
+                              "or --set train.schedule_steps=N (the cosine's length), or --set train.schedule=constant "
+                              f"(then train.epochs = {train.epochs} passes over the stream end the run)")
+        return train.max_steps or None
+    by_epochs = train.epochs * steps_per_epoch
+    by_steps = train.max_steps
     return min(by_epochs, by_steps) if by_epochs and by_steps else by_epochs or by_steps
+
+
+def _steps_said(config: Config, total_steps: int | None) -> str:
+    """The run's length for its opening line: a stream trained by passes says it is unknown until they end."""
+    if total_steps is not None:
+        return f"{total_steps} steps"
+    return (f"an unknown number of steps (train.epochs = {config.train.epochs} passes over the stream, each ending "
+            "when the stream does)")
 
 
 def _best(config: Config, runtime: Runtime) -> BestCheckpoints | None:
@@ -117,20 +129,23 @@ def _resume(state: TrainState, config: Config, runtime: Runtime, checkpointer: C
     return state.progress.step
 
 
-def _finished_summary(config: Config, runtime: Runtime, state: TrainState, total_steps: int) -> dict | None:
+def _finished_summary(config: Config, runtime: Runtime, state: TrainState, total_steps: int | None
+                      ) -> dict | None:
     """The summary of a resumed run that has nothing left to train (its steps done, or stopped early), after one line
     that says so and how to retrain or extend; None when steps are left, or when run.dir holds no summary of that
     step (the run ended before writing it: then it ends the usual way, evaluation and summary included)."""
     step, early_stop = state.progress.step, state.early_stop
     stopped_early = early_stop is not None and early_stop.stopped
     passes_done = bool(config.train.epochs) and state.progress.epoch >= config.train.epochs  # a stream's passes
-    if step < total_steps and not stopped_early and not passes_done:
+    if (total_steps is None or step < total_steps) and not stopped_early and not passes_done:
         return None
     found = [_read_summary(Path(config.run.dir) / "summary.json", step) if runtime.is_main else None]
     dist.broadcast_object_list(found, src=0)  # every rank returns, or every rank trains on: the same collectives
     summary = found[0]
     if summary is not None and runtime.is_main:
-        done = early_stop.reason() if stopped_early else f"{step} of {total_steps} steps done"
+        passes = f"{step} steps in train.epochs = {config.train.epochs} passes done"
+        done = (early_stop.reason() if stopped_early else passes if total_steps is None or step < total_steps
+                else f"{step} of {total_steps} steps done")
         extend = "" if stopped_early else "; to extend it, raise train.max_steps or train.epochs"
         # Not resume=never in the same folders: the checkpoint contract refuses to start afresh beside another run's.
         say(f"distrib: {config.run.dir}: the run is finished ({done}), nothing to train; its summary.json is left as "
@@ -233,6 +248,9 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
                      "at the end")
     plan = make_plan(data.train.num_samples, config.train, runtime)
     total_steps = _total_steps(config, plan.steps_per_epoch)
+    if total_steps is None and config.train.schedule == "cosine":  # its length given by train.schedule_steps
+        notes.append(f"the cosine schedule spans train.schedule_steps = {config.train.schedule_steps} steps; a "
+                     "stream's steps are not known ahead, and any past that many train at a learning rate of 0")
     # Built, materialised (under sharded strategies: only this rank's shards), given model.init_from's weights,
     # placed and wrapped; the checks below run the plain module under the wrappers.
     resuming = _resuming(config, runtime)
@@ -273,8 +291,8 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
         recorder.info(f"world size {runtime.world_size}, device {runtime.device}, backend {runtime.backend}")
         for note in notes:
             recorder.info(note)
-        recorder.info(f"{total_steps} steps of {plan.global_batch_size} samples ({runtime.world_size} ranks x "
-                      f"{config.train.grad_accum_steps} micro-steps x {plan.micro_batch_size}), "
+        recorder.info(f"{_steps_said(config, total_steps)} of {plan.global_batch_size} samples ({runtime.world_size} "
+                      f"ranks x {config.train.grad_accum_steps} micro-steps x {plan.micro_batch_size}), "
                       f"{type(data.train).__name__}")
         recorder.start(to_dict(config), resumed_from, runtime.restart_count)  # trackers: fail here, not mid-run
         try:

@@ -47,8 +47,10 @@ def of_files(paths: Iterable[Path]) -> Callable[[], dict]:
 
 def of_objects(**splits) -> Callable[[], dict]:
     """The identity of data given as objects (None splits left out), described now so that the objects are not
-    kept for it; a distrib.data.Shards stream's files are fingerprinted when asked."""
-    files = of_files(path for value in splits.values() if isinstance(value, Shards) for path in value.files)
+    kept for it; a distrib.data.Shards stream's files are fingerprinted when asked (its shards may name other things
+    than files: only those that are files are read)."""
+    files = of_files(path for value in splits.values() if isinstance(value, Shards) for path in value.files
+                     if os.path.isfile(path))
     objects = {name: describe(value) for name, value in splits.items() if value is not None}
     return lambda: {**files(), "objects": objects}
 

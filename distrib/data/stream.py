@@ -119,6 +119,7 @@ class StreamBatches:
         self.kind: str | None = None  # the structure of the first micro-batch: a later change is refused
         self.position: dict = {}  # this rank's position after the last step handed out
         self.resume: dict | None = None  # a checkpoint's position, for the pass it was taken in
+        self.origin: tuple[str, int] | None = None  # plain streams: the pass's first sample's fingerprint, its worker
         self.epoch, self.step_in_epoch = 0, 0
 
     # ------------------------------------------------------------ the dry batch: the stream's first samples
@@ -144,7 +145,7 @@ class StreamBatches:
             source.set_epoch(epoch)  # a shuffled Hugging Face stream: the same order on every rank, a new one per pass
         reader = WorkerStream(source, layout, self.collate, start.get("reader"))
         order = WorkerOrder(iter(self._loader(reader)), layout.num_workers, start)
-        self.epoch, self.step_in_epoch = epoch, start_step
+        self.epoch, self.step_in_epoch, self.origin = epoch, start_step, None
         while True:
             items = [order.next() for _ in range(layout.grad_accum_steps)]
             vote, message = self._vote(items)
@@ -185,8 +186,9 @@ class StreamBatches:
 
     def _vote(self, items: list[Item | None]) -> tuple[int, str]:
         failed = next((item.batch for item in items if item is not None and isinstance(item.batch, Failed)), None)
-        message = f"train data: {self._at_step(failed.message.removeprefix('data: '))}" if failed else ""
-        if not failed and all(items):
+        message = f"train data: {self._at_step(failed.message.removeprefix('data: '))}" if failed \
+            else self._unlike(items)
+        if not message and all(items):
             message = self._changed(items)
         vote = FAILED if message else OK if all(items) else DRY
         if not self.sharded or self.runtime.world_size == 1:
@@ -216,6 +218,23 @@ class StreamBatches:
                         "alike (the checkpoints before it are kept)")
         return ""
 
+    def _unlike(self, items: list[Item | None]) -> str:
+        """Plain streams: every DataLoader worker iterates the stream whole, so each must begin with the same sample.
+        One that does not (a stream that splits itself among workers with get_worker_info, or draws random samples
+        in each) would have samples lost, or batches that depend on the worker count, silently: one line instead."""
+        for item in items:
+            if self.sharded or item is None or not item.origin:
+                continue
+            self.origin = self.origin or (item.origin, item.worker)
+            if item.origin != self.origin[0]:
+                return (f"train data: the plain stream began with another sample in DataLoader worker {item.worker} "
+                        f"than in worker {self.origin[1]} (each of the {self.config.num_workers} workers iterates it "
+                        "whole and keeps its own micro-batches): it splits itself among workers (get_worker_info), "
+                        "so samples would be lost, or it is another stream in each worker (random samples), so the "
+                        "batches would depend on the worker count; fix: give it n_shards and shard(num_shards, index) "
+                        "(a sharded source; or use distrib.data.Shards), or --set data.num_workers=1")
+        return ""
+
     def _finished(self, item: Item, epoch: int) -> Batch:
         inputs, targets = (samples.to_device(part, self.runtime.device, non_blocking=True) for part in item.batch)
         idx = torch.arange(item.first, item.first + item.count, device=self.runtime.device)
@@ -235,9 +254,10 @@ class StreamBatches:
         trained = self.step_in_epoch
         if not self.sharded:
             read = max((end.read for end in order.ends), default=0)
+            partial = read - trained * layout.global_batch_size
             self.log(f"stream pass {self.epoch} ended after {read} samples: {trained} steps of "
-                     f"{layout.global_batch_size} trained, the last {read - trained * layout.global_batch_size} (a "
-                     "partial global batch) not")
+                     f"{layout.global_batch_size} trained, "
+                     + (f"the last {partial} (a partial global batch) not" if partial else "none left over"))
             return
         lefts = [left]
         if layout.world_size > 1:

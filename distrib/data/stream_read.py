@@ -10,8 +10,9 @@ Hugging Face IterableDataset splits them among the workers itself); each worker 
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
-from itertools import islice
+from itertools import chain, islice
 from typing import Any, Callable, Iterator
 
 import torch
@@ -53,6 +54,7 @@ class Item:
     state: Any = None  # the worker's position after this item: a source state_dict, or samples read
     first: int = 0  # plain streams: the stream position of the micro-batch's first sample (augmentation's key)
     read: int = 0  # at the end: samples the worker read in this pass (plain streams: the stream's length)
+    origin: str = ""  # plain streams: a fingerprint of the first sample of the stream as this worker iterates it
 
 
 def identity(item):
@@ -84,9 +86,11 @@ class WorkerStream(IterableDataset):
     def _plain(self, worker: int) -> Iterator[Item]:
         layout, skip = self.layout, self.start.get("samples", 0)
         stream, size = guarded(self.source), layout.global_batch_size
+        opening = list(islice(stream, 1))  # every worker must see the same first sample (distrib.data.stream checks)
+        origin, stream = fingerprint(opening), chain(opening, stream)
         read = sum(1 for _ in islice(stream, skip))
         if read < skip:
-            yield Item(worker, count=0, read=read)
+            yield Item(worker, count=0, read=read, origin=origin)
             return
         step = skip // size
         while True:
@@ -96,9 +100,11 @@ class WorkerStream(IterableDataset):
                 yield Item(worker, chunk[-1], size)
                 return
             if len(chunk) < size:
-                yield Item(worker, count=len(chunk), read=read)
+                yield Item(worker, count=len(chunk), read=read, origin=origin)
                 return
-            yield from self._slices(worker, step, chunk)
+            for item in self._slices(worker, step, chunk):
+                item.origin = origin
+                yield item
             step += 1
 
     def _slices(self, worker: int, step: int, chunk: list) -> Iterator[Item]:
@@ -158,6 +164,39 @@ class Shards(IterableDataset):
         files = self.files[info.id::info.num_workers] if info is not None else self.files
         for path in files:
             yield from self.read(path)
+
+
+def fingerprint(rows: list) -> str:
+    """A short hash of samples' contents (tensors' and arrays' bytes, numbers' and strings' values; of other objects
+    only their type, whose repr may hold an address), to tell whether two iterations of a stream begin alike."""
+    digest = hashlib.blake2b(digest_size=8)
+
+    def feed(value) -> None:
+        if isinstance(value, torch.Tensor):
+            digest.update(f"{value.dtype} {value.layout}".encode())
+            try:
+                value = value.detach().cpu().contiguous()
+                digest.update(f"{tuple(value.shape)}".encode() + value.reshape(-1).view(torch.uint8).numpy().tobytes())
+            except (RuntimeError, TypeError):  # sparse, nested or quantized: their kind only
+                pass
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                digest.update(repr(key).encode())
+                feed(item)
+        elif isinstance(value, (list, tuple)):
+            digest.update(f"{type(value).__name__} {len(value)}".encode())
+            for item in value:
+                feed(item)
+        elif value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+            digest.update(repr(value).encode())
+        else:
+            digest.update(type(value).__qualname__.encode())
+            if callable(getattr(value, "tobytes", None)) and type(value).__module__ == "numpy":
+                digest.update(value.tobytes())
+
+    for row in rows:
+        feed(row)
+    return digest.hexdigest()
 
 
 def rows_of(stream, what: str, limit: int | None = None) -> list:

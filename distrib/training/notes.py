@@ -22,7 +22,8 @@ def dropout_layers(model: nn.Module) -> list[str]:
     return found
 
 
-def task_notes(config: TrainConfig, loss: Loss, task: Task, model: nn.Module, total_steps: int) -> list[str]:
+def task_notes(config: TrainConfig, loss: Loss, task: Task, model: nn.Module, total_steps: int | None
+               ) -> list[str]:
     source = ("the model's own outputs.loss (train.loss is not used)" if loss.name == "model"
               else f"train.loss = {loss.name}")
     if getattr(loss, "shift", None) is not None:  # a CountedModelLoss
@@ -34,7 +35,7 @@ def task_notes(config: TrainConfig, loss: Loss, task: Task, model: nn.Module, to
         notes.append(f"the model has {len(dropout)} dropout layers ({dropout[0]}, ...): their random masks differ "
                      "between world sizes and grad_accum_steps (each micro-batch draws its own), so such runs no "
                      "longer agree exactly; set their p to 0 to compare runs")
-    if config.warmup_steps > total_steps:
+    if total_steps is not None and config.warmup_steps > total_steps:  # None: a stream's, unknown
         notes.append(f"train.warmup_steps = {config.warmup_steps} is longer than this run's {total_steps} steps: the "
                      f"learning rate never reaches train.lr = {config.lr:g} (it ends at "
                      f"{config.lr * total_steps / config.warmup_steps:.3g}); set train.warmup_steps below "

@@ -62,11 +62,12 @@ def lr_factor(step: int, total_steps: int, config: TrainConfig) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def build_scheduler(optimizer, total_steps: int, config: TrainConfig):
+def build_scheduler(optimizer, total_steps: int | None, config: TrainConfig):
     """The schedule spans train.schedule_steps when set (so a run extended later continues the same curve), else
-    this run's total_steps (an extended run then recomputes it: the cosine jumps back up)."""
-    length = config.schedule_steps or total_steps
-    if config.schedule == "cosine" and length < total_steps:
+    this run's total_steps (an extended run then recomputes it: the cosine jumps back up). total_steps None: a stream
+    trained by passes, whose schedule needs no length (constant) or has train.schedule_steps (distrib.worker)."""
+    length = config.schedule_steps or total_steps or 0
+    if config.schedule == "cosine" and total_steps is not None and length < total_steps:
         raise ConfigError(f"train.schedule_steps = {config.schedule_steps}: shorter than this run's {total_steps} "
                           f"steps, so the learning rate would be 0 after step {length}; set it to {total_steps} or "
                           "more, or to 0 (the run's length)")
@@ -129,7 +130,7 @@ class TrainState:
         self.tracker_ids.update(state.get("trackers", {}))
 
 
-def new_state(model: nn.Module, config: TrainConfig, total_steps: int, device: torch.device,
+def new_state(model: nn.Module, config: TrainConfig, total_steps: int | None, device: torch.device,
               best: BestCheckpoints | None = None, log: Callable[[str], None] | None = None,
               strategy: Strategy | None = None) -> TrainState:
     """A fresh state for a model that `strategy` set up (ddp when none is given: a plain or DDP-wrapped model)."""
@@ -144,15 +145,16 @@ def new_state(model: nn.Module, config: TrainConfig, total_steps: int, device: t
 
 @dataclass(kw_only=True)
 class Trainer:
-    """Runs the state forward to total_steps. Collaborators, all named: what it trains (state, loss, config, plan,
-    total_steps), where (device), how it reports (evaluate, recorder, meter), what the ranks decide together
-    (agreement), and what it saves (checkpointer, the same contract under every strategy)."""
+    """Runs the state forward to total_steps (None: a stream's train.epochs passes). Collaborators, all named: what
+    it trains (state, loss, config, plan, total_steps), where (device), how it reports (evaluate, recorder, meter),
+    what the ranks decide together (agreement), and what it saves (checkpointer, the same contract under every
+    strategy)."""
 
     state: TrainState
     loss: Loss
     config: TrainConfig
     plan: BatchPlan
-    total_steps: int
+    total_steps: int | None  # None: unknown, a stream trained by passes (train.epochs bounds it)
     device: torch.device  # this worker's
     evaluate: Callable[[nn.Module], dict]  # exact test metrics of the model (every rank calls it)
     validate: Callable[[nn.Module], dict] | None = None  # exact val_* metrics of a validation set: then evaluations
@@ -257,7 +259,7 @@ class Trainer:
         progress = self.state.progress
         progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
         every = self.config.eval_every_epochs
-        if every and progress.epoch % every == 0 and progress.step < self.total_steps:
+        if every and progress.epoch % every == 0 and not self.steps_done():
             self._log_eval(self._evaluate())
             self.meter.restart_clock()  # keep evaluation out of the step times
 
@@ -298,6 +300,9 @@ class Trainer:
         self.callbacks.on_evaluate(step, metrics)
         return metrics
 
+    def steps_done(self) -> bool:
+        return self.total_steps is not None and self.state.progress.step >= self.total_steps
+
     def passes_done(self) -> bool:
         """train.epochs passes over a stream done (map-style data: total_steps already counts its epochs)."""
         return bool(self.config.epochs) and self.state.progress.epoch >= self.config.epochs
@@ -308,15 +313,15 @@ class Trainer:
     def stop_reason(self) -> dict:
         if self.stopped_early():
             return {"stop_reason": "early_stop", "stop_detail": self.state.early_stop.reason()}
-        return {"stop_reason": "completed", "stop_detail": f"trained {self.total_steps} steps"}
+        return {"stop_reason": "completed", "stop_detail": f"trained {self.state.progress.step} steps"}
 
     def train(self, train_source) -> dict:
         """Trains from the state's progress to total_steps; evaluates each eval_every_epochs and at the end."""
         progress = self.state.progress
         self.callbacks.on_train_start(unwrap(self.state.model))
-        bar = self.recorder.progress_bar(self.total_steps, initial=progress.step)
+        bar = self.recorder.progress_bar(self.total_steps, initial=progress.step)  # None: a count, no total
         self.meter.restart_clock()
-        while progress.step < self.total_steps and not self.stopped_early() and not self.passes_done():
+        while not self.steps_done() and not self.stopped_early() and not self.passes_done():
             ran_out = True  # the epoch's steps (a stream: the stream) ran out, rather than the run's
             for micro_batches in epoch_steps(train_source, self.plan, progress.epoch, progress.step_in_epoch):
                 self.meter.data_ready()  # the time since the previous step ended was spent getting this batch

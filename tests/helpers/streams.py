@@ -3,7 +3,8 @@ tests.helpers.streams:id_model`): a plain IterableDataset over shard files, a Hu
 JSON-lines files, bad streams; and a model that records the sample ids it trained on.
 
 DISTRIB_TEST_IDS=folder: the model appends each training forward's ids to folder/ids_rank{RANK}.txt.
-DISTRIB_TEST_DIE_AT=N: the worker with RANK=1 sends itself SIGTERM in its Nth training forward."""
+DISTRIB_TEST_DIE_AT=N: the worker with RANK=1 sends itself DISTRIB_TEST_DIE_SIGNAL (default SIGTERM) in its Nth
+training forward; with DISTRIB_TEST_DIE_ONCE=PATH only if PATH does not exist yet (tests.helpers.dying_model)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 from torch.utils.data import IterableDataset
+
+from tests.helpers.dying_model import first_death
 
 NUM_FEATURES, NUM_CLASSES = 4, 3
 
@@ -95,6 +98,7 @@ class IdModel(nn.Module):
         self.ids_file = Path(folder) / f"ids_rank{os.environ.get('RANK', '0')}.txt" if folder else None
         die_at = int(os.environ.get("DISTRIB_TEST_DIE_AT", "0"))
         self.die_at = die_at if os.environ.get("RANK", "0") == "1" else 0
+        self.signum = signal.Signals[os.environ.get("DISTRIB_TEST_DIE_SIGNAL", "SIGTERM")]
 
     def forward(self, x, ids, labels=None):
         if self.training:
@@ -102,8 +106,8 @@ class IdModel(nn.Module):
             if self.ids_file is not None:
                 with open(self.ids_file, "a") as f:
                     f.write(" ".join(str(i) for i in ids.tolist()) + "\n")
-            if self.num_forwards == self.die_at:
-                os.kill(os.getpid(), signal.SIGTERM)
+            if self.num_forwards == self.die_at and first_death():
+                os.kill(os.getpid(), self.signum)
         return self.linear(x.float())
 
 

@@ -5,7 +5,9 @@ its own process group), with environment variables of its own.
     python tests/helpers/train_runs.py RUNS.json [CODES.json]
     RUNS.json: [[NAME, {"VAR": "VALUE"}, ["section.key=value", ...]]]
 
-Ends with the first non-zero exit code of a run; with CODES.json, runs them all and writes {NAME: exit code} there.
+Ends with the first non-zero exit code of a run; with CODES.json, runs them all and writes {NAME: exit code} there,
+unless a run lost a peer (exit 69: the process group is broken, and the launcher stops or restarts every worker; going
+on would wait in the next run's rendezvous until the launcher's grace period kills it).
 Restarted by `distrib launch --max-restarts`, it runs them again: a finished run then trains nothing, the interrupted
 one resumes."""
 
@@ -15,6 +17,7 @@ import sys
 from pathlib import Path
 
 from distrib import cli
+from distrib.errors import EXIT_HUNG
 
 
 def main(path: str, codes_path: str | None = None) -> int:
@@ -27,7 +30,7 @@ def main(path: str, codes_path: str | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":  # rank 0's lines until its next marker are this run's
             print(f"== run {name} ==", file=sys.stderr, flush=True)
         codes[name] = cli.main(["train", *[item for each in overrides for item in ("--set", each)]])
-        if codes[name] and codes_path is None:
+        if codes[name] and (codes_path is None or codes[name] == EXIT_HUNG):
             return codes[name]
     if codes_path is not None:
         Path(codes_path).write_text(json.dumps(codes))

@@ -1,8 +1,10 @@
 """Streams through `distrib train`: a plain IterableDataset over 10 shard files read by 2 DataLoader workers (world 1
 = world 2, every sample of the pass trained once, SIGTERM and rerun bitwise equal to an uninterrupted run); a Hugging
 Face streaming dataset over 4 JSON-lines files of unequal lengths under fsdp (no hang, no sample twice, what each
-rank left, SIGTERM and rerun bitwise); bad streams (a wrong structure halfway, an empty stream, a Hugging Face
-column that changes type): one line, exit 2. The world-size-2 runs of the first three share two torchrun launches
+rank left, SIGTERM and rerun bitwise); each of them trained one pass by train.epochs (no train.max_steps) with rank 1
+SIGKILLed mid-pass under `distrib launch --max-restarts`, restarted, resumed from its checkpointed stream position and
+bitwise equal to the uninterrupted run; bad streams (a wrong structure halfway, an empty stream, a Hugging Face
+column that changes type): one line, exit 2. The world-size-2 runs of the first three share two launches
 (see _launch)."""
 
 from __future__ import annotations
@@ -50,44 +52,64 @@ def _assert_bitwise(a: Path, b: Path) -> None:
     assert all(torch.equal(weights_a[key], weights_b[key]) for key in weights_a)
 
 
-# The world-size-2 runs of the two tests above, in two torchrun launches of tests/helpers/train_runs.py (a launch's
-# process start-up is most of a run's cost; each run with its own environment, every run's exit code kept). The
-# first launch makes the uninterrupted runs and the stopped ones (rank 1 sends itself SIGTERM: every rank checkpoints
-# and returns 75); the second, fresh processes, reruns those.
+# The world-size-2 runs of the two tests below, in two launches of tests/helpers/train_runs.py (a launch's process
+# start-up is most of a run's cost; each run with its own environment, every run's exit code kept). The first, under
+# torchrun, makes the uninterrupted runs and the stopped ones (rank 1 sends itself SIGTERM: every rank checkpoints and
+# returns 75). The second, fresh processes under `distrib launch --max-restarts`, first makes the killed runs: each
+# trains one pass by train.epochs (no train.max_steps) with a checkpoint every 4 steps, and its rank 1 SIGKILLs itself
+# once, mid-pass; the launcher restarts both workers, the killed run resumes from its last checkpoint (a finished
+# one trains nothing); then it reruns the stopped ones.
 TORCHRUN_2 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
 
 
-def _launch(out: Path, name: str, runs: list) -> tuple[dict, dict[str, str]]:
-    """Runs [(name, env, overrides)] in one 2-worker torchrun launch: each run's exit codes by rank, its stderr."""
+def _launch(out: Path, name: str, runs: list, launcher: list[str] = TORCHRUN_2) -> tuple[dict, dict[str, str]]:
+    """Runs [(name, env, overrides)] in one 2-worker launch: each run's exit code, its stderr (its last attempt's)."""
     (out / name).mkdir()
-    done = launch_runs(TORCHRUN_2, runs, out / name, codes=out / f"{name}_codes.json")
+    # One thread per worker, as torchrun gives: distrib's launcher would share out the cores, and bits can depend on it.
+    done = launch_runs(launcher, runs, out / name, env={"OMP_NUM_THREADS": "1"}, codes=out / f"{name}_codes.json")
     assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     codes = json.loads((out / f"{name}_codes.json").read_text())
-    return codes, split_runs(done.stderr, [run_name for run_name, _, _ in runs])  # by rank 0's markers
+    last = done.stderr[done.stderr.rindex(f"== run {runs[0][0]} =="):]  # after the restarts: the last attempt's
+    return codes, split_runs(last, [run_name for run_name, _, _ in runs])  # by rank 0's markers
 
 
 @pytest.fixture(scope="module")
 def streams(tmp_path_factory):
-    """The folder of the runs (plain/, hf/ with two/, stopped/, ids/), each run's exit code and its output."""
+    """The folder of the runs (plain/, hf/ with two/, stopped/, killed/, ids/), each run's exit code and its output."""
     out = tmp_path_factory.mktemp("streams")
     write_tensor_shards(out / "shards", [37] * 10)  # 370 samples: 23 global batches of 16, 2 left
     write_jsonl_shards(out / "jsonl", [100, 300, 150, 50])  # rank 0 reads files 0 and 2 (250), rank 1 1 and 3 (350)
-    kinds = {"plain": ("plain", out / "shards", PLAIN_EXTRA, 15)}
+    # (factory, data, overrides, SIGTERM in rank 1's forward N, SIGKILL in forward N): plain: 2 forwards a step
+    kinds = {"plain": ("plain", out / "shards", PLAIN_EXTRA, 15, 19)}  # SIGKILL in step 10: resumed at 8
     if importlib.util.find_spec("datasets"):
-        kinds["hf"] = ("hugging_face", out / "jsonl", HF_EXTRA, 12)
-    first, rerun = [], []
-    for kind, (factory, folder, extra, die_at) in kinds.items():
+        kinds["hf"] = ("hugging_face", out / "jsonl", HF_EXTRA, 12, 14)  # SIGKILL in step 14: resumed at 12
+    first, killed, rerun = [], [], []
+    for kind, (factory, folder, extra, stop_at, kill_at) in kinds.items():
         (out / kind / "ids").mkdir(parents=True)
         overrides = {name: _overrides(out / kind / name, factory, folder, *extra) for name in ("two", "stopped")}
         first += [(f"{kind}/two", {"DISTRIB_TEST_IDS": str(out / kind / "ids")}, overrides["two"]),
-                  (f"{kind}/stopped", {"DISTRIB_TEST_DIE_AT": str(die_at)}, overrides["stopped"])]
+                  (f"{kind}/stopped", {"DISTRIB_TEST_DIE_AT": str(stop_at)}, overrides["stopped"])]
+        killed.append((f"{kind}/killed", {"DISTRIB_TEST_DIE_AT": str(kill_at), "DISTRIB_TEST_DIE_SIGNAL": "SIGKILL",
+                                          "DISTRIB_TEST_DIE_ONCE": str(out / kind / "died")},
+                       _overrides(out / kind / "killed", factory, folder, *extra, "train.max_steps=0",
+                                  "checkpoint.every_steps=4")))
         rerun.append((f"{kind}/rerun", {}, overrides["stopped"]))
     if "hf" in kinds:  # last: a run that fails (exit 2 on every rank) in the shared launch
         write_bad_jsonl(out / "jsonl_bad", [100] * 4)
         first.append(("hf/bad", {}, _overrides(out / "hf" / "bad", "hugging_face", out / "jsonl_bad", *HF_BAD)))
     codes, said = _launch(out, "first", first)
-    rerun_codes, rerun_said = _launch(out, "rerun", rerun)
+    restarting = [sys.executable, "-m", "distrib", "launch", "--nproc-per-node=2", f"--max-restarts={len(kinds)}"]
+    rerun_codes, rerun_said = _launch(out, "rerun", [*killed, *rerun], restarting)
     return out, {**codes, **rerun_codes}, {**said, **rerun_said}
+
+
+def _assert_killed_resumed(out: Path, kind: str, codes: dict, restarts: int, resumed_at: int, steps: int) -> None:
+    """The killed run ended by its one pass (train.epochs = 1), after a restart, bitwise where the uninterrupted ran."""
+    summary = json.loads((out / kind / "killed" / "summary.json").read_text())
+    assert codes[f"{kind}/killed"] == 0 and (out / kind / "died").exists(), codes
+    assert (summary["restart_count"], summary["resumed_from_step"], summary["steps"], summary["epochs"]) == (
+        restarts, resumed_at, steps, 1), summary
+    _assert_bitwise(out / kind / "killed", out / kind / "two")
 
 
 # One worker per rank; rank 1 reads files 1 and 3 (the bad one) in order: 12 steps, then step 13 meets file 3.
@@ -108,6 +130,7 @@ def test_a_plain_stream_agrees_across_world_sizes_and_resumes_exactly(streams, t
     assert set(trained) == set(range(368)) and set(trained.values()) == {1}  # each once; the last 2 untrained
     assert "resumed at step" in said["plain/rerun"], said["plain/rerun"]
     _assert_bitwise(runs["stopped"], runs["two"])
+    _assert_killed_resumed(out, "plain", codes, restarts=1, resumed_at=8, steps=23)
 
 
 @pytest.mark.timeout(1200)
@@ -121,6 +144,7 @@ def test_a_sharded_hugging_face_stream_ends_together_and_resumes_exactly(streams
     assert sum(trained.values()) == 30 * 16 and set(trained.values()) == {1}  # no sample twice
     assert "resumed at step" in said["hf/rerun"], said["hf/rerun"]
     _assert_bitwise(out / "hf" / "stopped", out / "hf" / "two")
+    _assert_killed_resumed(out, "hf", codes, restarts=2, resumed_at=12, steps=30)  # restarted again for its own kill
 
 
 @pytest.mark.timeout(1200)

@@ -1,7 +1,8 @@
 """Streams in one process: the plain layout (the same global batches at any world size and worker count, each
 sample once, whatever order the DataLoader delivers the workers' items in), exact restarts from a position, a
 sharded source's position in state_dict, the one-line refusals (another world size, another kind of source, no
-train.max_steps), and fit on a stream bitwise equal to the same samples in memory."""
+train.max_steps with a cosine schedule), fit on a stream bitwise equal to the same samples in memory, and a stream
+trained by train.epochs passes with no train.max_steps (resumed at a pass boundary and mid-pass, bitwise)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ from itertools import chain
 
 import pytest
 import torch
-from torch.utils.data import IterableDataset
+from torch.utils.data import IterableDataset, get_worker_info
 
 from distrib.config import load_config
 from distrib.data.batching import BatchPlan, DeviceBatches, Finish, load_source_state
 from distrib.data.stream import StreamBatches, WorkerOrder
-from distrib.data.stream_read import Layout, Shards, StreamCollate, WorkerStream
+from distrib.data.stream_read import Layout, Shards, StreamCollate, WorkerStream, fingerprint
 from distrib.data.tensors import Normalizer, Split
 from distrib.distributed.runtime import Runtime
 from distrib.errors import ConfigError, UserError
@@ -57,6 +58,35 @@ def test_a_plain_stream_gives_the_same_global_batches_at_any_world_size_and_work
         assert together == list(range(8 * step, 8 * step + 8))
     trained = [i for rank in ranks for micro in rank for i in micro]
     assert sorted(trained) == list(range(48))  # each once; the partial global batch is not trained
+
+
+class SplitsItself(IterableDataset):
+    """torch's documented worker-aware stream: each DataLoader worker yields every num_workers-th sample."""
+
+    def __iter__(self):
+        info = get_worker_info()
+        ids = range(40) if info is None else range(info.id, 40, info.num_workers)
+        return (_row(i) for i in ids)
+
+
+def test_a_plain_stream_read_by_workers_must_not_split_itself_among_them():
+    """Every worker of a plain stream iterates it whole: a stream that splits itself among the workers would lose
+    half its samples, silently. It is one line at the step that first takes worker 1's micro-batch; the same samples
+    as a plain stream that does not split itself (Rows) train each once."""
+    config = load_config(None, ["data.num_workers=2"]).data
+    finish, plan = Finish(Normalizer((), (), uint8=False), None), BatchPlan(None, 4, 1, 0, 1, 0)
+    whole = _take(StreamBatches(Rows(40), CPU, config, finish, lambda line: None), plan, 0)
+    assert sorted(i for ids in whole for i in ids) == list(range(40))
+    try:  # not pytest.raises: its traceback would keep the DataLoader's workers alive past the test
+        _take(StreamBatches(SplitsItself(), CPU, config, finish, lambda line: None), plan, 0)
+        message = ""
+    except UserError as error:
+        message = str(error)
+    assert message.startswith("train data: the plain stream began with another sample in DataLoader worker 1 than in "
+                              "worker 0 ") and "fix: give it n_shards" in message and "\n" not in message, message
+    # What the workers compare: contents, not an object's address (its repr), nor a tensor's identity.
+    assert fingerprint([_row(0)]) == fingerprint([_row(0)]) != fingerprint([_row(1)])
+    assert fingerprint([(object(), [1, 2.5], "a")]) == fingerprint([(object(), [1, 2.5], "a")])
 
 
 def test_a_plain_stream_restarts_at_a_position_exactly():
@@ -106,11 +136,16 @@ def test_a_sharded_position_at_another_world_size_is_one_line():
         load_source_state(DeviceBatches(Split(torch.zeros(4, 1), torch.zeros(4)), CPU), saved)
 
 
-def test_a_stream_needs_train_max_steps():
-    config = load_config(None, ["train.epochs=1"])
-    with pytest.raises(ConfigError, match=r"train.max_steps = 0: the training data is a stream"):
-        _total_steps(config, None)
+def test_a_stream_needs_train_max_steps_only_for_a_schedule_that_needs_its_length():
+    with pytest.raises(ConfigError) as error:  # the default cosine, no train.schedule_steps
+        _total_steps(load_config(None, ["train.epochs=1"]), None)
+    message = str(error.value)
+    assert message.startswith("train.max_steps = 0: the training data is a stream") and "\n" not in message
+    assert all(fix in message for fix in ("train.max_steps=N", "train.schedule_steps=N", "train.schedule=constant"))
     assert _total_steps(load_config(None, ["train.max_steps=7"]), None) == 7
+    # Nothing needs the length: train.epochs passes end the run (None: unknown until they do).
+    assert _total_steps(load_config(None, ["train.schedule=constant"]), None) is None
+    assert _total_steps(load_config(None, ["train.schedule_steps=40"]), None) is None
 
 
 class Pairs(IterableDataset):
@@ -147,3 +182,48 @@ def test_fit_on_a_plain_stream_trains_as_the_same_samples_in_memory(tmp_path, ca
     weights = load_weights(tmp_path / "memory"), load_weights(tmp_path / "stream")
     assert all(torch.equal(weights[0][key], weights[1][key]) for key in weights[0])
     assert "stream pass 0 ended after 200 samples: 6 steps of 32 trained, the last 8" in capfd.readouterr().err
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sharded", [False, True], ids=["plain", "sharded"])
+def test_a_finite_stream_with_a_constant_schedule_trains_by_passes(tmp_path, capfd, sharded):
+    """No train.max_steps: 200 samples in global batches of 8 are 25 steps a pass; 2 passes are 50 steps, bitwise what
+    train.max_steps = 50 gave; runs stopped at step 25 (a pass boundary) and 37 (mid-pass) and resumed by passes end
+    there too (sharded: 4 files of 50, resumed from the position in the checkpoint)."""
+    from distrib import fit
+    from tests.helpers.support import load_weights
+
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(200, 6, generator=g), torch.randint(0, 3, (200,), generator=g)
+    common = {"train.global_batch_size": 8, "train.warmup_steps": 3, "train.schedule": "constant",
+              "train.max_steps": 0, "train.log_every": 10, "run.progress": False, "dist.device": "cpu",
+              "checkpoint.every_steps": 0, "data.num_classes": 3}
+
+    def model():
+        return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+    def run(name: str, **overrides) -> dict:
+        settings = {**common, "train.epochs": 2, "run.dir": str(tmp_path / name), **overrides}
+        source = Shards(["0", "50", "100", "150"], lambda first: zip(x[int(first):int(first) + 50],
+                                                                     y[int(first):int(first) + 50]))
+        return fit(model, source if sharded else Pairs(x, y), (x[:40], y[:40]), overrides=settings)
+
+    one = run("one", **{"train.epochs": 1})
+    said = capfd.readouterr().err
+    assert (one["steps"], one["epochs"], one["stop_reason"]) == (25, 1, "completed"), one
+    assert "an unknown number of steps (train.epochs = 1 passes over the stream" in said, said
+    assert ("stream pass 0 ended at step 25 of the pass, when a rank's shards ran dry: samples left untrained per "
+            "rank [0]" if sharded else "stream pass 0 ended after 200 samples: 25 steps of 8 trained, none left "
+            "over") in said, said
+    two = run("two")
+    reference = run("max_steps", **{"train.max_steps": 50})  # as a stream had to be given before
+    assert two["steps"] == reference["steps"] == 50 and two["epochs"] == 2
+    weights = load_weights(tmp_path / "two")
+    assert all(torch.equal(weights[key], value) for key, value in load_weights(tmp_path / "max_steps").items())
+    for stop in (25, 37):  # stopped by a train.max_steps, then resumed with none: it trains on to 50
+        first = run(f"at_{stop}", **{"train.max_steps": stop})
+        resumed = run(f"at_{stop}")
+        assert (first["steps"], resumed["resumed_from_step"], resumed["steps"]) == (stop, stop, 50), resumed
+        assert all(torch.equal(weights[key], value) for key, value in load_weights(tmp_path / f"at_{stop}").items())
+    assert run("at_37")["steps"] == 50  # finished: trains nothing
+    assert "the run is finished (50 steps in train.epochs = 2 passes done)" in capfd.readouterr().err
