@@ -1,5 +1,6 @@
 """The per-worker runtime: reads the launch environment (the only reader), picks the device and backend, and opens
-and always closes the process group. The only module that picks a device or a backend (cuda/nccl, cpu/gloo): elsewhere
+and always closes the process group (or adopts one already open, Ray Train's, and leaves it open). The only module
+that picks a device or a backend (cuda/nccl, cpu/gloo): elsewhere
 cuda is named only to count GPUs (doctor, launcher) or as a dist.device value (config)."""
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class LaunchEnv:
     master_port: int = 0
     restart_count: int = 0
     elastic: bool = False  # started by torch's elastic agent (torchrun, distrib launch): it dies with the agent
+    node_rank: int = 0  # NODE_RANK (Ray Train) or GROUP_RANK (torchrun's agent); said, not used to compute ranks
 
     @property
     def launched(self) -> bool:
@@ -57,7 +59,8 @@ def _int_var(environ: Mapping[str, str], key: str, default: int | None = None) -
 
 
 def read_launch_env(environ: Mapping[str, str] = os.environ) -> LaunchEnv:
-    """The single reader of RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE and MASTER_*; no env means one process."""
+    """The single reader of RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK and MASTER_* (as torchrun, distrib
+    launch and Ray Train's TorchTrainer set them); no env means one process."""
     if "RANK" not in environ and "WORLD_SIZE" not in environ:
         return LaunchEnv()
     rank, world_size = _int_var(environ, "RANK"), _int_var(environ, "WORLD_SIZE")
@@ -73,8 +76,9 @@ def read_launch_env(environ: Mapping[str, str] = os.environ) -> LaunchEnv:
         raise UserError(f"LOCAL_RANK={local_rank} with LOCAL_WORLD_SIZE={local_world_size}, WORLD_SIZE={world_size}: "
                         "need 0 <= LOCAL_RANK < LOCAL_WORLD_SIZE <= WORLD_SIZE; fix the launcher")
     restarts = _int_var(environ, "TORCHELASTIC_RESTART_COUNT", 0)
+    node_rank = _int_var(environ, "NODE_RANK", _int_var(environ, "GROUP_RANK", 0))
     return LaunchEnv(rank, local_rank, world_size, local_world_size, master_addr, master_port, restarts,
-                     "TORCHELASTIC_RUN_ID" in environ)
+                     "TORCHELASTIC_RUN_ID" in environ, node_rank)
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,9 +228,29 @@ def _init_process_group(env: LaunchEnv, device: torch.device, backend: str, time
         dist.init_process_group(store=dist.HashStore(), **kwargs)
 
 
+def adopted_backend(env: LaunchEnv, backend: str) -> bool:
+    """Whether a process group is already open in this process (Ray Train's TorchTrainer opens one before its
+    train_loop_per_worker runs): then it is adopted, if it matches the launch environment and can serve the device's
+    backend (the device decides: dist.device; an open group that cannot serve it is the mistake)."""
+    if not dist.is_initialized():
+        return False
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if (rank, world_size) != (env.rank, env.world_size):
+        raise UserError(f"an open process group of rank {rank}, world size {world_size}, but the launch environment "
+                        f"says RANK={env.rank}, WORLD_SIZE={env.world_size}: open the group with the launcher's "
+                        "RANK and WORLD_SIZE, or let distrib open it")
+    opened = dist.get_backend()  # "gloo", "nccl", or "cpu:gloo,cuda:nccl"
+    if backend not in re.split(r"[,:]", opened):
+        raise UserError(f"an open process group of backend {opened!r}, but this run's device needs {backend!r}: "
+                        f"{'use_gpu=True (nccl)' if backend == 'nccl' else 'use_gpu=False (gloo)'} in Ray's "
+                        "ScalingConfig, or --set dist.device to match the group")
+    return True
+
+
 @contextlib.contextmanager
 def open_runtime(config: DistConfig, env: LaunchEnv | None = None) -> Iterator[Runtime]:
-    """Opens the process group for this worker and always closes it, also when training raises."""
+    """Opens the process group for this worker and always closes it, also when training raises. A group already open
+    (Ray Train's) is adopted and left open for its owner: no heartbeats then, and its own timeout holds."""
     env = env or read_launch_env()
     if env.elastic:
         # A worker of torchrun or distrib launch ends when its launcher does, even by SIGKILL (distrib launch's
@@ -239,12 +263,16 @@ def open_runtime(config: DistConfig, env: LaunchEnv | None = None) -> Iterator[R
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before any CUDA work, or every rank allocates on GPU 0
     backend = "nccl" if device.type == "cuda" else "gloo"
+    adopted = adopted_backend(env, backend)
     timeout = timedelta(seconds=config.timeout_s)
     session = next(_OPENED)
-    _init_process_group(env, device, backend, timeout, session)
+    if not adopted:
+        _init_process_group(env, device, backend, timeout, session)
     ok, peers = False, None
     try:
-        peers = _peer_watch(env, timeout, session).start() if env.launched and env.world_size > 1 else None
+        # The heartbeats connect to the store distrib's own group uses; an adopted group's store is its owner's.
+        watched = env.launched and env.world_size > 1 and not adopted
+        peers = _peer_watch(env, timeout, session).start() if watched else None
         yield Runtime(env.rank, env.local_rank, env.world_size, env.local_world_size, device, backend,
                       env.restart_count, peers)
         ok = True
@@ -254,17 +282,19 @@ def open_runtime(config: DistConfig, env: LaunchEnv | None = None) -> Iterator[R
     finally:
         if peers is not None:
             peers.stop()
-        close_process_group(barrier=ok)
+        close_process_group(barrier=ok, destroy=not adopted)
 
 
-def close_process_group(barrier: bool = True) -> None:
-    """Barrier, then destroy: a gloo rank that leaves while others still talk to it can abort at exit."""
+def close_process_group(barrier: bool = True, destroy: bool = True) -> None:
+    """Barrier, then destroy: a gloo rank that leaves while others still talk to it can abort at exit. An adopted
+    group (destroy=False) gets the barrier only: its owner destroys it."""
     if not dist.is_initialized():
         return
     if barrier:
         with contextlib.suppress(Exception):
             dist.barrier()
-    dist.destroy_process_group()
+    if destroy:
+        dist.destroy_process_group()
 
 
 # Words in gloo's and NCCL's errors: the collective outwaited the timeout, or a peer's connection broke (it died).
