@@ -35,7 +35,14 @@ def parse_signals(text: str) -> list[signal.Signals]:
 
 @contextlib.contextmanager
 def signal_handlers(signals, handler) -> Iterator[None]:
-    """`handler` for each of `signals` while inside; the old handlers come back after."""
+    """`handler` for each of `signals` while inside; the old handlers come back after. Outside the main thread
+    (Ray Train runs train_loop_per_worker in a thread of its actor) Python takes no handler: the signals then stay
+    with the process's owner (Ray stops and restarts its workers itself), and none is set."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     previous = {s: signal.signal(s, handler) for s in signals}
     try:
         yield
