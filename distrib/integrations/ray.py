@@ -4,6 +4,7 @@ checkpoints in checkpoint.dir, on storage every worker shares, carry the run acr
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any, Mapping
@@ -37,7 +38,8 @@ def train(config: str | Path | Config | None = None, overrides: Mapping[str, Any
           num_workers: int = 2, use_gpu: bool | None = None, max_failures: int = 0,
           storage_path: str | Path | None = None, name: str | None = None) -> dict:
     """Trains as `distrib train` does, on `num_workers` Ray Train workers (one per GPU with use_gpu, which defaults
-    to dist.device == "cuda"); returns rank 0's summary (its numbers and strings; summary.json holds all of it).
+    to dist.device == "cuda"); returns the run's summary (summary.json; where the driver does not see run.dir,
+    the numbers and strings rank 0 reported to Ray).
 
     config, overrides: as for distrib.fit (a TOML path or a Config, then {"section.key": value}). run.dir and
     checkpoint.dir must be on storage every worker's node reads and writes (one machine: any folder).
@@ -64,4 +66,6 @@ def train(config: str | Path | Config | None = None, overrides: Mapping[str, Any
         scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu),
         run_config=RunConfig(name=name, storage_path=str(storage_path) if storage_path else None,
                              failure_config=FailureConfig(max_failures=max_failures)))
-    return dict(trainer.fit().metrics or {})
+    result = trainer.fit()
+    summary = Path(resolved.run.dir) / "summary.json"  # rank 0 wrote it; the driver sees it on shared storage
+    return json.loads(summary.read_text()) if summary.is_file() else dict(result.metrics or {})
