@@ -24,7 +24,7 @@ def cluster(tmp_path_factory):
     marker = folder / "died"
     ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(folder / "t"), log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "DISTRIB_TEST_DIE_AT": str(DIE_AT),
-                                       "DISTRIB_TEST_DIE_ONCE": str(marker), "RAY_TRAIN_ENABLE_STATE_TRACKING": "0"}})
+                                       "DISTRIB_TEST_DIE_ONCE": str(marker)}})
     try:
         yield folder, marker
     finally:
