@@ -1,19 +1,18 @@
-"""Ray Train, for real on a local Ray cluster shared by the module (2 CPUs, 2 workers): distrib.fit inside a
-TorchTrainer adopts Ray's process group and ends bitwise equal to torchrun; distrib.integrations.ray.train restarts a
-killed worker under FailureConfig(max_failures=1), resumes from distrib's checkpoint and ends bitwise equal to an
-uninterrupted run."""
+"""Ray Train, for real on a local Ray cluster shared by the module (2 CPUs): distrib.fit inside a TorchTrainer of 2
+workers adopts Ray's process group; a worker killed mid-run is restarted by Ray (FailureConfig(max_failures=1)), fit
+resumes from its own checkpoint and ends bitwise equal to the same script under torchrun, with the same summary.json
+metrics; distrib.integrations.ray.train equals distrib's own run. Cost: see docs/development.md, CI."""
 
 import json
 import sys
 
 import pytest
+import ray  # in the dev extra: CI runs these for real, never skipped
 import torch
 
-from tests.helpers.support import REPO, SMALL, assert_ok, load_weights, run, sets, torchrun_train
+from tests.helpers.support import REPO, SMALL, assert_ok, load_weights, run, small_config
 
-ray = pytest.importorskip("ray")  # in the dev extra: CI runs these for real
-
-DIE_AT = 3  # rank 1 SIGKILLs itself in step 3 of 4, once (the marker file), after the checkpoint of step 2
+DIE_AT = 3  # rank 1 SIGKILLs itself in step 3 of fit_small's 4, once (the marker file), after the step-2 checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -31,14 +30,6 @@ def cluster(tmp_path_factory):
         ray.shutdown()
 
 
-def _trainer(loop, storage, **kwargs):
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    return TorchTrainer(loop, scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
-                        run_config=RunConfig(storage_path=str(storage)), **kwargs)
-
-
 def _fit_loop(loop_config):
     from tests.helpers import fit_small
 
@@ -51,8 +42,18 @@ def _summary(run_dir):
 
 
 @pytest.mark.timeout(300)
-def test_fit_inside_a_torch_trainer_equals_torchrun(cluster, tmp_path):
-    _trainer(_fit_loop, tmp_path / "ray", train_loop_config={"run_dir": str(tmp_path / "ray-run")}).fit()
+def test_fit_inside_a_torch_trainer_restarted_after_a_kill_equals_torchrun(cluster, tmp_path):
+    """Rank 1 SIGKILLs itself in step 3, after the checkpoint of step 2; Ray restarts both workers
+    (FailureConfig(max_failures=1)), fit resumes: the weights and summary.json's metrics are torchrun's."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    _, marker = cluster
+    TorchTrainer(_fit_loop, train_loop_config={"run_dir": str(tmp_path / "ray-run")},
+                 scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
+                 run_config=RunConfig(storage_path=str(tmp_path / "ray"),
+                                      failure_config=FailureConfig(max_failures=1))).fit()
+    assert marker.exists(), "rank 1 never died: the restart was not tested"
     reference = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                      str(REPO / "tests" / "helpers" / "fit_small.py"), str(tmp_path / "torchrun-run")], timeout=240)
     assert_ok(reference)
@@ -63,17 +64,15 @@ def test_fit_inside_a_torch_trainer_equals_torchrun(cluster, tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_a_killed_worker_restarted_by_ray_resumes_bitwise(cluster, tmp_path):
+def test_the_cli_run_on_ray_equals_distrib_train(cluster, tmp_path):
+    """distrib.integrations.ray.train runs what `distrib train` runs (world size 1 here: its reference is this
+    process's own run, no launch)."""
     from distrib.integrations.ray import train
+    from distrib.worker import run_training
 
-    _, marker = cluster
-    items = [*SMALL, "train.max_steps=4", "checkpoint.every_steps=2", "model.factory=tests.helpers.dying_model:network"]
-    overrides = dict(item.split("=", 1) for item in items)
-    summary = train(None, {**overrides, "run.dir": str(tmp_path / "ray-run")}, num_workers=2, max_failures=1,
-                    storage_path=tmp_path / "ray")
-    assert marker.exists(), "rank 1 never died: the restart was not tested"
-    assert summary["steps"] == 4
-    reference = torchrun_train(2, *sets(*items, f"run.dir={tmp_path / 'torchrun-run'}"), timeout=240)
-    assert_ok(reference)
-    ours, theirs = load_weights(tmp_path / "ray-run"), load_weights(tmp_path / "torchrun-run")
+    summary = train(None, dict(item.split("=", 1) for item in (*SMALL, f"run.dir={tmp_path / 'ray-run'}")),
+                    num_workers=1, storage_path=tmp_path / "ray")
+    reference = run_training(small_config(tmp_path / "run"))
+    ours, theirs = load_weights(tmp_path / "ray-run"), load_weights(tmp_path / "run")
     assert all(torch.equal(ours[key], theirs[key]) for key in theirs)
+    assert summary["steps"] == reference["steps"] == 2 and summary["test_loss"] == reference["test_loss"]
