@@ -54,6 +54,7 @@ def test_fit_inside_a_torch_trainer_restarted_after_a_kill_equals_torchrun(clust
                  run_config=RunConfig(storage_path=str(tmp_path / "ray"),
                                       failure_config=FailureConfig(max_failures=1))).fit()
     assert marker.exists(), "rank 1 never died: the restart was not tested"
+    assert json.loads((tmp_path / "ray-run" / "summary.json").read_text())["resumed_from_step"] == 2
     reference = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                      str(REPO / "tests" / "helpers" / "fit_small.py"), str(tmp_path / "torchrun-run")], timeout=240)
     assert_ok(reference)
