@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from distrib.config import Config
+from distrib.errors import UserError
 
 
 def _absolute(config: Config) -> Config:
@@ -34,6 +35,19 @@ def _train_loop(loop_config: dict) -> None:
     ray.train.report({key: value for key, value in summary.items() if isinstance(value, (int, float, str))})
 
 
+def _user_error(error: BaseException) -> UserError | None:
+    """The first distrib UserError among Ray's worker failures (WorkerGroupError.worker_failures, in rank order),
+    through the causes Ray wraps them in."""
+    failures = getattr(error, "worker_failures", None) or {}
+    for _, failure in sorted(failures.items()):
+        seen = 0
+        while failure is not None and seen < 8:  # RayTaskError keeps the worker's exception as .cause
+            if isinstance(failure, UserError):
+                return failure
+            failure, seen = getattr(failure, "cause", None) or failure.__cause__, seen + 1
+    return None
+
+
 def train(config: str | Path | Config | None = None, overrides: Mapping[str, Any] | None = None, *,
           num_workers: int = 2, use_gpu: bool | None = None, max_failures: int = 0,
           storage_path: str | Path | None = None, name: str | None = None) -> dict:
@@ -46,6 +60,7 @@ def train(config: str | Path | Config | None = None, overrides: Mapping[str, Any
     max_failures: how often Ray restarts the workers after one fails (FailureConfig); each restart resumes from
     distrib's last checkpoint in checkpoint.dir (checkpoint.every_steps says how often one is written).
     storage_path, name: where Ray keeps its own records of the run (RunConfig; default ~/ray_results).
+    A mistake in the input found by the workers (a distrib UserError) is raised here as that one UserError.
 
     >>> from distrib.integrations.ray import train  # doctest: +SKIP
     >>> train("configs/tiny.toml", {"dist.device": "cpu"}, num_workers=2, max_failures=1)  # doctest: +SKIP
@@ -66,6 +81,12 @@ def train(config: str | Path | Config | None = None, overrides: Mapping[str, Any
         scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu),
         run_config=RunConfig(name=name, storage_path=str(storage_path) if storage_path else None,
                              failure_config=FailureConfig(max_failures=max_failures)))
-    result = trainer.fit()
+    try:
+        result = trainer.fit()
+    except Exception as e:
+        mistake = _user_error(e)
+        if mistake is not None:  # a mistake every worker makes alike: its one line, not Ray's report of each rank
+            raise mistake.with_traceback(None) from None
+        raise
     summary = Path(resolved.run.dir) / "summary.json"  # rank 0 wrote it; the driver sees it on shared storage
     return json.loads(summary.read_text()) if summary.is_file() else dict(result.metrics or {})

@@ -4,12 +4,15 @@ resumes from its own checkpoint and ends bitwise equal to the same script under 
 metrics; distrib.integrations.ray.train equals distrib's own run. Cost: see docs/development.md, CI."""
 
 import json
+import shutil
 import sys
+import tempfile
 
 import pytest
 import ray  # in the dev extra: CI runs these for real, never skipped
 import torch
 
+from distrib.errors import UserError
 from tests.helpers.support import REPO, SMALL, assert_ok, load_weights, run, small_config
 
 DIE_AT = 3  # rank 1 SIGKILLs itself in step 3 of fit_small's 4, once (the marker file), after the step-2 checkpoint
@@ -17,17 +20,19 @@ DIE_AT = 3  # rank 1 SIGKILLs itself in step 3 of fit_small's 4, once (the marke
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """One local Ray cluster for the module; its logs and sockets under a short tmp folder (a socket path has at most
-    107 characters). The workers import distrib and tests.helpers from this checkout."""
-    folder = tmp_path_factory.mktemp("ray")
-    marker = folder / "died"
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(folder / "t"), log_to_driver=False,
+    """One local Ray cluster for the module. Its logs and sockets go to a short folder of its own under /tmp, removed
+    after: a socket's path has at most 107 characters, and Ray's session folder adds about 60 to pytest's temp folder
+    (over 50 under xdist). The workers import distrib and tests.helpers from this checkout."""
+    marker = tmp_path_factory.mktemp("ray") / "died"
+    ray_temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=ray_temp, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "DISTRIB_TEST_DIE_AT": str(DIE_AT),
                                        "DISTRIB_TEST_DIE_ONCE": str(marker)}})
     try:
-        yield folder, marker
+        yield marker
     finally:
         ray.shutdown()
+        shutil.rmtree(ray_temp, ignore_errors=True)
 
 
 def _fit_loop(loop_config):
@@ -48,7 +53,7 @@ def test_fit_inside_a_torch_trainer_restarted_after_a_kill_equals_torchrun(clust
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    _, marker = cluster
+    marker = cluster
     TorchTrainer(_fit_loop, train_loop_config={"run_dir": str(tmp_path / "ray-run")},
                  scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
                  run_config=RunConfig(storage_path=str(tmp_path / "ray"),
@@ -77,3 +82,8 @@ def test_the_cli_run_on_ray_equals_distrib_train(cluster, tmp_path):
     ours, theirs = load_weights(tmp_path / "ray-run"), load_weights(tmp_path / "run")
     assert all(torch.equal(ours[key], theirs[key]) for key in theirs)
     assert summary["steps"] == reference["steps"] == 2 and summary["test_loss"] == reference["test_loss"]
+    # A mistake the workers find (no CUDA here, or on a GPU machine a gloo group for a CUDA run) is distrib's one line.
+    with pytest.raises(UserError) as raised:
+        train(None, {**dict(item.split("=", 1) for item in SMALL), "run.dir": str(tmp_path / "cuda"),
+                     "dist.device": "cuda"}, num_workers=1, use_gpu=False, storage_path=tmp_path / "ray")
+    assert "\n" not in str(raised.value) and "dist.device" in str(raised.value)
