@@ -52,3 +52,18 @@ def test_ray_trains_variables_are_read_by_the_one_reader():
                            "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"})
     assert (env.rank, env.local_rank, env.world_size, env.local_world_size, env.node_rank) == (3, 1, 4, 2, 1)
     assert env.launched and not env.elastic  # Ray's actors are not tied to a torch agent
+
+
+def test_a_workers_user_error_reaches_the_ray_driver_as_its_one_line():
+    """What Ray's WorkerGroupError holds (measured on a local cluster: a CUDA run on a CPU machine's workers);
+    distrib.integrations.ray.train raises the first rank's UserError, found through the causes Ray wraps it in."""
+    from ray.train import WorkerGroupError
+
+    from distrib.integrations.ray import _user_error
+
+    mistake = UserError("dist.device = 'cuda': CUDA is not available on this machine; use --set dist.device=cpu")
+    wrapped = RuntimeError("the worker's task failed")
+    wrapped.__cause__ = mistake
+    assert _user_error(WorkerGroupError("rank 0, 1", {1: RuntimeError("other"), 0: wrapped})) is mistake
+    assert _user_error(WorkerGroupError("rank 0", {0: RuntimeError("not ours")})) is None
+    assert _user_error(ValueError("no workers")) is None
