@@ -29,6 +29,9 @@ TRIM_THRESHOLD = 1 << 30  # keep up to 1 GiB of freed heap top: in practice all 
 RETURN_MMAP_THRESHOLD = 64 << 10
 # Set by the user (bench_startup's --mmap-threshold, or to return memory sooner): then glibc is left as told.
 USER_KEYS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+# Debian's packages of the allocators scripts/bench_allocator.py measures (libjemalloc2, libtcmalloc-minimal4)
+ALLOCATOR_LIBRARIES = {"jemalloc": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
+                       "tcmalloc": "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"}
 
 
 def keep_freed_memory(environ=os.environ) -> bool:
