@@ -24,12 +24,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_startup import REPO, TEXT, _run  # noqa: E402 - scripts/ is on the path as __file__'s
 
-from distrib.distributed.host_heap import ALLOCATOR_LIBRARIES  # noqa: E402
+from distrib.launch.allocator import LIBRARIES, find_library  # noqa: E402
 
-# GLIBC_TUNABLES with a glibc.malloc key makes distrib leave glibc as it is (host_heap), and perturb=0 is its default
-ALLOCATORS = {"glibc": {"GLIBC_TUNABLES": "glibc.malloc.perturb=0", "DISTRIB_HOST_ALLOCATOR": "glibc"},
-              "mallopt": {"DISTRIB_HOST_ALLOCATOR": "glibc"}}
-ALLOCATORS |= {name: {"LD_PRELOAD": path} for name, path in ALLOCATOR_LIBRARIES.items()}
+# GLIBC_TUNABLES with a glibc.malloc key makes distrib leave glibc as it is (host_heap), and perturb=0 is its default.
+# The workers are torchrun's, not distrib's launcher's, so nothing is preloaded unless LD_PRELOAD says so.
+ALLOCATORS = {"glibc": {"GLIBC_TUNABLES": "glibc.malloc.perturb=0"}, "mallopt": {}}
+ALLOCATORS |= {name: {"LD_PRELOAD": find_library(name) or ""} for name in LIBRARIES}
 NETWORK = ["data.name=synthetic", "data.synthetic_train_size=4096", "data.synthetic_test_size=64",
            "train.optimizer=sgd", "train.lr=0.05", "dist.device=cpu", "dist.strategy=ddp"]
 BYTE_GPT = ["model.name=gpt", "data.name=text", f"data.root={TEXT}", "data.seq_len=64", "train.optimizer=adamw",
@@ -104,8 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args(argv)
-    allocators = [name for name in args.allocators.split(",")
-                  if "LD_PRELOAD" not in ALLOCATORS[name] or Path(ALLOCATORS[name]["LD_PRELOAD"]).exists()]
+    allocators = [name for name in args.allocators.split(",") if ALLOCATORS[name].get("LD_PRELOAD", True)]
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench_allocator_") as tmp:
         for workload in args.workloads.split(","):

@@ -1,5 +1,7 @@
-"""How a worker whose tensors live in host memory keeps the memory it frees: glibc's malloc thresholds, set once per
-process unless the user's environment sets them.
+"""How a worker whose tensors live in host memory keeps the memory it frees when it runs on glibc's malloc: glibc's
+thresholds, set once per process unless the user's environment sets them. Under distrib's launcher a CPU worker runs
+on tcmalloc where it is installed (distrib.launch.allocator, which says why); then nothing here applies. This is the
+fallback: glibc, or a worker started by plain torchrun or a user's script.
 
 Why: torch allocates CPU tensors with the C library's malloc, and glibc hands the freed top of its heap back to the
 system whenever more than its trim threshold (128 KiB to 64 MiB, adjusted as it goes) is free there, then faults the
@@ -22,6 +24,8 @@ import ctypes
 import os
 import platform
 
+from distrib.launch.allocator import LIBRARIES
+
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 MMAP_THRESHOLD = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: where its own dynamic threshold stops
@@ -29,9 +33,6 @@ TRIM_THRESHOLD = 1 << 30  # keep up to 1 GiB of freed heap top: in practice all 
 RETURN_MMAP_THRESHOLD = 64 << 10
 # Set by the user (bench_startup's --mmap-threshold, or to return memory sooner): then glibc is left as told.
 USER_KEYS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
-# Debian's packages of the allocators scripts/bench_allocator.py measures (libjemalloc2, libtcmalloc-minimal4)
-ALLOCATOR_LIBRARIES = {"jemalloc": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
-                       "tcmalloc": "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"}
 
 
 def keep_freed_memory(environ=os.environ) -> bool:
@@ -51,6 +52,8 @@ def return_freed_memory(environ=os.environ) -> bool:
 
 
 def _mallopt(environ):
-    """glibc's mallopt, or None off glibc and where the user's environment tunes malloc (then glibc is left as told)."""
+    """glibc's mallopt, or None off glibc, where the user's environment tunes malloc (then glibc is left as told),
+    and where another allocator is preloaded (its malloc serves the tensors; glibc's thresholds would mean nothing)."""
     told = any(key in environ for key in USER_KEYS) or "glibc.malloc." in environ.get("GLIBC_TUNABLES", "")
-    return None if platform.libc_ver()[0] != "glibc" or told else ctypes.CDLL(None).mallopt
+    preloaded = any(name in environ.get("LD_PRELOAD", "") for name in LIBRARIES)
+    return None if platform.libc_ver()[0] != "glibc" or told or preloaded else ctypes.CDLL(None).mallopt
