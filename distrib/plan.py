@@ -29,6 +29,18 @@ from distrib.models.build import build_model
 from distrib.training.trainer import build_optimizer
 
 GIB, GB = 2**30, 1e9
+# What a step holds beyond its state and activations (README, "What plan counts"; measured by scripts/bench_allocator.py
+# and tests/integration/test_meta_build.py). Under fsdp, at a block's backward: two blocks' bytes, its gathered
+# parameters and its unsharded gradients, then those gradients and the reduce-scatter's copy of them (FSDP2 reshards
+# the parameters first); an accelerator also prefetches the next block's parameters (on the CPU distrib turns that off:
+# distrib.distributed.fsdp.shard). The root unit (what no block holds: embeddings, the output layer, the final norm)
+# stays gathered from its forward to its backward.
+BLOCKS_IN_FLIGHT = {"cpu": 2, "accelerator": 3}
+# The host allocator's slack over the transient bytes (activations and gathers): freed blocks it keeps, but cannot
+# reuse for the next, larger or differently cut ones. Measured as (peak above a tiny model's - state - transient) /
+# transient on the byte GPTs under fsdp at world size 4; 0 on an accelerator (its caching allocator's own slack is not
+# modelled).
+ALLOCATOR_SLACK = {"tcmalloc": 0.25, "jemalloc": 0.25, "glibc": 0.0}
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +194,39 @@ def _memory_figures(config: Config, strategy: Strategy, machine: Machine, info, 
             "fits_host": host <= machine.host_memory}
 
 
+def _host_allocator() -> str:
+    """The allocator a CPU run's workers get from distrib's launcher on this host (distrib.launch.allocator)."""
+    import os
+
+    from distrib.launch.allocator import chosen, find_library
+
+    choice = chosen(os.environ)
+    return choice if choice != "glibc" and find_library(choice) and not os.environ.get("LD_PRELOAD") else "glibc"
+
+
+def peak_terms(config: Config, strategy: Strategy, model: nn.Module, activations: int, local_params: int,
+               device: torch.device) -> dict:
+    """What a step holds beyond its state and its activations, per rank: parameters gathered in flight (sharded
+    strategies: the root unit and BLOCKS_IN_FLIGHT of the largest block, in the compute dtype, a tensor-parallel
+    rank's slice), the optimizer's temporaries (one chunk: distrib.training.optimizers) and the allocator's slack."""
+    from distrib.training.optimizers import MAX_CHUNKS, MIN_CHUNK_ELEMENTS
+
+    gathered = 0
+    if strategy.sharded_state:
+        blocks = fsdp.find_blocks(model, config.dist.shard_modules)
+        in_blocks = {id(p) for block in blocks for p in block.parameters()}
+        root = sum(_nbytes(p) for p in model.parameters() if id(p) not in in_blocks)
+        largest = max((sum(_nbytes(p) for p in block.parameters()) for block in blocks), default=0)
+        in_flight = BLOCKS_IN_FLIGHT["cpu" if device.type == "cpu" else "accelerator"]
+        gathered = (root + in_flight * largest) // strategy.dims.tensor_parallel
+    temporaries = 0 if config.train.optimizer == "sgd" and not config.train.weight_decay else \
+        4 * max(MIN_CHUNK_ELEMENTS, -(-local_params // MAX_CHUNKS))
+    slack = ALLOCATOR_SLACK[_host_allocator()] if device.type == "cpu" else 0.0
+    return {"gathered_bytes_per_rank": gathered, "optimizer_temporary_bytes_per_rank": min(temporaries,
+                                                                                          4 * local_params),
+            "allocator_slack_bytes_per_rank": round(slack * (activations + gathered))}
+
+
 def plan_run(config: Config, machine: Machine) -> dict:
     """The figures of the plan, under summary.json's names where it has them. UserErrors are train's own."""
     strategy = make_strategy(config.dist, machine.world_size, machine.nproc_per_node)
@@ -202,7 +247,10 @@ def plan_run(config: Config, machine: Machine) -> dict:
                                          _tp_activations(model, shape, inputs) * compute_bytes)
     state = sum(parts.values())
     activations = recomputed if config.speed.activation_checkpointing == "blocks" else whole
-    needed = state + activations
+    peak = peak_terms(config, strategy, model, activations, local_params, device)
+    # the optimizer steps after the backward has freed the activations and the gathers
+    needed = state + max(activations + peak["gathered_bytes_per_rank"], peak["optimizer_temporary_bytes_per_rank"]) \
+        + peak["allocator_slack_bytes_per_rank"]
     return {"world_size": machine.world_size, "nnodes": machine.nnodes, "nproc_per_node": machine.nproc_per_node,
             "strategy": config.dist.strategy, "mesh": shape.layout(),
             "num_parameters": sum(p.numel() for p in model.parameters()),
@@ -212,7 +260,8 @@ def plan_run(config: Config, machine: Machine) -> dict:
             "global_batch_size": batches.global_batch_size, "micro_batch_size": batches.micro_batch_size,
             "grad_accum_steps": batches.grad_accum_steps, "data_parallel_size": shape.data_parallel,
             "collective_bytes_per_step_intra_node": intra, "collective_bytes_per_step_inter_node": inter,
-            "device_memory_bytes": machine.device_memory, "memory_bytes_per_rank": needed,
+            "device_memory_bytes": machine.device_memory, "memory_bytes_per_rank": needed, **peak,
+            "host_allocator": _host_allocator() if device.type == "cpu" else "",
             **_memory_figures(config, strategy, machine, data.info, parts, needed, device),
             "step_seconds_lower_bound": max(intra / machine.intra_node_bandwidth,
                                             inter / machine.inter_node_bandwidth)}
@@ -247,8 +296,14 @@ def table(figures: dict, machine: Machine) -> str:
                             + ("each rank reads its shards from model.init_from" if f["loads_weights"] else
                                "the model initialises its own shards" if f["self_initialising"] else
                                "rank 0 also builds the whole model in host memory") + ")"),
+        ("gathered in flight", f"{_size(f['gathered_bytes_per_rank'])} (sharded: the root unit and the largest "
+                               "blocks' parameters and gradients at a block's backward)"),
+        ("optimizer temporaries", _size(f["optimizer_temporary_bytes_per_rank"])),
+        ("allocator slack", f"{_size(f['allocator_slack_bytes_per_rank'])}"
+                            + (f" ({f['host_allocator']} on the host)" if f["host_allocator"] else "")),
         ("device memory", f"{'fits' if f['fits'] else 'DOES NOT FIT'}: {_size(f['memory_bytes_per_rank'])} of "
-                          f"{_size(f['device_memory_bytes'])} (state + activations of one micro-batch)"),
+                          f"{_size(f['device_memory_bytes'])} (the peak: state + the larger of activations of one "
+                          "micro-batch + gathered and the temporaries, + slack)"),
         ("host memory / node", f"{'fits' if f['fits_host'] else 'DOES NOT FIT'}: "
                                f"{_size(f['startup_host_bytes_per_node'])} at start-up, "
                                f"{_size(f['host_bytes_per_node'])} in steady state, of "
