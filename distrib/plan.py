@@ -36,11 +36,14 @@ GIB, GB = 2**30, 1e9
 # distrib.distributed.fsdp.shard). The root unit (what no block holds: embeddings, the output layer, the final norm)
 # stays gathered from its forward to its backward.
 BLOCKS_IN_FLIGHT = {"cpu": 2, "accelerator": 3}
-# The host allocator's slack over the transient bytes (activations and gathers): freed blocks it keeps, but cannot
-# reuse for the next, larger or differently cut ones. Measured as (peak above a tiny model's - state - transient) /
-# transient on the byte GPTs under fsdp at world size 4; 0 on an accelerator (its caching allocator's own slack is not
-# modelled).
-ALLOCATOR_SLACK = {"tcmalloc": 0.25, "jemalloc": 0.25, "glibc": 0.0}
+# The host allocator's slack over the transient bytes (activations and gathers) of a CPU run: freed blocks it keeps but
+# cannot reuse for the next ones, cut otherwise. None where a sharded model of 64 MiB or more returns its freed memory
+# (distrib.distributed.host_heap.return_freed_memory: tcmalloc's decommit, or glibc's 64 KiB mmap threshold): the
+# 104M GPT's peak measured 1.19-1.20x its bytes either way, plan's state + transient 1.22. About the transient bytes
+# again where freed memory is kept (tcmalloc as it comes, scripts/bench_allocator.py: 0.8x of them for the 104M GPT,
+# 0.6-1.1x for the 25M one; jemalloc 0.55x; glibc's defaults far more); 0 on an accelerator, whose caching allocator's
+# own slack is not modelled.
+KEPT_SLACK = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,14 +197,25 @@ def _memory_figures(config: Config, strategy: Strategy, machine: Machine, info, 
             "fits_host": host <= machine.host_memory}
 
 
-def _host_allocator() -> str:
-    """The allocator a CPU run's workers get from distrib's launcher on this host (distrib.launch.allocator)."""
+def _host_allocator(returns_freed: bool) -> str:
+    """The allocator a CPU run's workers get from distrib's launcher on this host (distrib.launch.allocator), and
+    whether it returns what a step frees."""
     import os
 
     from distrib.launch.allocator import chosen, find_library
 
     choice = chosen(os.environ)
-    return choice if choice != "glibc" and find_library(choice) and not os.environ.get("LD_PRELOAD") else "glibc"
+    name = choice if choice != "glibc" and find_library(choice) and not os.environ.get("LD_PRELOAD") else "glibc"
+    return f"{name}, {'returning' if returns_freed else 'keeping'} freed memory"
+
+
+def returns_freed_memory(strategy: Strategy, model: nn.Module) -> bool:
+    """Whether a CPU run's workers give freed host memory back (distrib.distributed.strategies.fsdp's rule)."""
+    from distrib.distributed.strategies.fsdp import RETURN_FREED_MEMORY_FROM_BYTES
+
+    # the parameters in fp32, as the strategy builds them (plan's model is in the compute dtype)
+    return strategy.sharded_state and sum(4 * p.numel() for p in model.parameters()) \
+        + sum(map(_nbytes, model.buffers())) >= RETURN_FREED_MEMORY_FROM_BYTES
 
 
 def peak_terms(config: Config, strategy: Strategy, model: nn.Module, activations: int, local_params: int,
@@ -221,7 +235,7 @@ def peak_terms(config: Config, strategy: Strategy, model: nn.Module, activations
         gathered = (root + in_flight * largest) // strategy.dims.tensor_parallel
     temporaries = 0 if config.train.optimizer == "sgd" and not config.train.weight_decay else \
         4 * max(MIN_CHUNK_ELEMENTS, -(-local_params // MAX_CHUNKS))
-    slack = ALLOCATOR_SLACK[_host_allocator()] if device.type == "cpu" else 0.0
+    slack = 0.0 if device.type != "cpu" or returns_freed_memory(strategy, model) else KEPT_SLACK
     return {"gathered_bytes_per_rank": gathered, "optimizer_temporary_bytes_per_rank": min(temporaries,
                                                                                           4 * local_params),
             "allocator_slack_bytes_per_rank": round(slack * (activations + gathered))}
@@ -261,7 +275,7 @@ def plan_run(config: Config, machine: Machine) -> dict:
             "grad_accum_steps": batches.grad_accum_steps, "data_parallel_size": shape.data_parallel,
             "collective_bytes_per_step_intra_node": intra, "collective_bytes_per_step_inter_node": inter,
             "device_memory_bytes": machine.device_memory, "memory_bytes_per_rank": needed, **peak,
-            "host_allocator": _host_allocator() if device.type == "cpu" else "",
+            "host_allocator": _host_allocator(returns_freed_memory(strategy, model)) if device.type == "cpu" else "",
             **_memory_figures(config, strategy, machine, data.info, parts, needed, device),
             "step_seconds_lower_bound": max(intra / machine.intra_node_bandwidth,
                                             inter / machine.inter_node_bandwidth)}

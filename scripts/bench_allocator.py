@@ -4,12 +4,14 @@ keys), the byte GPT of scripts/bench.py and a sharded ~104M GPT (dim 768, 15 lay
 of scripts/bench_startup.py's worker. Per allocator and workload: the median step time, user and system CPU seconds
 of the workers in training, and each worker's peak RSS (the sharded GPT's above the same run of a tiny GPT, per fp32
 byte of the model, which is its state: parameters, gradients and two moments, over the world size of 4). The
-allocators take turns in each round (the order rotates), and every figure is also given as a ratio to glibc's of the
+allocators take turns in each round (the order rotates), and every figure is also given as a ratio to the first's of the
 same round, so that a machine shared with other jobs changes both sides alike.
 
     python scripts/bench_allocator.py [--workloads network,gpt,fsdp104m] [--allocators glibc,mallopt,jemalloc,tcmalloc]
         [--rounds 1] [--json FILE]
-jemalloc and tcmalloc come from Debian's libjemalloc2 and libtcmalloc-minimal4; a missing one is left out."""
+jemalloc and tcmalloc come from Debian's libjemalloc2 and libtcmalloc-minimal4; a missing one is left out. tcmalloc is
+distrib's default (with aggressive decommit for sharded models of 64 MiB or more: distrib.distributed.host_heap),
+tcmalloc_kept the same library as it comes; ratios are to the first allocator listed."""
 
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ from distrib.launch.allocator import LIBRARIES, find_library  # noqa: E402
 # The workers are torchrun's, not distrib's launcher's, so nothing is preloaded unless LD_PRELOAD says so.
 ALLOCATORS = {"glibc": {"GLIBC_TUNABLES": "glibc.malloc.perturb=0"}, "mallopt": {}}
 ALLOCATORS |= {name: {"LD_PRELOAD": find_library(name) or ""} for name in LIBRARIES}
+# tcmalloc as it comes: a TCMALLOC_ variable makes distrib leave it as told (no decommit for large sharded models)
+ALLOCATORS["tcmalloc_kept"] = {**ALLOCATORS["tcmalloc"], "TCMALLOC_AGGRESSIVE_DECOMMIT": "false"}
 NETWORK = ["data.name=synthetic", "data.synthetic_train_size=4096", "data.synthetic_test_size=64",
            "train.optimizer=sgd", "train.lr=0.05", "dist.device=cpu", "dist.strategy=ddp"]
 BYTE_GPT = ["model.name=gpt", "data.name=text", f"data.root={TEXT}", "data.seq_len=64", "train.optimizer=adamw",
@@ -82,18 +86,19 @@ def measure(work: Path, workload: str, allocators: list[str], rounds: int) -> di
 
 
 def table(workload: str, rows: dict[str, list[dict]]) -> None:
-    """Medians over the rounds, and each allocator's ratio to glibc's in the same round (median of the ratios)."""
-    base = rows.get("glibc")
-    print(f"\n{workload}: {'allocator':>9} {'step s':>7} {'/glibc':>6} {'user s':>7} {'sys s':>6} {'/glibc':>6} "
+    """Medians over the rounds, and each allocator's ratio to the first's in the same round (median of the ratios)."""
+    first = next(iter(rows))
+    base = rows[first]
+    print(f"\n{workload}: {'allocator':>12} {'step s':>7} {'/' + first:>9} {'user s':>7} {'sys s':>6} {'/' + first:>9} "
           f"{'peak GB per worker':>24} {'above tiny / model bytes':>26} {'load':>5}")
     for name, runs in rows.items():
         def ratio(key):
-            return statistics.median(r[key] / b[key] for r, b in zip(runs, base)) if base else float("nan")
+            return statistics.median(r[key] / b[key] for r, b in zip(runs, base))
         median = {key: statistics.median(r[key] for r in runs) for key in ("step_s", "user_s", "system_s", "load")}
         peaks = " ".join(f"{p:.2f}" for p in runs[-1]["peak_gb"])
         above = " ".join(f"{p:.2f}" for p in runs[-1].get("above_tiny_per_model", []))
-        print(f"{'':>{len(workload) + 1}} {name:>9} {median['step_s']:7.3f} {ratio('step_s'):6.2f} "
-              f"{median['user_s']:7.1f} {median['system_s']:6.1f} {ratio('system_s'):6.2f} {peaks:>24} "
+        print(f"{'':>{len(workload) + 1}} {name:>12} {median['step_s']:7.3f} {ratio('step_s'):9.2f} "
+              f"{median['user_s']:7.1f} {median['system_s']:6.1f} {ratio('system_s'):9.2f} {peaks:>24} "
               f"{above:>26} {median['load']:5.1f}", flush=True)
 
 
