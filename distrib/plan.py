@@ -241,6 +241,16 @@ def peak_terms(config: Config, strategy: Strategy, model: nn.Module, activations
             "allocator_slack_bytes_per_rank": round(slack * (activations + gathered))}
 
 
+def step_peak(parts: dict, activations: int, terms: dict, grad_accum_steps: int) -> int:
+    """A step's peak per rank: the parameters and the optimizer state throughout; in the backward, the blocks in
+    flight and the larger of the activations not yet freed and the gradients already reduced (both, where earlier
+    micro-steps left gradients); at the optimizer's step, the gradients and its temporaries; the allocator's slack."""
+    grads = parts["gradients"]
+    held = activations + grads if grad_accum_steps > 1 else max(activations, grads)
+    return parts["parameters"] + parts["optimizer"] + terms["allocator_slack_bytes_per_rank"] + max(
+        terms["gathered_bytes_per_rank"] + held, grads + terms["optimizer_temporary_bytes_per_rank"])
+
+
 def plan_run(config: Config, machine: Machine) -> dict:
     """The figures of the plan, under summary.json's names where it has them. UserErrors are train's own."""
     strategy = make_strategy(config.dist, machine.world_size, machine.nproc_per_node)
@@ -262,9 +272,7 @@ def plan_run(config: Config, machine: Machine) -> dict:
     state = sum(parts.values())
     activations = recomputed if config.speed.activation_checkpointing == "blocks" else whole
     peak = peak_terms(config, strategy, model, activations, local_params, device)
-    # the optimizer steps after the backward has freed the activations and the gathers
-    needed = state + max(activations + peak["gathered_bytes_per_rank"], peak["optimizer_temporary_bytes_per_rank"]) \
-        + peak["allocator_slack_bytes_per_rank"]
+    needed = step_peak(parts, activations, peak, config.train.grad_accum_steps)
     return {"world_size": machine.world_size, "nnodes": machine.nnodes, "nproc_per_node": machine.nproc_per_node,
             "strategy": config.dist.strategy, "mesh": shape.layout(),
             "num_parameters": sum(p.numel() for p in model.parameters()),
@@ -316,8 +324,8 @@ def table(figures: dict, machine: Machine) -> str:
         ("allocator slack", f"{_size(f['allocator_slack_bytes_per_rank'])}"
                             + (f" ({f['host_allocator']} on the host)" if f["host_allocator"] else "")),
         ("device memory", f"{'fits' if f['fits'] else 'DOES NOT FIT'}: {_size(f['memory_bytes_per_rank'])} of "
-                          f"{_size(f['device_memory_bytes'])} (the peak: state + the larger of activations of one "
-                          "micro-batch + gathered and the temporaries, + slack)"),
+                          f"{_size(f['device_memory_bytes'])} (the step's peak: parameters, optimizer state, "
+                          "gathered, the larger of one micro-batch's activations and the gradients, slack)"),
         ("host memory / node", f"{'fits' if f['fits_host'] else 'DOES NOT FIT'}: "
                                f"{_size(f['startup_host_bytes_per_node'])} at start-up, "
                                f"{_size(f['host_bytes_per_node'])} in steady state, of "

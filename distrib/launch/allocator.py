@@ -70,5 +70,7 @@ def running(environ: Mapping[str, str] = os.environ) -> str:
     choice = chosen(environ)
     if choice == "glibc":
         return f"glibc, with distrib's thresholds ({CHOICE_VAR}=glibc)"
-    return (f"glibc, with distrib's thresholds ({choice} was not preloaded: apt-get install {PACKAGES[choice]} and "
-            "start through distrib's launcher)")
+    path = find_library(choice)  # installed, but this process was not started by distrib's launcher
+    how = f"start through distrib's launcher, or set LD_PRELOAD={path}" if path else \
+        f"apt-get install {PACKAGES[choice]}"
+    return f"glibc, with distrib's thresholds ({choice} was not preloaded: {how})"
