@@ -318,14 +318,14 @@ def table(figures: dict, machine: Machine) -> str:
                             + ("each rank reads its shards from model.init_from" if f["loads_weights"] else
                                "the model initialises its own shards" if f["self_initialising"] else
                                "rank 0 also builds the whole model in host memory") + ")"),
-        ("gathered in flight", f"{_size(f['gathered_bytes_per_rank'])} (sharded: the root unit and the largest "
-                               "blocks' parameters and gradients at a block's backward)"),
+        ("gathered in flight", f"{_size(f['gathered_bytes_per_rank'])} (the root unit, and the largest block's "
+                               "bytes at its backward)"),
         ("optimizer temporaries", _size(f["optimizer_temporary_bytes_per_rank"])),
         ("allocator slack", f"{_size(f['allocator_slack_bytes_per_rank'])}"
                             + (f" ({f['host_allocator']} on the host)" if f["host_allocator"] else "")),
         ("device memory", f"{'fits' if f['fits'] else 'DOES NOT FIT'}: {_size(f['memory_bytes_per_rank'])} of "
-                          f"{_size(f['device_memory_bytes'])} (the step's peak: parameters, optimizer state, "
-                          "gathered, the larger of one micro-batch's activations and the gradients, slack)"),
+                          f"{_size(f['device_memory_bytes'])} (the step's peak: parameters, optimizer, gathered, "
+                          "the larger of activations and gradients, slack)"),
         ("host memory / node", f"{'fits' if f['fits_host'] else 'DOES NOT FIT'}: "
                                f"{_size(f['startup_host_bytes_per_node'])} at start-up, "
                                f"{_size(f['host_bytes_per_node'])} in steady state, of "
