@@ -5,7 +5,7 @@ of scripts/bench_startup.py's worker. Per allocator and workload: the median ste
 of the workers in training, and each worker's peak RSS (the sharded GPT's above the same run of a tiny GPT, per fp32
 byte of the model, which is its state: parameters, gradients and two moments, over the world size of 4). The
 allocators take turns in each round (the order rotates), and every figure is also given as a ratio to the first's of the
-same round, so that a machine shared with other jobs changes both sides alike.
+same round (steps/s: theirs over the first's), so that a machine shared with other jobs changes both sides alike.
 
     python scripts/bench_allocator.py [--workloads network,gpt,fsdp104m] [--allocators glibc,mallopt,jemalloc,tcmalloc]
         [--rounds 1] [--json FILE]
@@ -89,15 +89,16 @@ def table(workload: str, rows: dict[str, list[dict]]) -> None:
     """Medians over the rounds, and each allocator's ratio to the first's in the same round (median of the ratios)."""
     first = next(iter(rows))
     base = rows[first]
-    print(f"\n{workload}: {'allocator':>12} {'step s':>7} {'/' + first:>9} {'user s':>7} {'sys s':>6} {'/' + first:>9} "
-          f"{'peak GB per worker':>24} {'above tiny / model bytes':>26} {'load':>5}")
+    print(f"\n{workload}: {'allocator':>13} {'steps/s':>7} {'/' + first:>9} {'user s':>7} {'sys s':>6} "
+          f"{'/' + first:>9} {'peak GB per worker':>24} {'above tiny / model bytes':>26} {'load':>5}")
     for name, runs in rows.items():
-        def ratio(key):
-            return statistics.median(r[key] / b[key] for r, b in zip(runs, base))
+        def ratio(key, invert=False):
+            ratios = [(b[key] / r[key]) if invert else (r[key] / b[key]) for r, b in zip(runs, base)]
+            return statistics.median(ratios)
         median = {key: statistics.median(r[key] for r in runs) for key in ("step_s", "user_s", "system_s", "load")}
         peaks = " ".join(f"{p:.2f}" for p in runs[-1]["peak_gb"])
         above = " ".join(f"{p:.2f}" for p in runs[-1].get("above_tiny_per_model", []))
-        print(f"{'':>{len(workload) + 1}} {name:>12} {median['step_s']:7.3f} {ratio('step_s'):9.2f} "
+        print(f"{'':>{len(workload) + 1}} {name:>13} {1 / median['step_s']:7.3f} {ratio('step_s', True):9.2f} "
               f"{median['user_s']:7.1f} {median['system_s']:6.1f} {ratio('system_s'):9.2f} {peaks:>24} "
               f"{above:>26} {median['load']:5.1f}", flush=True)
 
@@ -108,7 +109,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--allocators", default=",".join(ALLOCATORS))
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument("--tables-of", help="print the tables of an earlier run's --json file, and nothing else")
     args = parser.parse_args(argv)
+    if args.tables_of:
+        for workload, rows in json.loads(Path(args.tables_of).read_text()).items():
+            table(workload, rows)
+        return
     allocators = [name for name in args.allocators.split(",") if ALLOCATORS[name].get("LD_PRELOAD", True)]
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench_allocator_") as tmp:
