@@ -228,6 +228,7 @@ def peak_terms(config: Config, strategy: Strategy, model: nn.Module, activations
     gathered = 0
     if strategy.sharded_state:
         blocks = fsdp.find_blocks(model, config.dist.shard_modules)
+        blocks += fsdp.leftover_units(model, blocks)  # units of their own too: an untied embedding, output layer
         in_blocks = {id(p) for block in blocks for p in block.parameters()}
         root = sum(_nbytes(p) for p in model.parameters() if id(p) not in in_blocks)
         largest = max((sum(_nbytes(p) for p in block.parameters()) for block in blocks), default=0)
