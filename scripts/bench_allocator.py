@@ -41,8 +41,8 @@ BYTE_GPT = ["model.name=gpt", "data.name=text", f"data.root={TEXT}", "data.seq_l
 TINY_GPT = "{n_layers = 2, n_heads = 4, dim = 64}"
 # name: (world size, settings, model.kwargs, global batch, steps, the tiny model's kwargs to subtract or None)
 WORKLOADS = {
-    "network": (2, NETWORK, "{}", 64, 12, None),
-    "gpt": (2, [*BYTE_GPT, "dist.strategy=fsdp"], "{n_layers = 4, n_heads = 4, dim = 128}", 32, 8, None),
+    "network": (2, NETWORK, "{}", 64, 40, None),
+    "gpt": (2, [*BYTE_GPT, "dist.strategy=fsdp"], "{n_layers = 4, n_heads = 4, dim = 128}", 32, 20, None),
     "fsdp104m": (4, [*BYTE_GPT, "data.seq_len=32", "dist.strategy=fsdp"], "{n_layers = 15, n_heads = 12, dim = 768}",
                  4, 3, TINY_GPT),
 }
