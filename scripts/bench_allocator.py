@@ -45,6 +45,9 @@ WORKLOADS = {
     "gpt": (2, [*BYTE_GPT, "dist.strategy=fsdp"], "{n_layers = 4, n_heads = 4, dim = 128}", 32, 20, None),
     "fsdp104m": (4, [*BYTE_GPT, "data.seq_len=32", "dist.strategy=fsdp"], "{n_layers = 15, n_heads = 12, dim = 768}",
                  4, 3, TINY_GPT),
+    # scripts/bench_startup.py's 203M GPT and settings: SGD without momentum, 8 x 128 bytes a step
+    "fsdp203m": (4, [*BYTE_GPT, "data.seq_len=128", "train.optimizer=sgd", "train.momentum=0", "dist.strategy=fsdp"],
+                 "{n_layers = 16, n_heads = 8, dim = 1024}", 8, 3, TINY_GPT),
 }
 
 
