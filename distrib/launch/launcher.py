@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
 
 from distrib.errors import EXIT_PREEMPTED, UserError, say
+from distrib.launch.allocator import worker_preload
 from distrib.launch.reporting import REPORTS_VAR, cause_of, failure_lines, quiet_torch_failure_lines
 
 # Flags whose defaults we choose ourselves; None after parsing means neither the flag nor its PET_* form was given.
@@ -330,10 +331,12 @@ def main(argv: Sequence[str], check: Callable[[int, int | None], None] | None = 
         check_program(args)
         if check is not None:
             check(local_world_size(args.nproc_per_node), fixed_world_size(args))
-        threads = cpu_threads(os.environ, local_world_size(args.nproc_per_node), visible_gpu_count())
+        num_gpus = visible_gpu_count()
+        threads = cpu_threads(os.environ, local_world_size(args.nproc_per_node), num_gpus)
         if threads is not None:
             # Set here, in the one writer of the launch environment; torch's agent passes it on to every worker.
             os.environ["OMP_NUM_THREADS"] = threads
+        os.environ.update(worker_preload(os.environ, num_gpus))  # the workers' host allocator: tcmalloc if installed
         os.environ.update(private_sockets(os.environ, _max_nodes(args.nnodes)))
         with _reporting_env():
             return run_agent(args)
