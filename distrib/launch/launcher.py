@@ -304,6 +304,7 @@ def lifelines(args: argparse.Namespace) -> Iterator[Path]:
 def run_agent(args: argparse.Namespace) -> int:
     """torch.distributed.run.run, each worker under a lifeline, its failures turned into messages and exit codes
     instead of tracebacks."""
+    from torch.distributed import DistNetworkError, DistStoreError
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -332,6 +333,14 @@ def run_agent(args: argparse.Namespace) -> int:
             raise UserError(f"rendezvous {args.rdzv_backend} at {args.rdzv_endpoint!r} (id {args.rdzv_id}) failed: "
                             f"{e}; check that every node runs the same --nnodes, --rdzv-endpoint and --rdzv-id") \
                 from None
+        except (DistStoreError, DistNetworkError) as e:
+            if args.rdzv_backend != "static":
+                raise
+            # torchrun's static rendezvous (PET_* from a TrainJob, SkyPilot): node 0's store waits for every node.
+            raise UserError(f"rendezvous at {args.master_addr}:{args.master_port}: not all {args.nnodes} nodes "
+                            f"(--nnodes, PET_NNODES) arrived as node {args.node_rank} waited "
+                            f"({str(e).splitlines()[0]}); every node needs the same node count, a node rank below "
+                            "it, and node 0 up") from None
     return 0
 
 
