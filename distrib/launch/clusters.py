@@ -39,10 +39,11 @@ def is_trainjob(environ: Mapping[str, str]) -> bool:
 
 
 def is_pytorchjob_pod(environ: Mapping[str, str]) -> bool:
-    """training-operator v1 gives each pod RANK, WORLD_SIZE and MASTER_* for one process; torchrun's workers have
-    LOCAL_RANK and TORCHELASTIC_RUN_ID too."""
+    """training-operator v1 gives each pod RANK, WORLD_SIZE and MASTER_* for one process (scripts/k8s/pytorchjob.yaml
+    adds LOCAL_RANK=0 in its pods); torchrun's workers have TORCHELASTIC_RUN_ID, Ray's NODE_RANK."""
     return (all(key in environ for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
-            and "TORCHELASTIC_RUN_ID" not in environ and "LOCAL_RANK" not in environ)
+            and "TORCHELASTIC_RUN_ID" not in environ and "NODE_RANK" not in environ
+            and ("LOCAL_RANK" not in environ or "KUBERNETES_SERVICE_HOST" in environ))
 
 
 def wants_launcher(environ: Mapping[str, str]) -> bool:
