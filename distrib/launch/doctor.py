@@ -73,6 +73,11 @@ def check_local_rank(env: Mapping[str, str], facts: Facts) -> Finding:
     visible = f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', '<unset>')}"
     if not facts.num_gpus:
         return Finding(name, True, "no CUDA device visible: workers run on the CPU")
+    rank = _int(env, "RANK")
+    if local_rank is None and rank is not None and rank >= facts.num_gpus and clusters.is_pytorchjob_pod(env):
+        return Finding(name, False, f"RANK={rank} and no LOCAL_RANK, which then defaults to RANK, but this pod has "
+                                    f"{facts.num_gpus} CUDA device(s); set LOCAL_RANK=0 and LOCAL_WORLD_SIZE=1 in the "
+                                    "pod's env, as scripts/k8s/pytorchjob.yaml does")
     if local_rank is not None and local_rank >= facts.num_gpus:
         return Finding(name, False, f"LOCAL_RANK={local_rank} but {facts.num_gpus} CUDA device(s) are visible "
                                     f"({visible}); launch with --nproc-per-node={facts.num_gpus} or fix "

@@ -164,6 +164,10 @@ def test_doctor_names_each_environment_and_what_distrib_train_does():
     for name, (environ, plan) in seen.items():
         assert clusters.name(environ) == name and clusters.plan(environ).startswith(plan), name
     assert doctor.check_cluster(pytorchjob_env(3, 29500), doctor.Facts()).ok
+    one_gpu = doctor.Facts(num_gpus=1)
+    assert doctor.check_local_rank(pytorchjob_env(3, 29500), one_gpu).ok  # the manifest's LOCAL_RANK=0
+    pod = {key: value for key, value in pytorchjob_env(3, 29500).items() if not key.startswith("LOCAL_")}
+    assert "set LOCAL_RANK=0" in doctor.check_local_rank(pod, one_gpu).message
 
 
 def test_pytorchjob_pod_is_one_worker_on_its_own_node():
