@@ -299,15 +299,15 @@ def _bitwise(run_dir: Path, reference_dir: Path) -> bool:
 @pytest.mark.timeout(900)
 def test_trainjob_and_skypilot_nodes_train_like_one_launch_of_four(tmp_path, four_workers):
     """Two nodes x 2 workers, each `distrib train` of the manifests started with only its environment's variables:
-    node 0 a SkyPilot head (its IP first in SKYPILOT_NODE_IPS; PET_MASTER_PORT for a free port instead of the
-    fixed one, and PET_NPROC_PER_NODE for 2 workers on a node without GPUs), node 1 a Kubeflow TrainJob pod (PET_*).
-    One launch checks both mappings (a run costs ~20 CPU-s); tests/unit/test_clusters.py shows that each maps node
-    rank 0 and node rank 1 to the same launch."""
+    node 0 a Kubeflow TrainJob pod (PET_*), node 1 a SkyPilot node (SKYPILOT_*: its node rank, the node count and
+    the head's IP; PET_MASTER_PORT for a free port instead of the fixed one, PET_NPROC_PER_NODE for 2 workers on a
+    node without GPUs). One launch checks both mappings (a 4-worker run costs ~20 CPU-s);
+    tests/unit/test_clusters.py shows that each maps node rank 0 and node rank 1 to the same launch."""
     from tests.unit.test_clusters import skypilot_command, skypilot_env, trainjob_command, trainjob_env
 
     assert skypilot_command() == trainjob_command()  # one command: the runs below are both manifests' runs
     port = free_port()
-    envs = [{**skypilot_env(0), "PET_MASTER_PORT": str(port), "PET_NPROC_PER_NODE": "2"}, trainjob_env(1, port)]
+    envs = [trainjob_env(0, port), {**skypilot_env(1), "PET_MASTER_PORT": str(port), "PET_NPROC_PER_NODE": "2"}]
     _manifest_runs(tmp_path, tmp_path / "run", trainjob_command(), envs)
     assert _bitwise(tmp_path / "run", four_workers)
 
