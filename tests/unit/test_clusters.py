@@ -82,6 +82,7 @@ def test_pytorchjob_manifest_has_what_the_training_operator_requires():
     for spec in specs.values():
         (container,) = spec["template"]["spec"]["containers"]
         assert container["name"] == "pytorch" and container == pytorchjob_container()
+        assert container["ports"][0]["name"] == "pytorchjob-port"  # the operator's MASTER_PORT comes from it
         assert spec["template"]["spec"]["terminationGracePeriodSeconds"] >= 60
         (mount,) = container["volumeMounts"]
         assert spec["template"]["spec"]["volumes"][0]["name"] == mount["name"]
