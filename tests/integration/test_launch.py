@@ -16,6 +16,14 @@ import torch
 
 from distrib.errors import EXIT_HUNG, UserError
 from distrib.launch import launcher
+from tests.helpers.cluster_envs import (
+    pytorchjob_container,
+    pytorchjob_env,
+    skypilot_command,
+    skypilot_env,
+    trainjob_command,
+    trainjob_env,
+)
 from tests.helpers.launch_support import (
     CLUSTER_CONFIG,
     PROBE,
@@ -303,8 +311,6 @@ def test_trainjob_and_skypilot_nodes_train_like_one_launch_of_four(tmp_path, fou
     the head's IP; PET_MASTER_PORT for a free port instead of the fixed one, PET_NPROC_PER_NODE for 2 workers on a
     node without GPUs). One launch checks both mappings (a 4-worker run costs ~20 CPU-s);
     tests/unit/test_clusters.py shows that each maps node rank 0 and node rank 1 to the same launch."""
-    from tests.unit.test_clusters import skypilot_command, skypilot_env, trainjob_command, trainjob_env
-
     assert skypilot_command() == trainjob_command()  # one command: the runs below are both manifests' runs
     port = free_port()
     envs = [trainjob_env(0, port), {**skypilot_env(1), "PET_MASTER_PORT": str(port), "PET_NPROC_PER_NODE": "2"}]
@@ -316,8 +322,6 @@ def test_trainjob_and_skypilot_nodes_train_like_one_launch_of_four(tmp_path, fou
 def test_pytorchjob_pods_train_like_one_launch_of_four(tmp_path, four_workers):
     """Four pods of one process each, with only what the training-operator gives them (MASTER_*, WORLD_SIZE=4,
     RANK=i) and the manifest's env: each `distrib train` is a worker already; rank 0 hosts the store."""
-    from tests.unit.test_clusters import pytorchjob_container, pytorchjob_env
-
     port = free_port()
     _manifest_runs(tmp_path, tmp_path / "run", pytorchjob_container()["command"],
                    [pytorchjob_env(rank, port) for rank in range(4)])
