@@ -46,6 +46,16 @@ def is_pytorchjob_pod(environ: Mapping[str, str]) -> bool:
             and ("LOCAL_RANK" not in environ or "KUBERNETES_SERVICE_HOST" in environ))
 
 
+def check_pod(environ: Mapping[str, str]) -> None:
+    """A PyTorchJob with nprocPerNode > 1 (training-operator 1.7+) expects torchrun in each pod: its WORLD_SIZE counts
+    processes but RANK counts pods, so a pod's one process would join a group that never fills."""
+    nproc = environ.get("PET_NPROC_PER_NODE", "")
+    if is_pytorchjob_pod(environ) and nproc.isdigit() and int(nproc) > 1:
+        raise UserError(f"a PyTorchJob pod with PET_NPROC_PER_NODE={nproc} (nprocPerNode) and RANK={environ['RANK']}: "
+                        "distrib train runs one process per pod here; drop nprocPerNode (one pod per device, "
+                        "scripts/k8s/pytorchjob.yaml), or use a TrainJob (scripts/k8s/trainjob.yaml)")
+
+
 def wants_launcher(environ: Mapping[str, str]) -> bool:
     """`distrib train` with no launch flag starts workers as distrib launch does when PET_* or SkyPilot's variables
     describe nodes and no launcher made this process a worker yet."""

@@ -115,8 +115,9 @@ def test_distrib_train_launches_under_pet_and_skypilot_but_not_inside_a_worker(n
     started = []
     monkeypatch.setattr(cli, "launch_trainer", lambda flags, argv, check: started.append((flags, argv)) or 0)
     monkeypatch.setattr(cli, "_worker", lambda config: started.append("worker") or 0)
+    base = dict(os.environ)
     for environ in (trainjob_env(0, 29500), skypilot_env(0), pytorchjob_env(1, 29500)):
-        monkeypatch.setattr(os, "environ", {**os.environ, **environ})
+        monkeypatch.setattr(os, "environ", {**base, **environ})
         assert cli.main(["train", "--set", "train.max_steps=3"]) == 0
     assert started == [([], ["--set", "train.max_steps=3"])] * 2 + ["worker"]
 
@@ -170,7 +171,9 @@ def _train_error(monkeypatch, tmp_path, capsys, environ: dict) -> str:
     ({**trainjob_env(0, 29500), "SLURM_JOB_ID": "7", "SLURM_NNODES": "4", "SLURM_JOB_NODELIST": "n[1-4]"},
      "PET_NNODES=2 but SLURM_NNODES=4: PET_* would win (flags > PET_* > SLURM/SkyPilot"),
     ({**skypilot_env(0, nnodes=3), "PET_NNODES": "2"}, "PET_NNODES=2 but SKYPILOT_NUM_NODES=3"),
-], ids=["pet-node-rank", "skypilot-node-rank", "unresolvable", "slurm-disagrees", "skypilot-disagrees"])
+    ({**pytorchjob_env(1, 29500), "PET_NPROC_PER_NODE": "8"}, "a PyTorchJob pod with PET_NPROC_PER_NODE=8"),
+], ids=["pet-node-rank", "skypilot-node-rank", "unresolvable", "slurm-disagrees", "skypilot-disagrees",
+        "pytorchjob-nproc"])
 def test_bad_cluster_variables_are_one_line(no_launch_env, monkeypatch, tmp_path, capsys, environ, says):
     assert says in _train_error(monkeypatch, tmp_path, capsys, environ)
 
