@@ -19,6 +19,7 @@ import sys
 from typing import NoReturn, Sequence
 
 from distrib.errors import EXIT_PREEMPTED, UserError, say
+from distrib.launch.clusters import check_pod, wants_launcher
 from distrib.launch.launcher import add_train_flags, launch_trainer, train_flags, usage_error, without_train_flags
 
 EXIT_USER_ERROR = 2
@@ -34,8 +35,9 @@ def _train(args: argparse.Namespace) -> int:
     check_folders(config, probe_locks=True)  # writable and not another live run's (rank 0 then locks them)
     require_loggers(config.metrics)  # a missing tracker package: one line here, not one per worker
     launch_flags = train_flags(args)  # --nproc-per-node, --max-restarts, --nnodes, --rdzv-*: as for distrib launch
-    if launch_flags:
+    if launch_flags or wants_launcher(os.environ):  # PET_* (a Kubeflow TrainJob) or SkyPilot: as distrib launch
         return launch_trainer(launch_flags, args.argv, _before_workers(config))
+    check_pod(os.environ)
     from distrib.launch.preempt import exit_on_signals, parse_signals
     from distrib.launch.reporting import errors_reported
 

@@ -29,6 +29,21 @@ from distrib.models.build import build_model
 from distrib.training.trainer import build_optimizer
 
 GIB, GB = 2**30, 1e9
+# What a step holds beyond its state and activations (README, "What plan counts"; measured by scripts/bench_allocator.py
+# and tests/integration/test_meta_build.py). Under fsdp, at a block's backward: two blocks' bytes, its gathered
+# parameters and its unsharded gradients, then those gradients and the reduce-scatter's copy of them (FSDP2 reshards
+# the parameters first); an accelerator also prefetches the next block's parameters (on the CPU distrib turns that off:
+# distrib.distributed.fsdp.shard). The root unit (what no block holds: embeddings, the output layer, the final norm)
+# stays gathered from its forward to its backward.
+BLOCKS_IN_FLIGHT = {"cpu": 2, "accelerator": 3}
+# The host allocator's slack over the transient bytes (activations and gathers) of a CPU run: freed blocks it keeps but
+# cannot reuse for the next ones, cut otherwise. None where a sharded model of 64 MiB or more returns its freed memory
+# (distrib.distributed.host_heap.return_freed_memory: tcmalloc's decommit, or glibc's 64 KiB mmap threshold): the
+# 104M GPT's peak measured 1.19-1.20x its bytes either way, plan's state + transient 1.22. About the transient bytes
+# again where freed memory is kept (tcmalloc as it comes, scripts/bench_allocator.py: 0.8x of them for the 104M GPT,
+# 0.6-1.1x for the 25M one; jemalloc 0.55x; glibc's defaults far more); 0 on an accelerator, whose caching allocator's
+# own slack is not modelled.
+KEPT_SLACK = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +197,64 @@ def _memory_figures(config: Config, strategy: Strategy, machine: Machine, info, 
             "fits_host": host <= machine.host_memory}
 
 
+def _host_allocator(returns_freed: bool) -> str:
+    """The allocator a CPU run's workers get from distrib's launcher on this host (distrib.launch.allocator), and
+    whether it returns what a step frees."""
+    import os
+
+    from distrib.launch.allocator import chosen, find_library
+
+    choice = chosen(os.environ)
+    name = choice if choice != "glibc" and find_library(choice) and not os.environ.get("LD_PRELOAD") else "glibc"
+    return f"{name}, {'returning' if returns_freed else 'keeping'} freed memory"
+
+
+def returns_freed_memory(strategy: Strategy, model: nn.Module) -> bool:
+    """Whether a CPU run's workers give freed host memory back (distrib.distributed.strategies.fsdp's rule)."""
+    from distrib.distributed.strategies.fsdp import RETURN_FREED_MEMORY_FROM_BYTES
+
+    # the parameters in fp32, as the strategy builds them (plan's model is in the compute dtype)
+    return strategy.sharded_state and sum(4 * p.numel() for p in model.parameters()) \
+        + sum(map(_nbytes, model.buffers())) >= RETURN_FREED_MEMORY_FROM_BYTES
+
+
+def peak_terms(config: Config, strategy: Strategy, model: nn.Module, activations: int, local_params: int,
+               device: torch.device) -> dict:
+    """What a step holds beyond its state and its activations, per rank: parameters gathered in flight (sharded
+    strategies: the root unit and BLOCKS_IN_FLIGHT of the largest block, in the compute dtype, a tensor-parallel
+    rank's slice), the optimizer's temporaries (one chunk: distrib.training.optimizers) and the allocator's slack."""
+    from distrib.training.optimizers import MAX_CHUNKS, MIN_CHUNK_ELEMENTS
+
+    gathered = 0
+    if strategy.sharded_state:
+        blocks = fsdp.find_blocks(model, config.dist.shard_modules)
+        others = fsdp.leftover_units(model, blocks)  # units of their own too: an untied embedding, output layer
+        in_units = {id(p) for unit in [*blocks, *others] for p in unit.parameters()}
+        root = sum(_nbytes(p) for p in model.parameters() if id(p) not in in_units)
+        largest = max((sum(_nbytes(p) for p in block.parameters()) for block in blocks), default=0)
+        in_flight = BLOCKS_IN_FLIGHT["cpu" if device.type == "cpu" else "accelerator"]
+        # such a unit counted once: a Llama-shaped 106M GPT (the embedding and the output layer each 0.23x of it)
+        # measured 0.97-1.10x above a tiny run, plan 1.23x so, 1.47x counting two of it as two blocks
+        other = max((sum(_nbytes(p) for p in unit.parameters()) for unit in others), default=0)
+        gathered = (root + max(in_flight * largest, other)) // strategy.dims.tensor_parallel
+    temporaries = 0 if config.train.optimizer == "sgd" and not config.train.weight_decay else \
+        4 * max(MIN_CHUNK_ELEMENTS, -(-local_params // MAX_CHUNKS))
+    slack = 0.0 if device.type != "cpu" or returns_freed_memory(strategy, model) else KEPT_SLACK
+    return {"gathered_bytes_per_rank": gathered, "optimizer_temporary_bytes_per_rank": min(temporaries,
+                                                                                          4 * local_params),
+            "allocator_slack_bytes_per_rank": round(slack * (activations + gathered))}
+
+
+def step_peak(parts: dict, activations: int, terms: dict, grad_accum_steps: int) -> int:
+    """A step's peak per rank: the parameters and the optimizer state throughout; in the backward, the blocks in
+    flight and the larger of the activations not yet freed and the gradients already reduced (both, where earlier
+    micro-steps left gradients); at the optimizer's step, the gradients and its temporaries; the allocator's slack."""
+    grads = parts["gradients"]
+    held = activations + grads if grad_accum_steps > 1 else max(activations, grads)
+    return parts["parameters"] + parts["optimizer"] + terms["allocator_slack_bytes_per_rank"] + max(
+        terms["gathered_bytes_per_rank"] + held, grads + terms["optimizer_temporary_bytes_per_rank"])
+
+
 def plan_run(config: Config, machine: Machine) -> dict:
     """The figures of the plan, under summary.json's names where it has them. UserErrors are train's own."""
     strategy = make_strategy(config.dist, machine.world_size, machine.nproc_per_node)
@@ -202,7 +275,8 @@ def plan_run(config: Config, machine: Machine) -> dict:
                                          _tp_activations(model, shape, inputs) * compute_bytes)
     state = sum(parts.values())
     activations = recomputed if config.speed.activation_checkpointing == "blocks" else whole
-    needed = state + activations
+    peak = peak_terms(config, strategy, model, activations, local_params, device)
+    needed = step_peak(parts, activations, peak, config.train.grad_accum_steps)
     return {"world_size": machine.world_size, "nnodes": machine.nnodes, "nproc_per_node": machine.nproc_per_node,
             "strategy": config.dist.strategy, "mesh": shape.layout(),
             "num_parameters": sum(p.numel() for p in model.parameters()),
@@ -212,7 +286,8 @@ def plan_run(config: Config, machine: Machine) -> dict:
             "global_batch_size": batches.global_batch_size, "micro_batch_size": batches.micro_batch_size,
             "grad_accum_steps": batches.grad_accum_steps, "data_parallel_size": shape.data_parallel,
             "collective_bytes_per_step_intra_node": intra, "collective_bytes_per_step_inter_node": inter,
-            "device_memory_bytes": machine.device_memory, "memory_bytes_per_rank": needed,
+            "device_memory_bytes": machine.device_memory, "memory_bytes_per_rank": needed, **peak,
+            "host_allocator": _host_allocator(returns_freed_memory(strategy, model)) if device.type == "cpu" else "",
             **_memory_figures(config, strategy, machine, data.info, parts, needed, device),
             "step_seconds_lower_bound": max(intra / machine.intra_node_bandwidth,
                                             inter / machine.inter_node_bandwidth)}
@@ -247,8 +322,14 @@ def table(figures: dict, machine: Machine) -> str:
                             + ("each rank reads its shards from model.init_from" if f["loads_weights"] else
                                "the model initialises its own shards" if f["self_initialising"] else
                                "rank 0 also builds the whole model in host memory") + ")"),
+        ("gathered in flight", f"{_size(f['gathered_bytes_per_rank'])} (the root unit, and the largest block's "
+                               "bytes at its backward)"),
+        ("optimizer temporaries", _size(f["optimizer_temporary_bytes_per_rank"])),
+        ("allocator slack", f"{_size(f['allocator_slack_bytes_per_rank'])}"
+                            + (f" ({f['host_allocator']} on the host)" if f["host_allocator"] else "")),
         ("device memory", f"{'fits' if f['fits'] else 'DOES NOT FIT'}: {_size(f['memory_bytes_per_rank'])} of "
-                          f"{_size(f['device_memory_bytes'])} (state + activations of one micro-batch)"),
+                          f"{_size(f['device_memory_bytes'])} (the step's peak: parameters, optimizer, gathered, "
+                          "the larger of activations and gradients, slack)"),
         ("host memory / node", f"{'fits' if f['fits_host'] else 'DOES NOT FIT'}: "
                                f"{_size(f['startup_host_bytes_per_node'])} at start-up, "
                                f"{_size(f['host_bytes_per_node'])} in steady state, of "

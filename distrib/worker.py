@@ -31,6 +31,7 @@ from distrib.distributed.runtime import LaunchEnv, Runtime, collective_timeouts,
 from distrib.distributed.strategies import Build, LoadWeights, make_strategy
 from distrib.errors import ConfigError, say
 from distrib.factory import accepted, call_factory
+from distrib.launch import allocator
 from distrib.launch.preempt import Preempted, parse_signals, stop_on_signals
 from distrib.launch.rundir import checkpoint_dir, environment_faults, own_folders
 from distrib.metrics import Recorder
@@ -288,7 +289,8 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
                             run_ids=state.tracker_ids)
         if runtime.is_main:  # only now: a run that failed above left the earlier run's config.toml as it was
             write_resolved(config, Path(config.run.dir))
-        recorder.info(f"world size {runtime.world_size}, device {runtime.device}, backend {runtime.backend}")
+        recorder.info(f"world size {runtime.world_size}, device {runtime.device}, backend {runtime.backend}"
+                      + (f", host allocator {allocator.running()}" if runtime.device.type == "cpu" else ""))
         for note in notes:
             recorder.info(note)
         recorder.info(f"{_steps_said(config, total_steps)} of {plan.global_batch_size} samples ({runtime.world_size} "

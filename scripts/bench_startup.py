@@ -44,11 +44,16 @@ class _TrainStart:
         self.peak, self.figures = peak, {}
 
     def on_train_start(self, model) -> None:
-        self.figures = {"startup_peak_rss_bytes": self.peak(), "seconds_to_train_start": time.time() - STARTED}
+        import resource
+
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        self.figures = {"startup_peak_rss_bytes": self.peak(), "seconds_to_train_start": time.time() - STARTED,
+                        "start_user_cpu_s": usage.ru_utime, "start_system_cpu_s": usage.ru_stime}
 
 
 def worker(out: Path, overrides: list[str]) -> None:
-    """One rank: trains, then writes OUT/rank_R.json with its peak RSS and seconds to the first step's end."""
+    """One rank: trains, then writes OUT/rank_R.json with its peak RSS, seconds to the first step's end, each step's
+    seconds and the process's user and system CPU seconds (scripts/bench_allocator.py reads those too)."""
     import resource
 
     from distrib.config import load_config
@@ -65,20 +70,23 @@ def worker(out: Path, overrides: list[str]) -> None:
     with open_runtime(config.dist) as runtime:
         train_on(config, runtime, on_step_end=lambda step: ends.append(time.time()), **hooks)
         # the first step's end less the second step's time: the start-up, without one step's compute
+        usage = resource.getrusage(resource.RUSAGE_SELF)
         figures = {"peak_rss_bytes": peak(), "seconds_to_first_step": 2 * ends[0] - ends[1] - STARTED,
-                   **start.figures}
+                   "step_seconds": [b - a for a, b in zip(ends, ends[1:])], "user_cpu_s": usage.ru_utime,
+                   "system_cpu_s": usage.ru_stime, **start.figures}
         (out / f"rank_{runtime.rank}.json").write_text(json.dumps(figures))
 
 
 def _run(out: Path, world_size: int, kwargs: str, strategy: list[str], code: Path, mmap_threshold: int = 0,
-         batch: int = 8) -> list[dict]:
+         batch: int = 8, env: dict | None = None, settings: list[str] = SETTINGS, steps: int = 2) -> list[dict]:
+    """One torchrun of `world_size` workers (this file's worker); env: more variables for them (an allocator)."""
     out.mkdir(parents=True)
-    sets = [*SETTINGS, f"train.global_batch_size={batch}", f"model.kwargs={kwargs}", "train.max_steps=2",
+    sets = [*settings, f"train.global_batch_size={batch}", f"model.kwargs={kwargs}", f"train.max_steps={steps}",
             "train.epochs=0", "train.eval_every_epochs=0", "data.eval_batch_size=8", "checkpoint.every_steps=0",
             "run.progress=false", f"run.dir={out / 'run'}", *strategy]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
            __file__, "--worker", str(out), *sets]
-    env = {**os.environ, "PYTHONPATH": str(code), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(code), "OMP_NUM_THREADS": "1", **(env or {})}
     if mmap_threshold:  # glibc's own variable: distrib then leaves the threshold alone
         env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
@@ -182,5 +190,10 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--worker":
         worker(Path(sys.argv[2]), sys.argv[3:])
+        # as distrib's worker ends: the process group is closed; torch's teardown at interpreter exit sometimes
+        # aborted a worker here ("terminate called without an active exception": 1 run in 10, glibc or tcmalloc)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     else:
         main()

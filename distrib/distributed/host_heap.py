@@ -1,5 +1,7 @@
-"""How a worker whose tensors live in host memory keeps the memory it frees: glibc's malloc thresholds, set once per
-process unless the user's environment sets them.
+"""How a worker whose tensors live in host memory keeps the memory it frees when it runs on glibc's malloc: glibc's
+thresholds, set once per process unless the user's environment sets them. Under distrib's launcher a CPU worker runs
+on tcmalloc where it is installed (distrib.launch.allocator, which says why); then nothing here applies. This is the
+fallback: glibc, or a worker started by plain torchrun or a user's script.
 
 Why: torch allocates CPU tensors with the C library's malloc, and glibc hands the freed top of its heap back to the
 system whenever more than its trim threshold (128 KiB to 64 MiB, adjusted as it goes) is free there, then faults the
@@ -22,6 +24,8 @@ import ctypes
 import os
 import platform
 
+from distrib.launch.allocator import LIBRARIES
+
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 MMAP_THRESHOLD = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: where its own dynamic threshold stops
@@ -41,13 +45,34 @@ def keep_freed_memory(environ=os.environ) -> bool:
 
 
 def return_freed_memory(environ=os.environ) -> bool:
-    """Lowers glibc's mmap threshold to 64 KiB for this process, so that large tensors go back to the system when
-    freed; returns whether it did (False off glibc, or where the environment sets malloc's tuning itself)."""
+    """Large tensors go back to the system when freed: under tcmalloc its aggressive decommit, on glibc an mmap
+    threshold of 64 KiB for this process; returns whether it did (False off both, or where the environment tunes the
+    allocator itself)."""
+    if _tcmalloc_property() is not None:
+        return _tcmalloc_decommit(environ)
     mallopt = _mallopt(environ)
     return mallopt is not None and bool(mallopt(_M_MMAP_THRESHOLD, RETURN_MMAP_THRESHOLD))
 
 
+def _tcmalloc_property():
+    """tcmalloc's MallocExtension_SetNumericProperty where this process runs on tcmalloc (gperftools), else None."""
+    setter = getattr(ctypes.CDLL(None), "MallocExtension_SetNumericProperty", None)
+    if setter is not None:
+        setter.argtypes, setter.restype = [ctypes.c_char_p, ctypes.c_size_t], ctypes.c_int
+    return setter
+
+
+def _tcmalloc_decommit(environ) -> bool:
+    # tcmalloc keeps freed spans to reuse them, but a sharded model's gathers, gradients and activations, freed block
+    # by block, left them cut so that its fsdp workers held 0.2-0.5x more of the model's bytes than glibc's mapped
+    # blocks (scripts/bench_allocator.py); decommitting free spans at once gives that back.
+    told = any(key.startswith("TCMALLOC_") for key in environ)  # the user tunes tcmalloc: it stays as told
+    return not told and bool(_tcmalloc_property()(b"tcmalloc.aggressive_memory_decommit", 1))
+
+
 def _mallopt(environ):
-    """glibc's mallopt, or None off glibc and where the user's environment tunes malloc (then glibc is left as told)."""
+    """glibc's mallopt, or None off glibc, where the user's environment tunes malloc (then glibc is left as told),
+    and where another allocator is preloaded (its malloc serves the tensors; glibc's thresholds would mean nothing)."""
     told = any(key in environ for key in USER_KEYS) or "glibc.malloc." in environ.get("GLIBC_TUNABLES", "")
-    return None if platform.libc_ver()[0] != "glibc" or told else ctypes.CDLL(None).mallopt
+    preloaded = any(name in environ.get("LD_PRELOAD", "") for name in LIBRARIES)
+    return None if platform.libc_ver()[0] != "glibc" or told or preloaded else ctypes.CDLL(None).mallopt

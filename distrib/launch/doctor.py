@@ -11,8 +11,10 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
+from distrib.launch import clusters
+
 LAUNCH_PREFIXES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE",
-                   "MASTER_", "TORCHELASTIC_", "PET_", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
+                   "MASTER_", "TORCHELASTIC_", "PET_", "SKYPILOT_", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
 SLURM_PREFIX = "SLURM_"
 
 
@@ -50,7 +52,8 @@ def num_nodes(env: Mapping[str, str]) -> int:
     """How many nodes this run spans, from whichever launcher or scheduler variables are present."""
     world, local = _int(env, "WORLD_SIZE"), _int(env, "LOCAL_WORLD_SIZE")
     candidates = [_int(env, "GROUP_WORLD_SIZE"), _max_nodes(env.get("PET_NNODES")), _int(env, "NNODES"),
-                  _int(env, "SLURM_NNODES"), -(-world // local) if world and local else None]
+                  _int(env, "SLURM_NNODES"), _int(env, "SKYPILOT_NUM_NODES"),
+                  -(-world // local) if world and local else None]
     return max([n for n in candidates if n] or [1])
 
 
@@ -70,6 +73,11 @@ def check_local_rank(env: Mapping[str, str], facts: Facts) -> Finding:
     visible = f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', '<unset>')}"
     if not facts.num_gpus:
         return Finding(name, True, "no CUDA device visible: workers run on the CPU")
+    rank = _int(env, "RANK")
+    if local_rank is None and rank is not None and rank >= facts.num_gpus and clusters.is_pytorchjob_pod(env):
+        return Finding(name, False, f"RANK={rank} and no LOCAL_RANK, which then defaults to RANK, but this pod has "
+                                    f"{facts.num_gpus} CUDA device(s); set LOCAL_RANK=0 and LOCAL_WORLD_SIZE=1 in the "
+                                    "pod's env, as scripts/k8s/pytorchjob.yaml does")
     if local_rank is not None and local_rank >= facts.num_gpus:
         return Finding(name, False, f"LOCAL_RANK={local_rank} but {facts.num_gpus} CUDA device(s) are visible "
                                     f"({visible}); launch with --nproc-per-node={facts.num_gpus} or fix "
@@ -149,8 +157,26 @@ def check_store(env: Mapping[str, str], facts: Facts) -> Finding:
                                f"job's store); distrib launch {where}")
 
 
+def check_cluster(env: Mapping[str, str], facts: Facts) -> Finding:
+    """The launcher's own checks of the cluster's variables (clusters): node counts that agree, a node rank in
+    range, a rendezvous host that resolves."""
+    from distrib.errors import UserError
+
+    name = "cluster variables"
+    try:
+        clusters.check_agreement(env.get("PET_NNODES"), env)
+        nodes, rank = _max_nodes(env.get("PET_NNODES")), _int(env, "PET_NODE_RANK")
+        if nodes and rank is not None:
+            clusters.check_node_rank(rank, nodes, "PET_NODE_RANK")
+        if nodes and nodes > 1 and env.get("PET_MASTER_ADDR"):
+            clusters.check_resolves(env["PET_MASTER_ADDR"], f"PET_MASTER_ADDR={env['PET_MASTER_ADDR']}")
+    except UserError as e:
+        return Finding(name, False, str(e))
+    return Finding(name, True, f"{clusters.name(env)}: consistent")
+
+
 def run_checks(env: Mapping[str, str], facts: Facts, nproc_per_node: int) -> list[Finding]:
-    checks = [check_local_rank, check_master_addr, check_port, check_store, check_scontrol]
+    checks = [check_local_rank, check_master_addr, check_port, check_store, check_scontrol, check_cluster]
     return [check(env, facts) for check in checks] + [check_slurm_tasks(env, facts, nproc_per_node)]
 
 
@@ -201,6 +227,7 @@ def report(env: Mapping[str, str], facts: Facts, findings: list[Finding]) -> str
     lines = block("torch", describe_torch(facts))
     lines += block("launch environment", _env_rows(env, lambda key: key.startswith(LAUNCH_PREFIXES)))
     lines += block("SLURM environment", _env_rows(env, lambda key: key.startswith(SLURM_PREFIX)))
+    lines += block("cluster", [("found", clusters.name(env)), ("distrib train", clusters.plan(env))])
     lines += ["checks", *(f"  {'ok' if f.ok else 'FAIL':<4} {f.name:<22} {f.message}" for f in findings)]
     return "\n".join(lines)
 

@@ -1,6 +1,7 @@
 """The parent process of `distrib launch` and `distrib train --nproc-per-node`: torchrun's own parser and elastic agent
-(torch.distributed.run) with better defaults, SLURM detection, and one line per failed rank. The only writer of the
-launch environment (torch's agent sets RANK and the rest for each worker; runtime.read_launch_env reads them)."""
+(torch.distributed.run) with better defaults, SLURM and SkyPilot detection (clusters), and one line per failed rank.
+The only writer of the launch environment (torch's agent sets RANK and the rest for each worker;
+runtime.read_launch_env reads them)."""
 
 from __future__ import annotations
 
@@ -18,12 +19,16 @@ from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
 
 from distrib.errors import EXIT_PREEMPTED, UserError, say
+from distrib.launch import clusters
+from distrib.launch.allocator import worker_preload
+from distrib.launch.clusters import in_skypilot, in_slurm
 from distrib.launch.reporting import REPORTS_VAR, cause_of, failure_lines, quiet_torch_failure_lines
 
 # Flags whose defaults we choose ourselves; None after parsing means neither the flag nor its PET_* form was given.
-_OUR_DEFAULTS = ("nnodes", "nproc_per_node", "rdzv_backend", "rdzv_endpoint", "rdzv_id")
+_OUR_DEFAULTS = ("nnodes", "nproc_per_node", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "node_rank", "master_addr")
 SLURM_PORT_BASE, SLURM_PORT_SPAN = 20000, 20000  # rendezvous port = base + job id % span: one per job, no clash
-TORCHRUN_DEFAULTS = {"nnodes": "1:1", "rdzv_backend": "static", "rdzv_endpoint": "", "rdzv_id": "none"}
+TORCHRUN_DEFAULTS = {"nnodes": "1:1", "rdzv_backend": "static", "rdzv_endpoint": "", "rdzv_id": "none",
+                     "node_rank": 0, "master_addr": "127.0.0.1"}
 
 
 def usage_error(prog: str, message: str) -> UserError:
@@ -67,10 +72,6 @@ def slurm_hostnames(nodelist: str) -> list[str]:
     return hosts
 
 
-def in_slurm(environ: Mapping[str, str]) -> bool:
-    return all(key in environ for key in ("SLURM_JOB_ID", "SLURM_NNODES", "SLURM_JOB_NODELIST"))
-
-
 def slurm_rendezvous_port(job_id: str) -> int:
     try:
         return SLURM_PORT_BASE + int(job_id) % SLURM_PORT_SPAN
@@ -92,9 +93,13 @@ def check_slurm_step(environ: Mapping[str, str]) -> None:
 
 
 def apply_defaults(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> argparse.Namespace:
-    """Fills what the user left unset: nodes from SLURM, one worker per visible GPU, a private local rendezvous
-    on a single node, and under SLURM a c10d rendezvous on the first node with the job id and a port from it."""
+    """Fills what the user left unset: nodes from SLURM or SkyPilot, one worker per visible GPU, a private local
+    rendezvous on a single node, under SLURM a c10d rendezvous on the first node with the job id and a port from it,
+    under SkyPilot torchrun's static one on the head node (clusters.PRECEDENCE: flags > PET_* > SLURM/SkyPilot)."""
+    clusters.check_agreement(args.nnodes, environ)
     slurm = in_slurm(environ)
+    if not slurm and in_skypilot(environ):
+        skypilot_defaults(args, environ)
     if args.nnodes is None and slurm and _max_nodes(environ["SLURM_NNODES"], "SLURM_NNODES") > 1:
         check_slurm_step(environ)
         args.nnodes = environ["SLURM_NNODES"]
@@ -116,6 +121,53 @@ def apply_defaults(args: argparse.Namespace, environ: Mapping[str, str] = os.env
         if getattr(args, dest) is None:
             setattr(args, dest, default)
     return args
+
+
+def skypilot_defaults(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
+    """SkyPilot's nodes, GPUs and head where no flag or PET_* gave them: as its torchrun recipe, a static rendezvous
+    on the head's IP (the first of SKYPILOT_NODE_IPS) at a fixed port, this node's rank SKYPILOT_NODE_RANK."""
+    head, node_rank, num_nodes = clusters.skypilot_nodes(environ)
+    args.nnodes = args.nnodes or num_nodes
+    gpus = environ.get("SKYPILOT_NUM_GPUS_PER_NODE", "0")
+    if args.nproc_per_node is None and gpus not in ("", "0"):
+        args.nproc_per_node = gpus  # on CPU nodes: the default below (one per visible GPU, else 1)
+    if _max_nodes(args.nnodes, "SKYPILOT_NUM_NODES") > 1 and not args.rdzv_endpoint \
+            and args.rdzv_backend in (None, "static"):
+        args.master_addr = args.master_addr or head
+        args.master_port = args.master_port or clusters.SKYPILOT_PORT
+        if args.node_rank is None:
+            args.node_rank = _whole(node_rank, "SKYPILOT_NODE_RANK")
+
+
+def _whole(text: str, source: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise UserError(f"{source}={text!r} is not a whole number; give --node-rank N") from None
+
+
+def check_rendezvous(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
+    """A multi-node launch's node rank is in range and its rendezvous host resolves: one line each, naming where the
+    value came from, instead of nodes that wait forever or the agent's traceback."""
+    max_nodes = _max_nodes(args.nnodes)
+    if max_nodes == 1 or args.standalone or args.rdzv_backend not in ("static", "c10d"):
+        return
+
+    def source(flag: str, *keys: str) -> str:
+        value = str(getattr(args, flag[2:].replace("-", "_")))
+        return next((key for key in keys if environ.get(key, "").split()[:1] == [value]), flag)
+    if args.rdzv_backend == "static":
+        clusters.check_node_rank(args.node_rank, max_nodes, source("--node-rank", "PET_NODE_RANK",
+                                                                   "SKYPILOT_NODE_RANK"))
+        clusters.check_resolves(args.master_addr, source("--master-addr", "PET_MASTER_ADDR", "SKYPILOT_NODE_IPS")
+                                + f"={args.master_addr}")
+    else:
+        from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+        endpoint = args.rdzv_endpoint
+        host, _ = parse_rendezvous_endpoint(endpoint, default_port=29400)
+        name = "PET_RDZV_ENDPOINT" if environ.get("PET_RDZV_ENDPOINT") == endpoint else "--rdzv-endpoint"
+        clusters.check_resolves(host, f"{name}={endpoint}")
 
 
 def _max_nodes(nnodes: str, source: str = "--nnodes") -> int:
@@ -253,6 +305,7 @@ def lifelines(args: argparse.Namespace) -> Iterator[Path]:
 def run_agent(args: argparse.Namespace) -> int:
     """torch.distributed.run.run, each worker under a lifeline, its failures turned into messages and exit codes
     instead of tracebacks."""
+    from torch.distributed import DistNetworkError, DistStoreError
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -281,6 +334,14 @@ def run_agent(args: argparse.Namespace) -> int:
             raise UserError(f"rendezvous {args.rdzv_backend} at {args.rdzv_endpoint!r} (id {args.rdzv_id}) failed: "
                             f"{e}; check that every node runs the same --nnodes, --rdzv-endpoint and --rdzv-id") \
                 from None
+        except (DistStoreError, DistNetworkError) as e:
+            if args.rdzv_backend != "static":
+                raise
+            # torchrun's static rendezvous (PET_* from a TrainJob, SkyPilot): node 0's store waits for every node.
+            raise UserError(f"rendezvous at {args.master_addr}:{args.master_port}: not all {args.nnodes} nodes "
+                            f"(--nnodes, PET_NNODES) arrived as node {args.node_rank} waited "
+                            f"({str(e).splitlines()[0]}); every node needs the same node count, a node rank below "
+                            "it, and node 0 up") from None
     return 0
 
 
@@ -327,13 +388,16 @@ def main(argv: Sequence[str], check: Callable[[int, int | None], None] | None = 
     elastic)."""
     with stop_handlers():
         args = apply_defaults(parse_args(argv), os.environ)
+        check_rendezvous(args, os.environ)
         check_program(args)
         if check is not None:
             check(local_world_size(args.nproc_per_node), fixed_world_size(args))
-        threads = cpu_threads(os.environ, local_world_size(args.nproc_per_node), visible_gpu_count())
+        num_gpus = visible_gpu_count()
+        threads = cpu_threads(os.environ, local_world_size(args.nproc_per_node), num_gpus)
         if threads is not None:
             # Set here, in the one writer of the launch environment; torch's agent passes it on to every worker.
             os.environ["OMP_NUM_THREADS"] = threads
+        os.environ.update(worker_preload(os.environ, num_gpus))  # the workers' host allocator: tcmalloc if installed
         os.environ.update(private_sockets(os.environ, _max_nodes(args.nnodes)))
         with _reporting_env():
             return run_agent(args)

@@ -29,7 +29,7 @@ from distrib.training.early_stop import EarlyStopping
 from distrib.training.ema import EMA
 from distrib.training.evaluation import autocast, evaluate
 from distrib.training.losses import Loss, forward, global_count_scale
-from distrib.training.optimizers import param_groups, user_optimizer
+from distrib.training.optimizers import chunked_steps, param_groups, user_optimizer
 from distrib.training.throughput import Throughput
 
 __all__ = ["Progress", "TrainState", "Trainer", "autocast", "build_optimizer", "build_scheduler", "evaluate",
@@ -42,12 +42,13 @@ def build_optimizer(model: nn.Module, config: TrainConfig, log: Callable[[str], 
     biases, norms and embeddings are not decayed (train.decay = weights); a user's function gets those groups."""
     # foreach: one op over all parameters, PyTorch's default on GPUs, here on CPUs too, where its loop over parameters
     # (bitwise the same) pays a dispatch per op and parameter: AdamW on the bench GPT 34 -> 10 ms a step under fsdp.
+    # In chunks (optimizers.chunked_steps), so that its temporaries are not the size of the whole local model.
     if config.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
-                               weight_decay=config.weight_decay, foreach=True)
+        return chunked_steps(torch.optim.SGD)(model.parameters(), lr=config.lr, momentum=config.momentum,
+                                              weight_decay=config.weight_decay, foreach=True)
     groups = param_groups(model, config, log or (lambda message: None))
     if config.optimizer in ("adam", "adamw"):
-        cls = torch.optim.Adam if config.optimizer == "adam" else torch.optim.AdamW
+        cls = chunked_steps(torch.optim.Adam if config.optimizer == "adam" else torch.optim.AdamW)
         return cls(groups, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay, foreach=True)
     return user_optimizer(config, groups)
 

@@ -1,7 +1,8 @@
 """Builds a config's model as its strategy does (distrib.distributed.strategies), under torchrun, and writes what
 rank 0 gathers of the weights (OUT/weights.pt) and each rank's peak resident memory (OUT/rss_RANK.json) after
-building; with --steps N, the weights and the peak after N SGD steps that follow (the byte-level GPT on random tokens,
-no trainer): for the tests that sharded runs start from one process's weights and hold no whole model.
+building; with --steps N, the weights and the peak after N steps that follow (the byte-level GPT on random tokens, the
+config's optimizer as train builds it, no trainer): for the tests that sharded runs start from one process's weights,
+hold no whole model, and hold what `distrib plan` says.
 
 argv: OUT [--steps N] --set section.key=value ..."""
 
@@ -18,16 +19,17 @@ from distrib.data import load_data
 from distrib.distributed.runtime import open_runtime
 from distrib.distributed.strategies import Build, make_strategy
 from distrib.models.build import build_model
+from distrib.training.trainer import build_optimizer
 
 
 def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
-def train_steps(model: torch.nn.Module, steps: int, seq_len: int) -> None:
-    """Forward, backward and an SGD step on the same 2 windows of random bytes on every rank (so any world size
-    trains the weights one process does): a training step's gathers and gradients."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+def train_steps(model: torch.nn.Module, steps: int, config) -> None:
+    """Forward, backward and a step of the config's optimizer on the same 2 windows of random bytes on every rank (so
+    any world size trains the weights one process does): a training step's gathers, gradients and optimizer state."""
+    optimizer, seq_len = build_optimizer(model, config.train), config.data.seq_len
     tokens = torch.randint(0, 256, (2, seq_len + 1), generator=torch.Generator().manual_seed(0))
     for _ in range(steps):
         logits = model(tokens[:, :-1])
@@ -48,7 +50,7 @@ if __name__ == "__main__":
         model = strategy.setup_module(Build(lambda: build_model(config.model, data.info), config.train.seed,
                                             log=lines.append), runtime)
         built = peak_rss()
-        train_steps(model, steps, config.data.seq_len)
+        train_steps(model, steps, config)
         figures = {"peak_rss_bytes": built, "steps_peak_rss_bytes": peak_rss(), "log": lines}
         weights = strategy.full_model_state(model)  # after the peaks: rank 0 gathers the whole model
         if runtime.is_main:

@@ -18,7 +18,7 @@ from typing import Sequence
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH_VARS = ("PET_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_", "ROLE_", "MASTER_",
-               "TORCHELASTIC_", "SLURM_", "OMP_NUM_THREADS")
+               "TORCHELASTIC_", "SLURM_", "SKYPILOT_", "OMP_NUM_THREADS")
 
 
 def clean_env(**extra: str) -> dict[str, str]:

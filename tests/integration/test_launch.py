@@ -16,6 +16,14 @@ import torch
 
 from distrib.errors import EXIT_HUNG, UserError
 from distrib.launch import launcher
+from tests.helpers.cluster_envs import (
+    pytorchjob_container,
+    pytorchjob_env,
+    skypilot_command,
+    skypilot_env,
+    trainjob_command,
+    trainjob_env,
+)
 from tests.helpers.launch_support import (
     CLUSTER_CONFIG,
     PROBE,
@@ -257,3 +265,64 @@ def test_trainer_rank_that_stalls_or_dies_ends_the_run_with_its_step_or_rank(tmp
     if factory == "dying_network":
         assert re.search(r"^distrib: error: after step \d+: lost rank 1 \(host \S+, pid \d+, .*no heartbeat",
                          done.stderr, re.M), done.text()
+
+
+# ---------------------------------------------------------------- clusters: only the variables each one gives
+
+
+@pytest.fixture(scope="module")
+def four_workers(tmp_path_factory) -> Path:
+    """distrib train --nproc-per-node 4: what every 4-worker cluster run below must equal bitwise (one thread per
+    worker in all of them: a thread count can change a sum's order)."""
+    tmp = tmp_path_factory.mktemp("four_workers")
+    done = run_one(distrib_cmd("train", "--nproc-per-node", "4", "--config", CLUSTER_CONFIG, *SMALL,
+                               "--set", f"run.dir={tmp / 'run'}"), tmp, timeout=EVENT_S, env=clean_env(**ONE_THREAD))
+    assert done.returncode == 0, done.text()
+    return tmp / "run"
+
+
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
+def _manifest_runs(tmp_path: Path, run_dir: Path, command: list[str], envs: list[dict]) -> None:
+    """The manifest's own command (its `distrib` as this python's), on this machine's smallest config and in
+    run_dir, once per node or pod with only that node's variables; every one ends with 0."""
+    assert command[0] == "distrib"
+    cmd = distrib_cmd(*command[1:], *SMALL, "--set", f"run.dir={run_dir}", "--set",
+                      f"checkpoint.dir={run_dir / 'checkpoints'}")
+    with Launches(tmp_path) as launches:
+        for env in envs:
+            launches.start(cmd, clean_env(**env, **ONE_THREAD))
+        results = launches.wait(timeout=EVENT_S)
+    for done in results:
+        assert done.returncode == 0, done.text()
+    assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 4
+
+
+def _bitwise(run_dir: Path, reference_dir: Path) -> bool:
+    ours, theirs = load_weights(run_dir), load_weights(reference_dir)
+    return ours.keys() == theirs.keys() and all(torch.equal(ours[key], theirs[key]) for key in theirs)
+
+
+@pytest.mark.timeout(900)
+def test_trainjob_and_skypilot_nodes_train_like_one_launch_of_four(tmp_path, four_workers):
+    """Two nodes x 2 workers, each `distrib train` of the manifests started with only its environment's variables:
+    node 0 a Kubeflow TrainJob pod (PET_*), node 1 a SkyPilot node (SKYPILOT_*: its node rank, the node count and
+    the head's IP; PET_MASTER_PORT for a free port instead of the fixed one, PET_NPROC_PER_NODE for 2 workers on a
+    node without GPUs). One launch checks both mappings (a 4-worker run costs ~20 CPU-s);
+    tests/unit/test_clusters.py shows that each maps node rank 0 and node rank 1 to the same launch."""
+    assert skypilot_command() == trainjob_command()  # one command: the runs below are both manifests' runs
+    port = free_port()
+    envs = [trainjob_env(0, port), {**skypilot_env(1), "PET_MASTER_PORT": str(port), "PET_NPROC_PER_NODE": "2"}]
+    _manifest_runs(tmp_path, tmp_path / "run", trainjob_command(), envs)
+    assert _bitwise(tmp_path / "run", four_workers)
+
+
+@pytest.mark.timeout(900)
+def test_pytorchjob_pods_train_like_one_launch_of_four(tmp_path, four_workers):
+    """Four pods of one process each, with only what the training-operator gives them (MASTER_*, WORLD_SIZE=4,
+    RANK=i) and the manifest's env: each `distrib train` is a worker already; rank 0 hosts the store."""
+    port = free_port()
+    _manifest_runs(tmp_path, tmp_path / "run", pytorchjob_container()["command"],
+                   [pytorchjob_env(rank, port) for rank in range(4)])
+    assert _bitwise(tmp_path / "run", four_workers)

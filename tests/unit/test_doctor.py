@@ -95,4 +95,4 @@ def test_several_slurm_tasks_per_node_and_several_workers_per_task_fails():
 
 def test_all_checks_run_and_pass_on_an_empty_environment():
     findings = run_checks({}, CPU, nproc_per_node=1)
-    assert len(findings) == 6 and all(f.ok for f in findings)
+    assert len(findings) == 7 and all(f.ok for f in findings)

@@ -75,3 +75,16 @@ def test_fsdp_never_starts_over_silently_beside_ddp_checkpoints(tmp_path):
     with pytest.raises(CheckpointError, match="no manifest.json, so it was never completed"):
         (tmp_path / "step_00000020").mkdir()
         choose(str(tmp_path / "step_00000020"), tmp_path, torch.device("cpu"), print)
+
+
+def test_an_untied_embedding_and_output_layer_are_units_of_their_own():
+    """Outside the blocks, a module whose own parameters are a large share of the model and its alone (an untied
+    embedding, an output layer) is sharded as a unit of its own, not held gathered in the root's unit for the whole
+    step; a table tied to another module stays in the root's."""
+    from distrib.distributed.fsdp import find_blocks, leftover_units
+    from distrib.models.gpt import GPT
+
+    untied = GPT(vocab_size=256, seq_len=16, n_layers=2, n_heads=4, dim=64, tie_weights=False)
+    assert leftover_units(untied, find_blocks(untied, "auto")) == [untied.tok_embeddings, untied.output]
+    tied = GPT(vocab_size=256, seq_len=16, n_layers=2, n_heads=4, dim=64)
+    assert leftover_units(tied, find_blocks(tied, "auto")) == []

@@ -74,3 +74,32 @@ def test_start_up_is_told_from_steady_state():
     assert loaded["loads_weights"] and not cnn["loads_weights"]
     assert cnn["parameter_bytes_per_rank"] < loaded["startup_bytes_per_rank"] < cnn["startup_bytes_per_rank"]
     assert "each rank reads its shards from model.init_from" in table(loaded, Machine(1, 2))
+
+
+def test_the_peak_counts_the_gathered_blocks_the_optimizers_chunk_and_the_allocators_slack(monkeypatch):
+    """Under fsdp the peak adds the root unit and two of the largest block's bytes on the CPU (three on an accelerator,
+    which prefetches), and on a CPU run whose freed memory is kept, the allocator's slack; ddp gathers nothing."""
+    from distrib.config import load_config
+    from distrib.plan import KEPT_SLACK, Machine, plan_run, table
+
+    monkeypatch.setenv("DISTRIB_HOST_ALLOCATOR", "glibc")
+    gpt = ["model.name=gpt", "model.kwargs={n_layers = 2, n_heads = 4, dim = 64}", "data.name=text",
+           "data.root=/usr/share/common-licenses/GPL-3", "data.seq_len=32", "train.global_batch_size=8",
+           "train.optimizer=adamw"]
+    block = 4 * (4 * 64 * 64 + 3 * 64 * 192 + 2 * 64)  # attention, SwiGLU feed-forward (hidden 192), two norms
+    root = 4 * (256 * 64 + 64)  # the tied embedding and the final norm
+    figures = {device: plan_run(load_config(None, [*gpt, "dist.strategy=fsdp", f"dist.device={device}"]),
+                                Machine(1, 4)) for device in ("cpu", "cuda")}
+    assert figures["cpu"]["gathered_bytes_per_rank"] == root + 2 * block
+    assert figures["cuda"]["gathered_bytes_per_rank"] == root + 3 * block
+    cpu = figures["cpu"]
+    transient = cpu["activation_bytes_per_micro_batch"] + cpu["gathered_bytes_per_rank"]
+    assert cpu["allocator_slack_bytes_per_rank"] == round(KEPT_SLACK * transient)  # 0.1M parameters: memory kept
+    assert figures["cuda"]["allocator_slack_bytes_per_rank"] == 0
+    # in the backward the activations not yet freed, or the gradients already reduced, whichever is more
+    held = max(cpu["activation_bytes_per_micro_batch"], cpu["gradient_bytes_per_rank"])
+    assert cpu["memory_bytes_per_rank"] == cpu["parameter_bytes_per_rank"] + cpu["optimizer_bytes_per_rank"] + \
+        cpu["allocator_slack_bytes_per_rank"] + cpu["gathered_bytes_per_rank"] + held
+    assert "allocator slack" in table(cpu, Machine(1, 4)) and "glibc, keeping freed memory" in cpu["host_allocator"]
+    ddp = plan_run(load_config(None, [*gpt, "dist.device=cpu"]), Machine(1, 4))
+    assert ddp["gathered_bytes_per_rank"] == 0
