@@ -28,7 +28,9 @@ def test_a_step_that_frees_more_than_glibc_keeps_faults_no_pages_the_next_time()
     assert keep_freed_memory({})
     _faults_of_a_step(128)  # the first step grows the heap (128 MiB: above the 64 MiB glibc would keep by itself)
     pages = 128 * (1 << 20) // resource.getpagesize()
-    assert _faults_of_a_step(128) < pages // 100  # glibc's own thresholds: 16,400 (all but the 64 MiB it keeps)
+    # glibc's own thresholds: 16,400 (all but the 64 MiB it keeps) every time; the best of three steps, since one of
+    # them may still meet the heap settling (once, in a full unit lane: 1,536)
+    assert min(_faults_of_a_step(128) for _ in range(3)) < pages // 100
 
 
 def test_malloc_tuning_in_the_environment_is_left_as_the_user_set_it():

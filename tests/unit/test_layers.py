@@ -13,9 +13,11 @@ from tests.helpers.processes import REPO
 # config, errors, factory. Peers on one line do not import each other; `python -m distrib` (__main__) runs the cli;
 # plan (distrib plan) sizes a run as the worker would build it, so it sits beside the worker; of the lowest three,
 # config and factory raise errors' exceptions, so errors sits one step below them; config_reference (distrib config,
-# docs/config.md) reads only the config, beside launch.
-LAYERS = (("__main__",), ("__init__", "cli", "api"), ("worker", "plan"), ("training",), ("checkpoint", "metrics"),
-          ("models",), ("data",), ("distributed",), ("launch", "config_reference"), ("config", "factory"), ("errors",))
+# docs/config.md) reads only the config, beside launch. integrations (Ray Train)
+# runs what the CLI and fit run.
+LAYERS = (("__main__",), ("integrations",), ("__init__", "cli", "api"), ("worker", "plan"), ("training",),
+          ("checkpoint", "metrics"), ("models",), ("data",), ("distributed",), ("launch", "config_reference"),
+          ("config", "factory"), ("errors",))
 RANK = {name: len(LAYERS) - i for i, names in enumerate(LAYERS) for name in names}
 
 
