@@ -60,7 +60,8 @@ def test_fit_inside_a_torch_trainer_restarted_after_a_kill_equals_torchrun(clust
     assert marker.exists(), "rank 1 never died: the restart was not tested"
     assert json.loads((tmp_path / "ray-run" / "summary.json").read_text())["resumed_from_step"] == 2
     reference = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                     str(REPO / "tests" / "helpers" / "fit_small.py"), str(tmp_path / "torchrun-run")], timeout=240)
+                     str(REPO / "tests" / "helpers" / "fit_small.py"), str(tmp_path / "torchrun-run")], timeout=240,
+                    env={"PYTHONPATH": str(REPO)})  # the script imports tests.helpers (CI sets no PYTHONPATH)
     assert_ok(reference)
     ours, theirs = load_weights(tmp_path / "ray-run"), load_weights(tmp_path / "torchrun-run")
     assert all(torch.equal(ours[key], theirs[key]) for key in theirs)
