@@ -20,7 +20,7 @@ from distrib.data import load_data
 from distrib.data.batching import BatchPlan
 from distrib.data.split import split_validation
 from distrib.distributed import fsdp
-from distrib.distributed.mesh import MeshShape
+from distrib.distributed.mesh import ParallelDims
 from distrib.distributed.parallel import local_tensor, state_parts
 from distrib.distributed.runtime import Runtime
 from distrib.distributed.strategies import Strategy, make_strategy
@@ -155,7 +155,7 @@ def _sharded_state(config: Config, strategy: Strategy, info, machine: Machine, d
     return state_parts(model, optimizer, device, planned=not offloaded), local
 
 
-def _tp_activations(model: nn.Module, shape: MeshShape, inputs: torch.Tensor) -> int:
+def _tp_activations(model: nn.Module, shape: ParallelDims, inputs: torch.Tensor) -> int:
     """Elements tensor parallel all-reduces per micro-step: each row-wise layer's output in forward and the input
     gradient of the column-wise layers before it in backward (the same size: the residual stream)."""
     if shape.tensor_parallel == 1:

@@ -248,6 +248,7 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
                         if config.data.val_fraction else "") + ", evaluated during training (val_*); the test set "
                      "at the end")
     plan = make_plan(data.train.num_samples, config.train, runtime)
+    strategy.check_micro_batch(plan.micro_batch_size)
     total_steps = _total_steps(config, plan.steps_per_epoch)
     if total_steps is None and config.train.schedule == "cosine":  # its length given by train.schedule_steps
         notes.append(f"the cosine schedule spans train.schedule_steps = {config.train.schedule_steps} steps; a "
@@ -302,7 +303,8 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
                     collective_timeouts(config.dist.timeout_s, lambda: f"after step {state.progress.step}",
                                         runtime.peers), \
                     committing(checkpointer):
-                agreement = RankAgreement(stop, runtime.device, runtime.world_size, synced_at=state.progress.step)
+                agreement = RankAgreement(stop, runtime.device, runtime.world_size, synced_at=state.progress.step,
+                                          loss_ranks=strategy.loss_ranks)
                 evaluator = _evaluator(config, runtime, data, loss, task)
                 validator = _evaluator(config, runtime, data, loss, task, "val") if validation else None
                 trainer = Trainer(state=state, loss=loss, config=config.train, device=runtime.device, plan=plan,

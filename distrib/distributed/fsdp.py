@@ -99,10 +99,12 @@ def checkpoint_activations(model: nn.Module, spec: str | tuple[str, ...]) -> int
     return len(blocks)
 
 
-def shard(model: nn.Module, runtime: Runtime, config: DistConfig, precision: str, mesh: DeviceMesh) -> FSDPModule:
+def shard(model: nn.Module, runtime: Runtime, config: DistConfig, precision: str, mesh: DeviceMesh,
+          roots: list[nn.Module] | None = None) -> FSDPModule:
     """fully_shard on each block, then on the root (which takes the rest), over the data-parallel dimensions of the
     mesh: one dimension (fsdp) shards, two (hsdp) replicate over the first and shard over the second. On a model on
-    the meta device (as the strategy builds it) nothing is allocated: the shards are materialised afterwards.
+    the meta device (as the strategy builds it) nothing is allocated: the shards are materialised afterwards. roots:
+    the modules that run in place of the model (pipeline stages, views of it), each a root of its own.
 
     Under bf16, each BatchNorm is a unit of its own that computes in fp32 (its parameters and inputs; autocast casts
     its output back for the next layer): its running statistics are fp32 buffers, which FSDP does not cast, and
@@ -126,7 +128,9 @@ def shard(model: nn.Module, runtime: Runtime, config: DistConfig, precision: str
                 # accelerator's streams; in host memory that is one more block resident at the backward's peak
                 # (0.12x of an 8-block GPT's bytes per rank, measured), so each block prefetches only itself: none.
                 unit.set_modules_to_backward_prefetch([unit])
-    return fully_shard(model, **options)
+    for root in roots or []:
+        fully_shard(root, **options)
+    return model if roots else fully_shard(model, **options)
 
 
 def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from distrib.config import DistConfig
-from distrib.distributed.mesh import MeshShape
+from distrib.distributed.mesh import ParallelDims
 from distrib.distributed.runtime import Runtime, open_runtime
 from distrib.distributed.strategies import Build, DDPStrategy, FSDPStrategy, make_strategy, materialise
 from distrib.distributed.strategies.materialise import build_on_meta, build_whole, initialises_itself
@@ -22,7 +22,7 @@ from tests.helpers.support import fake_rank
 def test_every_strategy_is_one_object_over_its_mesh():
     assert isinstance(make_strategy(DistConfig(), 4, 4), DDPStrategy)
     fsdp = make_strategy(DistConfig(strategy="fsdp", tensor_parallel=2), 8, 8)
-    assert isinstance(fsdp, FSDPStrategy) and fsdp.dims == MeshShape("fsdp", 1, 4, 2) and fsdp.sharded_state
+    assert isinstance(fsdp, FSDPStrategy) and fsdp.dims == ParallelDims("fsdp", 1, 4, 2) and fsdp.sharded_state
     hsdp = make_strategy(DistConfig(strategy="hsdp"), 16, 8)
     assert isinstance(hsdp, FSDPStrategy) and hsdp.dims.layout() == {"replicate": 2, "shard": 8}
 

@@ -1,7 +1,8 @@
-"""The contract every strategy keeps: how the model is built, materialised, placed and wrapped, how gradients sync,
-how the training state is gathered, loaded and saved, and what `distrib plan` reports for it.
+"""The contract every strategy keeps: how the model is built, materialised, placed and wrapped, how a step's
+forward and backward run and its gradients sync and clip, how the training state is gathered, loaded and saved, and
+what `distrib plan` reports for it.
 
-A strategy holds the run's MeshShape (every parallel degree; the Runtime reads its data rank from the same object).
+A strategy holds the run's ParallelDims (every parallel degree; the Runtime reads its data rank from the same object).
 The worker, trainer, checkpoint package, evaluation and plan talk to this interface only, never to a strategy's name."""
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch
 import torch.nn as nn
 
 from distrib.config import DistConfig, SpeedConfig
-from distrib.distributed.mesh import MeshShape
+from distrib.distributed.mesh import ParallelDims
+from distrib.distributed.parallel import clip_grad_norm, explain_device_errors
 from distrib.distributed.runtime import Runtime
 
 # Loads weights into the built, materialised (possibly sharded) model in place of its initialisation: the hook that
@@ -40,6 +42,22 @@ class Build:
     log: Callable[[str], None] = print
 
 
+@dataclass(frozen=True, slots=True)
+class StepLoss:
+    """What the trainer gives a strategy to run one optimizer step: `loss(outputs, targets, pieces)` is the loss to
+    backward for one of `pieces` equal pieces of a micro-batch, normalised once for the whole step (the one place,
+    distrib.training.losses.step_loss); `forward(model, inputs)` runs the model on a batch's inputs; `autocast()`
+    the precision's context; `backward(loss)` the (scaled) backward; `batch(inputs, targets)` the tensors a device
+    mismatch lists."""
+
+    loss: Callable[[object, object, int], torch.Tensor]
+    forward: Callable[[nn.Module, object], object]
+    autocast: Callable[[], contextlib.AbstractContextManager]
+    backward: Callable[[torch.Tensor], None]
+    batch: Callable[[object, object], dict]
+    device: torch.device
+
+
 class Strategy(ABC):
     """One data- (and tensor-) parallel strategy. Subclasses: distrib.distributed.strategies.ddp and .fsdp."""
 
@@ -48,7 +66,7 @@ class Strategy(ABC):
     # (one file, written by rank 0).
     sharded_state: ClassVar[bool] = False
 
-    def __init__(self, config: DistConfig, dims: MeshShape):
+    def __init__(self, config: DistConfig, dims: ParallelDims):
         self.config, self.dims = config, dims
 
     # ---------------------------------------------------------------- the model's life
@@ -61,6 +79,43 @@ class Strategy(ABC):
     @abstractmethod
     def grad_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
         """Wraps the whole forward AND backward of a micro-step; enabled only in the last one of a step."""
+
+    def forward_backward(self, model: nn.Module, micro_batches: list, step: StepLoss) -> torch.Tensor:
+        """The forward and backward of one optimizer step's micro-batches, gradients synced in the last; returns this
+        rank's share of the step's loss (the sum of what it backwarded). Pipeline parallel runs a schedule instead."""
+        losses = []
+        for index, (inputs, targets) in enumerate(micro_batches):
+            with self.grad_sync(model, index == len(micro_batches) - 1), \
+                    explain_device_errors(model, step.device, step.batch(inputs, targets)):
+                with step.autocast():  # DDP decides in the forward whether to sync: forward and backward inside
+                    loss = step.loss(step.forward(model, inputs), targets, 1)
+                step.backward(loss)
+            losses.append(loss.detach())
+        return torch.stack(losses).sum()
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Scales the gradients to a total norm of at most max_norm, the norm of every parameter of the model (on
+        every rank that holds a part of it); returns the norm."""
+        return clip_grad_norm(model.parameters(), max_norm)
+
+    def whole_on_rank0(self, state: dict) -> dict:
+        """A state_dict made whole on each rank that holds a part (full_model_state's, an EMA's) as rank 0's: the
+        same under every strategy but pipeline parallel, whose stages send theirs to rank 0. A collective."""
+        return state
+
+    def complete(self, model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The model's tensors (model_tensors, an EMA's) under every name of the whole model, as the weights files
+        lay them out on every rank: as they are, but under pipeline parallel (the other stages' as meta tensors)."""
+        return tensors
+
+    def check_micro_batch(self, micro_batch_size: int) -> None:
+        """A one-line ConfigError if the strategy cannot run micro-batches of this size (pipeline parallel cuts each
+        into microbatches)."""
+
+    @property
+    def loss_ranks(self) -> int:
+        """How many ranks hold the loss of a step (the rank agreement's sum is divided by it)."""
+        return self.dims.loss_ranks
 
     def after_forward_only(self, model: nn.Module) -> None:
         """After forwards without a backward (the pre-flight checks, an evaluation): the model back on the tensors

@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distrib.config import DistConfig, SpeedConfig
 from distrib.distributed import fsdp
-from distrib.distributed.mesh import MeshShape, group_split
+from distrib.distributed.mesh import ParallelDims, group_split
 from distrib.distributed.parallel import place_model, unwrap
 from distrib.distributed.runtime import Runtime
 from distrib.distributed.strategies.base import Build, Strategy
@@ -56,7 +56,7 @@ class DDPStrategy(Strategy):
     name = "ddp"
     sharded_state = False
 
-    def __init__(self, config: DistConfig = DistConfig(), dims: MeshShape = MeshShape("ddp", 1, 1)):
+    def __init__(self, config: DistConfig = DistConfig(), dims: ParallelDims = ParallelDims("ddp", 1, 1)):
         super().__init__(config, dims)
 
     def setup_module(self, build: Build, runtime: Runtime) -> nn.Module:

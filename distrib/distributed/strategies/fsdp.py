@@ -1,6 +1,6 @@
 """The sharded strategies: fsdp (FSDP2 over one shard group of every data-parallel rank), hsdp (replicas of shard
 groups, a 2-D mesh) and either composed with tensor parallel (dist.tensor_parallel, the innermost mesh dimension).
-They differ only by the mesh (MeshShape); this class owns their model's life.
+They differ only by the mesh (ParallelDims); this class owns their model's life.
 
 Start-up: the model is built on the meta device, split by tensor parallel, sharded by fully_shard, and only this
 rank's shards are materialised on its device (distrib.distributed.strategies.materialise), then filled by the
