@@ -294,8 +294,10 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
                       + (f", host allocator {allocator.running()}" if runtime.device.type == "cpu" else ""))
         for note in notes:
             recorder.info(note)
-        recorder.info(f"{_steps_said(config, total_steps)} of {plan.global_batch_size} samples ({runtime.world_size} "
-                      f"ranks x {config.train.grad_accum_steps} micro-steps x {plan.micro_batch_size}), "
+        ranks = (f"{runtime.world_size} ranks" if runtime.data_world_size == runtime.world_size else
+                 f"{runtime.data_world_size} data-parallel ranks of {runtime.world_size}")
+        recorder.info(f"{_steps_said(config, total_steps)} of {plan.global_batch_size} samples ({ranks} x "
+                      f"{config.train.grad_accum_steps} micro-steps x {plan.micro_batch_size}), "
                       f"{type(data.train).__name__}")
         recorder.start(to_dict(config), resumed_from, runtime.restart_count)  # trackers: fail here, not mid-run
         try:
