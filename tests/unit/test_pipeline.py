@@ -126,3 +126,16 @@ def test_microbatches_must_divide_the_micro_batch():
     with pytest.raises(ConfigError, match="dist.pipeline_microbatches = 3: does not divide the micro-batch of 8"):
         strategy.check_micro_batch(8)
     assert make_strategy(DistConfig(strategy="fsdp", pipeline_parallel=2), 4, 4).microbatches == 2
+
+
+def test_a_device_mismatch_inside_a_stage_names_the_stage():
+    from distrib.distributed.parallel import explain_device_errors
+    from distrib.distributed.pipeline import Pipeline, _naming_stage
+    from distrib.errors import DeviceMismatchError
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU())
+    pipeline = Pipeline(split_stages(model, 2, ("2",), 2), {}, None, 2, "1f1b", 2, torch.device("cpu"), model)
+    with pytest.raises(DeviceMismatchError) as error:
+        with explain_device_errors(model, torch.device("cpu"), {}), _naming_stage(1, pipeline):
+            torch.zeros(2, 10) + torch.zeros(10, device="meta")  # a tensor made in forward, elsewhere
+    assert "(PyTorch said: pipeline stage 1 (2 .. 3): Tensor on device meta is not on the expected device" in str(error.value)

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from distrib.distributed import fsdp
 from distrib.distributed.mesh import build_mesh, group_split
-from distrib.distributed.parallel import clip_grad_norm, place_model
+from distrib.distributed.parallel import clip_grad_norm, explain_device_errors, place_model
 from distrib.distributed.pipeline import Pipeline, pipelined_view, split_stages, stages_of, view
 from distrib.distributed.runtime import Runtime
 from distrib.distributed.strategies import materialise
@@ -115,7 +115,7 @@ class PipelineStrategy(FSDPStrategy):
             if not isinstance(inputs, torch.Tensor):
                 raise UserError("dist.pipeline_parallel > 1: the samples' inputs are not one tensor, and a pipeline "
                                 "cuts one tensor into microbatches; use --set dist.pipeline_parallel=1")
-            with step.autocast():
+            with explain_device_errors(model, step.device, step.batch(inputs, targets)), step.autocast():
                 loss = pipeline.train_step(inputs, targets, lambda out, tgt: step.loss(out, tgt, pieces))
             if loss is not None:
                 total = total + loss
