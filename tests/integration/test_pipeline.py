@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from distrib import cli
 from distrib.checkpoint.weights import read_weights
 from distrib.config import load_config
 from distrib.worker import run_training
@@ -118,11 +119,14 @@ def test_a_pipeline_checkpoint_resumes_bitwise_and_reshards_to_fsdp_and_ddp(runs
 
 
 @pytest.mark.timeout(900)
-def test_the_weights_files_carry_one_process_names(runs):
+def test_the_weights_files_carry_one_process_names_and_distrib_eval_reads_them(runs):
     tmp, _ = runs
     exported, one = read_weights(tmp / "pp_1f1b" / "weights"), read_weights(tmp / "one" / "weights")
     assert list(exported) == list(one)
     assert all(torch.equal(exported[name], tensor) for name, tensor in load_weights(tmp / "pp_1f1b").items())
+    assert cli.main(["eval", str(tmp / "pp_1f1b")]) == 0  # in one process, from the pp run's model.pt
+    evaluated = json.loads((tmp / "pp_1f1b" / "eval.json").read_text())
+    assert evaluated["test_loss"] == pytest.approx(_summary(tmp / "pp_1f1b")["test_loss"], rel=1e-6)
 
 
 @pytest.mark.timeout(900)
