@@ -10,8 +10,16 @@ import torch.nn as nn
 from distrib.config import DistConfig, SpeedConfig, choices
 from distrib.distributed.mesh import ParallelDims
 from distrib.distributed.runtime import Runtime, open_runtime
-from distrib.distributed.strategies import (Build, DDPStrategy, FSDPStrategy, HSDPStrategy, make_strategy,
-                                            materialise, registered, strategy_named)
+from distrib.distributed.strategies import (
+    Build,
+    DDPStrategy,
+    FSDPStrategy,
+    HSDPStrategy,
+    make_strategy,
+    materialise,
+    registered,
+    strategy_named,
+)
 from distrib.distributed.strategies import base as strategy_base
 from distrib.distributed.strategies.materialise import build_on_meta, build_whole, initialises_itself
 from distrib.errors import ConfigError, UserError

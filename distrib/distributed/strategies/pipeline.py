@@ -9,6 +9,7 @@ so its state is DTensors saved shard by shard under the whole model's names: any
 from __future__ import annotations
 
 import contextlib
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,7 @@ from distrib.distributed.tensor_parallel import apply_tensor_parallel
 from distrib.errors import ConfigError, UserError
 
 
-def _refuse(key: str, value, why: str, fix: str) -> None:
+def _refuse(key: str, value, why: str, fix: str) -> NoReturn:
     raise ConfigError(f"dist.{key} = {value!r}: {why}; {fix}")
 
 
