@@ -28,7 +28,7 @@ from distrib.data.split import split_validation
 from distrib.distributed.agreement import RankAgreement
 from distrib.distributed.parallel import memory_report, sync_batchnorm, unwrap
 from distrib.distributed.runtime import LaunchEnv, Runtime, collective_timeouts, open_runtime
-from distrib.distributed.strategies import Build, LoadWeights, make_strategy
+from distrib.distributed.strategies import Build, LoadWeights, check_config, make_strategy
 from distrib.errors import ConfigError, say
 from distrib.factory import accepted, call_factory
 from distrib.launch import allocator
@@ -238,6 +238,7 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
     (data, model, the dry batch, the checkpoint to resume) runs before anything is written to run.dir, so a run that
     fails leaves an earlier run's files there as they were. on_step_end(step) runs after each step's bookkeeping;
     callbacks (after train.callbacks') get the hooks of distrib.training.callbacks."""
+    check_config(config)  # checked before any worker too; here for a Config built in Python
     strategy = make_strategy(config.dist, runtime.world_size, runtime.local_world_size)
     runtime = runtime.with_mesh(strategy.dims)  # the ranks of a tensor-parallel group read the same data
     start, notes = time.perf_counter(), []

@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from distrib.config import DistConfig
-from distrib.distributed.mesh import ParallelDims, parallel_dims
+from distrib.config import Config, DistConfig
+from distrib.distributed.mesh import ParallelDims
 from distrib.distributed.pipeline import split_stages, stages_of, view
-from distrib.distributed.strategies import PipelineStrategy, make_strategy
+from distrib.distributed.strategies import PipelineStrategy, check_config, make_strategy, parallel_dims
 from distrib.distributed.strategies.materialise import _WholeThenSlice, build_on_meta, build_whole
 from distrib.errors import ConfigError
 from distrib.models.gpt import GPT
@@ -117,7 +117,7 @@ def test_tied_weights_across_stages_are_one_line():
     (dict(pipeline_parallel=2, strategy="fsdp", cpu_offload=True), "not supported with dist.pipeline_parallel > 1")])
 def test_pipeline_keys_that_do_not_fit_are_one_line(overrides, says):
     with pytest.raises(ConfigError, match=None) as error:
-        DistConfig(**overrides)
+        check_config(Config(dist=DistConfig(**overrides)))  # the keys' own checks, then PipelineStrategy's rules
     assert says in str(error.value) and "\n" not in str(error.value)
 
 
