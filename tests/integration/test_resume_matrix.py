@@ -2,10 +2,10 @@
 uninterrupted runs (ddp at world size 1, fsdp at 2, hsdp 2 x 2 at 4) checkpoint at step 6 of 12; their step-6
 checkpoints are continued under other strategies and world sizes and compared with the run they came from. The
 tolerance is measured by the same runs: the uninterrupted runs at two world sizes differ by that pair's float noise.
-A pipeline layout (pp 2 x fsdp 2, the MLP split in two stages) is a source and a target like the others. The same runs
-show that a user's model from a factory, which cannot initialise its own shards, trains sharded at world sizes 2
-(fsdp) and 4 (hsdp 2 x 2, pp 2 x fsdp 2) as in one process; that hsdp 2 x 2 trains like one process on half the state; and
-that distrib plan predicts every run's state bytes (ddp at 1, fsdp at 1 and 2, hsdp at 1, 2 and 4) exactly.
+A pipeline layout (pp 2 x fsdp 2, the MLP split in two stages) is a source and a target like the others. The same
+runs show that a user's model from a factory, which cannot initialise its own shards, trains sharded at world sizes 2
+(fsdp) and 4 (hsdp 2 x 2, pp 2 x fsdp 2) as in one process; that hsdp 2 x 2 trains like one process on half the
+state; and that distrib plan predicts every run's state bytes (ddp at 1, fsdp at 1 and 2, hsdp at 1, 2 and 4) exactly.
 
 Random labels, a constant learning rate, momentum and active gradient clipping keep every step's gradients large, so
 the noise is visible (a learned-out task has gradients near 0 and hides a resume that loads the wrong state)."""
