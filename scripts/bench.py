@@ -253,8 +253,9 @@ def worker(args, measure=measure_all) -> None:
 
     code = 0
     try:
-        with open_runtime(DistConfig(device="cpu", timeout_s=600)) as runtime, tempfile.TemporaryDirectory() as tmp:
-            results = measure(args, runtime, Path(tmp))
+        with open_runtime(DistConfig(device="cpu", timeout_s=600)) as runtime:
+            # run_world's folder, one for every rank: a sharded run's ranks write into the same run.dir
+            results = measure(args, runtime, Path(os.environ["BENCH_OUT"]).parent)
             if runtime.is_main:
                 Path(os.environ["BENCH_OUT"]).write_text(json.dumps(results))
     except BaseException as e:  # noqa: BLE001 - reported, then the hard exit below
