@@ -60,8 +60,8 @@ def table(result: dict) -> str:
         lines += [f"{ws:>10}  {name:<14} {med['wall']:>15,.0f} {med['p50']:>7,.0f} {med['cpu']:>7,.0f} "
                   f"{med['final_loss']:>10.5f}" for name, med in by.items()]
     clocks = result["clocks"]
-    lines += ["", f"{'':>10}  {'compiled / eager':<16}{'ratio of medians':<21}  median of paired ratios",
-              f"{'world size':>10}  {'strategy':<16}" + "".join(f"{c:>6} " for c in clocks) + "  "
+    lines += ["", f"{'':>10}  {'':<16}{'ratio of medians':<21}  median of paired ratios",
+              f"{'world size':>10}  {'compiled/eager':<16}" + "".join(f"{c:>6} " for c in clocks) + "  "
               + "".join(f"{c:>6} " for c in clocks)]
     for ws, by in result["ratios"].items():
         lines += [f"{ws:>10}  {strategy:<16}" + "".join(f"{r[c]:>6.3f} " for c in clocks) + "  "
