@@ -374,6 +374,25 @@ class DistConfig:
         "dimension, composed with fsdp or hsdp on the others; the ranks of one group read the same micro-batches. "
         'Must divide the world and the heads; refused under ddp, and for a model without `_tp_plan` (see '
         'docs/parallelism.md)')
+    pipeline_parallel: int = key(1,
+        "pipeline stages by depth (the outermost mesh dimension): each rank holds only its stages' layers, built on "
+        "meta; composes with ddp, fsdp or hsdp on the data-parallel ranks and with `dist.tensor_parallel` inside a "
+        "stage. Must divide the world (see docs/parallelism.md, Pipeline parallelism)")
+    pipeline_schedule: str = key("1f1b",
+        "`gpipe` (every forward, then every backward), `1f1b` (one forward, one backward: fewer activations in "
+        "flight), `interleaved_1f1b` (`dist.pipeline_stages_per_rank` stages per rank: a smaller bubble), `zbv` or "
+        "`dualpipev` (two stages per rank in a V, backward split into input and weight gradients)",
+        choices=("gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"))
+    pipeline_microbatches: int = key(0,
+        "pieces each data-parallel rank's micro-batch is cut into for the pipeline (more: a smaller bubble, smaller "
+        "matrix products); must divide the micro-batch; 0 = the number of stages")
+    pipeline_stages_per_rank: int = key(0,
+        "stages each pipeline rank holds: 1 for `gpipe` and `1f1b`, 2 or more for `interleaved_1f1b`, 2 for `zbv` "
+        "and `dualpipev`; 0 = the schedule's default (2 for the multi-stage schedules)")
+    pipeline_split: tuple[str, ...] = key((),
+        'the modules that start a new stage, as torchtitan\'s split points (`["layers.4", "layers.8"]`: one fewer '
+        "than the stages); empty = the model's own balanced split (the built-in GPT splits by blocks: embeddings "
+        "with the first stage, the final norm and output with the last); an `nn.Sequential` of the user's needs it")
     shard_modules: str | tuple[str, ...] = key("auto",
         'the blocks: module class names (`["TransformerBlock"]`), or `auto`: the classes the model lists in '
         "`_no_split_modules` (the Hugging Face convention; the built-in GPT's `Block`), else children, looking inside "
@@ -386,30 +405,42 @@ class DistConfig:
         "BatchNorm statistics over each micro-step's global batch (SyncBatchNorm; GPUs only). Without it a BatchNorm "
         "model's statistics are per micro-batch, and the log says that world sizes then no longer agree exactly")
 
-    @property
-    def sharded(self) -> bool:
-        """Parameters, gradients and optimizer state split over ranks (FSDP2 DTensors): fsdp and hsdp."""
-        return self.strategy in ("fsdp", "hsdp")
-
     def __post_init__(self):
+        """The keys' own ranges and choices. The rules of a strategy (which keys it takes, which precision and
+        checkpoints its state allows) are its class's: distrib.distributed.strategies.check_config, run before any
+        worker starts by distrib train, distrib plan, distrib.fit and the worker itself."""
         _choice("dist", self, "device")
         _positive("dist", self, "timeout_s", 60)
-        _choice("dist", self, "strategy")
+        _choice("dist", self, "strategy")  # the names the strategy classes register (kept equal by a unit test)
         names = (self.shard_modules,) if isinstance(self.shard_modules, str) else self.shard_modules
         if not names or not all(isinstance(n, str) and n.isidentifier() for n in names):
             _fail("dist", "shard_modules", self.shard_modules, "must be auto or a list of module class names",
                   "e.g. --set 'dist.shard_modules=[\"TransformerBlock\"]'")
-        if self.cpu_offload and not self.sharded:
-            _fail("dist", "cpu_offload", self.cpu_offload, "offloads FSDP shards, and dist.strategy is ddp",
-                  "set --set dist.strategy=fsdp or --set dist.cpu_offload=false")
         _at_least("dist", self, "shard_size", 0)
-        if self.shard_size and self.strategy != "hsdp":
-            _fail("dist", "shard_size", self.shard_size, f"sizes hsdp's shard groups, and dist.strategy is "
-                  f"{self.strategy}", "set --set dist.strategy=hsdp or --set dist.shard_size=0")
         _at_least("dist", self, "tensor_parallel", 1)
-        if self.tensor_parallel > 1 and not self.sharded:
-            _fail("dist", "tensor_parallel", self.tensor_parallel, "composes with fsdp or hsdp on the data-parallel "
-                  "ranks, and dist.strategy is ddp", "set --set dist.strategy=fsdp (or hsdp)")
+        self._check_pipeline()
+
+    MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zbv", "dualpipev")
+
+    @property
+    def stages_per_rank(self) -> int:
+        """dist.pipeline_stages_per_rank, its default resolved: 2 for the schedules of several stages per rank."""
+        if self.pipeline_stages_per_rank:
+            return self.pipeline_stages_per_rank
+        return 2 if self.pipeline_schedule in self.MULTI_STAGE_SCHEDULES else 1
+
+    def _check_pipeline(self) -> None:
+        _at_least("dist", self, "pipeline_parallel", 1)
+        _choice("dist", self, "pipeline_schedule")
+        _at_least("dist", self, "pipeline_microbatches", 0)
+        _at_least("dist", self, "pipeline_stages_per_rank", 0)
+        if not all(isinstance(name, str) and name for name in self.pipeline_split):
+            _fail("dist", "pipeline_split", self.pipeline_split, "must be a list of module names",
+                  "e.g. --set 'dist.pipeline_split=[\"layers.2\"]'")
+        if self.pipeline_parallel == 1 and self.pipeline_split:
+            _fail("dist", "pipeline_split", self.pipeline_split, "splits the model into pipeline stages, and "
+                  "dist.pipeline_parallel is 1", "set --set dist.pipeline_parallel=2 (or more), or drop it")
+        # The schedule's own rules, and what a pipeline cannot compose with: PipelineStrategy.check_keys.
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -542,13 +573,6 @@ class Config:
             raise ConfigError(f"speed.static_graph = true: does not work with train.grad_accum_steps = "
                               f"{self.train.grad_accum_steps} (DDP's static graph has no no_sync); "
                               "set --set speed.static_graph=false or --set train.grad_accum_steps=1")
-        if self.dist.sharded and self.train.precision == "fp16":  # GradScaler would skip per shard
-            raise ConfigError(f"train.precision = 'fp16': not supported with dist.strategy = '{self.dist.strategy}' "
-                              "(a GradScaler's skip decision would differ between shards); use --set "
-                              "train.precision=bf16")
-        if self.checkpoint.async_save and not self.dist.sharded:
-            raise ConfigError("checkpoint.async_save = true: asynchronous saves write sharded (fsdp) checkpoints; "
-                              "set --set dist.strategy=fsdp or --set checkpoint.async_save=false")
         _needs_ema("checkpoint", "best_metric", self.checkpoint.best_metric if self.checkpoint.keep_best else "",
                    self.train.ema_decay)
 

@@ -59,6 +59,8 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
 def writes_block(tensor: torch.Tensor, rank: int) -> bool:
     """Whether this rank writes its block: of the ranks holding the same block (replicas: hsdp's groups, tensor
     parallel's norms, a plain tensor on every rank) only the first."""
+    if tensor.is_meta:  # another pipeline stage's: its own ranks write it
+        return False
     if isinstance(tensor, DTensor):
         coordinate = tensor.device_mesh.get_coordinate() or []
         return all(coordinate[dim] == 0 for dim, placement in enumerate(tensor.placements)
@@ -287,13 +289,13 @@ def write_run_weights(model: nn.Module, ema, run_dir: Path, rank: int, strategy:
     """Every rank: the unwrapped model's weights into run_dir/weights/ (and the EMA's into weights_ema/), shard by
     shard (the strategy's save of trained weights). Returns what rank 0 then writes whole: {"model.pt": ...,
     "model_ema.pt": ...} where model_pt_is_cheap, else {} (also on the other ranks)."""
-    tensors = model_tensors(model)
+    tensors = strategy.complete(model, model_tensors(model))  # under pipeline parallel: every stage's names
     save_weights(tensors, Path(run_dir) / WEIGHTS_DIR, rank, hf_config(model))
     if ema is not None:
-        save_weights(ema.state_dict(), Path(run_dir) / f"{WEIGHTS_DIR}_ema", rank)
+        save_weights(strategy.complete(model, ema.state_dict()), Path(run_dir) / f"{WEIGHTS_DIR}_ema", rank)
     if not model_pt_is_cheap(tensors, strategy.sharded_state):
         return {}
     whole = {"model.pt": strategy.full_model_state(model)}  # every rank: a sharded model is gathered onto rank 0
     if ema is not None:
-        whole["model_ema.pt"] = ema.full_state_dict()  # every rank: a gather under fsdp
+        whole["model_ema.pt"] = strategy.whole_on_rank0(ema.full_state_dict())  # every rank: a gather under fsdp
     return whole if rank == 0 else {}

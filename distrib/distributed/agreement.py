@@ -23,9 +23,12 @@ class RankAgreement:
     """Collects this rank's votes between sync steps without any host read, and agrees on them in one all-reduce.
     Only on sync steps: per step, its latency and host sync cost 7-13% of a small model's step on a shared CPU."""
 
-    def __init__(self, stop: StopFlag, device: torch.device, world_size: int, synced_at: int = 0):
+    def __init__(self, stop: StopFlag, device: torch.device, world_size: int, synced_at: int = 0,
+                 loss_ranks: int | None = None):
         self.stop = stop  # set by a signal handler
         self.world_size = world_size
+        # The ranks that hold a loss: all, but under pipeline parallel only the last stage's (the others add 0).
+        self.loss_ranks = loss_ranks or world_size
         self.synced_at = synced_at  # the last step agreed on
         self.stop_agreed = False  # some rank got a stop signal: all checkpoint and stop at the end of this step
         # A device-side flag, set by any finite check since the last agreement: no host sync of its own, which on an
@@ -48,7 +51,9 @@ class RankAgreement:
                 self.nonfinite += found.to(self.nonfinite.device)
 
     def agree(self, local_loss: torch.Tensor, step: int) -> Agreed:
-        """SUM, then divide: the global mean of equal-sized micro-batches. Every rank must call it at the same step."""
+        """SUM, then divide by the ranks that hold a loss: the global mean of equal-sized micro-batches (each
+        tensor-parallel rank holds its group's, so the sum counts it tp times, and so does the divisor). Every rank
+        must call it at the same step."""
         device = local_loss.device
         votes = torch.stack([local_loss.detach().float(), torch.full((), float(self.stop.requested), device=device),
                              self.nonfinite])
@@ -57,4 +62,4 @@ class RankAgreement:
         since = self.synced_at + 1 if nonfinite > 0 else None
         self.nonfinite.zero_()
         self.synced_at, self.stop_agreed = step, stop > 0
-        return Agreed(votes[0] / self.world_size, since)
+        return Agreed(votes[0] / self.loss_ranks, since)

@@ -99,10 +99,12 @@ def checkpoint_activations(model: nn.Module, spec: str | tuple[str, ...]) -> int
     return len(blocks)
 
 
-def shard(model: nn.Module, runtime: Runtime, config: DistConfig, precision: str, mesh: DeviceMesh) -> FSDPModule:
+def shard(model: nn.Module, runtime: Runtime, config: DistConfig, precision: str, mesh: DeviceMesh,
+          roots: list[nn.Module] | None = None) -> FSDPModule:
     """fully_shard on each block, then on the root (which takes the rest), over the data-parallel dimensions of the
     mesh: one dimension (fsdp) shards, two (hsdp) replicate over the first and shard over the second. On a model on
-    the meta device (as the strategy builds it) nothing is allocated: the shards are materialised afterwards.
+    the meta device (as the strategy builds it) nothing is allocated: the shards are materialised afterwards. roots:
+    the modules that run in place of the model (pipeline stages, views of it), each a root of its own.
 
     Under bf16, each BatchNorm is a unit of its own that computes in fp32 (its parameters and inputs; autocast casts
     its output back for the next layer): its running statistics are fp32 buffers, which FSDP does not cast, and
@@ -126,13 +128,21 @@ def shard(model: nn.Module, runtime: Runtime, config: DistConfig, precision: str
                 # accelerator's streams; in host memory that is one more block resident at the backward's peak
                 # (0.12x of an 8-block GPT's bytes per rank, measured), so each block prefetches only itself: none.
                 unit.set_modules_to_backward_prefetch([unit])
-    return fully_shard(model, **options)
+    for root in roots or []:
+        fully_shard(root, **options)
+    return model if roots else fully_shard(model, **options)
+
+
+# The optimizer state flattened (state.NAME.exp_avg, param_groups.NAME.lr): every parameter carries its group's
+# settings by name, so a rank that holds some of the parameters (a pipeline stage) saves and finds its own; nested,
+# DCP keeps one rank's param_groups, which name only its stage's parameters (torchtitan flattens for the same reason).
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """Model and optimizer state keyed by parameter names (no prefixes), as DTensors holding this rank's shards of a
     sharded model, or plain tensors of a plain one: what torch.distributed.checkpoint saves and reshards on load."""
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=_FLAT)
     return {"model": model_state, "optimizer": optimizer_state}
 
 
@@ -144,12 +154,14 @@ def reshard(model: nn.Module) -> None:
 
 
 def keyed_by_name(optimizer_state: dict) -> bool:
-    """Whether an optimizer state_dict is keyed by parameter names (a sharded checkpoint's) or by integer ids."""
-    return any(isinstance(key, str) for group in optimizer_state["param_groups"] for key in group["params"])
+    """Whether an optimizer state_dict is keyed by parameter names (a sharded checkpoint's, flattened) or by
+    integer ids (torch's own, what a one-file checkpoint holds)."""
+    return "param_groups" not in optimizer_state
 
 
 def load_sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=_FLAT)
 
 
 def by_name(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict) -> dict:

@@ -1,8 +1,10 @@
-"""The device mesh of a run: how its ranks split into replicas, shard groups and tensor-parallel groups, checked
-against the world (a pure function of sizes, so `distrib plan` lays out any world without one), then built.
+"""The device mesh of a run: how its ranks split into pipeline stages, replicas, shard groups and tensor-parallel
+groups, checked against the world (a pure function of sizes, so `distrib plan` lays out any world without one), then
+built.
 
 Ranks are numbered node by node, so the innermost dimensions stay on one node: tensor parallel innermost (the most
-traffic), then hsdp's shard groups, then the replicas across nodes (one all-reduce of gradient shards per step)."""
+traffic), then hsdp's shard groups, then the replicas across nodes (one all-reduce of gradient shards per step), and
+the pipeline's stages outermost (one activation per micro-batch between neighbours)."""
 
 from __future__ import annotations
 
@@ -13,64 +15,77 @@ from distrib.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)
-class MeshShape:
-    """replicate x shard x tensor_parallel = world size. ddp: every rank a replica; fsdp: one shard group of every
-    data-parallel rank; hsdp: replicas of shard groups."""
+class ParallelDims:
+    """Every parallel degree of a run: pipeline x replicate x shard x tensor_parallel = world size. ddp: every rank a
+    replica; fsdp: one shard group of every data-parallel rank; hsdp: replicas of shard groups; pipeline: stages of
+    the model by depth, each held by its own copy of the data-parallel x tensor-parallel ranks.
+
+    The runtime, the strategies, the data slicing, the losses and the rank agreement all read this one object. Its
+    batch ranks (replicate x shard) read different samples: counts and losses are summed over them."""
 
     strategy: str
     replicate: int
     shard: int
     tensor_parallel: int = 1
+    pipeline: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.replicate * self.shard * self.tensor_parallel
+        return self.pipeline * self.replicate * self.shard * self.tensor_parallel
 
     @property
     def data_parallel(self) -> int:
-        """Ranks that read different micro-batches (the ranks of one tensor-parallel group read the same)."""
+        """Ranks that read different micro-batches: the batch mesh (a tensor-parallel group's ranks, and a pipeline's
+        stages, read the same)."""
         return self.replicate * self.shard
 
+    @property
+    def loss_ranks(self) -> int:
+        """Ranks that hold a step's loss: every rank, but under pipeline parallel only the last stage's."""
+        return self.world_size // self.pipeline
+
     def dims(self) -> tuple[tuple[str, int], ...]:
-        """(name, size) of the mesh torch builds, outermost first: fsdp keeps a 1-D mesh, hsdp a 2-D one."""
-        named = ((("replicate", self.replicate),) if self.strategy == "hsdp" else ()) + (("shard", self.shard),)
+        """(name, size) of the mesh torch builds, outermost first: pp outermost (its traffic is the least), tp
+        innermost (the most). fsdp keeps a 1-D data-parallel part, hsdp a 2-D one; ddp under pp is a 2-D one whose
+        shard dimension is 1 (FSDP2 replicating every stage's parameters: no sharding, gradients all-reduced)."""
+        pp = (("pp", self.pipeline),) if self.pipeline > 1 else ()
+        replicated = self.strategy == "hsdp" or (self.strategy == "ddp" and self.pipeline > 1)
+        named = pp + ((("replicate", self.replicate),) if replicated else ()) + (("shard", self.shard),)
         return named + ((("tp", self.tensor_parallel),) if self.tensor_parallel > 1 else ())
 
     def data_rank(self, rank: int) -> int:
         """Which micro-batch stream a rank reads: its index among the data-parallel ranks (the ranks of one
-        tensor-parallel group are neighbours and read the same)."""
-        return rank // self.tensor_parallel
+        tensor-parallel group are neighbours and read the same; so do the stages of one pipeline)."""
+        return rank // self.tensor_parallel % self.data_parallel
+
+    def pipeline_rank(self, rank: int) -> int:
+        """Which pipeline rank (which stages) a rank holds: its coordinate on the outermost dimension."""
+        return rank // (self.world_size // self.pipeline)
 
     def layout(self) -> dict[str, int]:
-        """{dimension: size}: the mesh torch builds, or ddp's replicas (ddp builds none)."""
-        return dict(self.dims()) if self.strategy != "ddp" else {"replicate": self.replicate}
+        """{dimension: size}: the mesh torch builds, or ddp's replicas (ddp alone builds none)."""
+        return dict(self.dims()) if self.strategy != "ddp" or self.pipeline > 1 else {"replicate": self.replicate}
 
     def describe(self) -> str:
         return " x ".join(f"{name} {size}" for name, size in self.layout().items())
 
 
-def mesh_shape(config: DistConfig, world_size: int, local_world_size: int) -> MeshShape:
-    """The mesh dist.strategy, dist.shard_size and dist.tensor_parallel ask for at this world size, or a one-line
-    ConfigError naming the value that does not tile the world and the fix."""
-    tp = config.tensor_parallel
-    if world_size % tp:
-        raise ConfigError(f"dist.tensor_parallel = {tp}: does not divide world size {world_size}; use a divisor "
-                          f"of {world_size} (ideally of the {local_world_size} ranks per node)")
-    if config.strategy == "ddp":
-        return MeshShape("ddp", world_size, 1)
-    data_parallel = world_size // tp
-    if config.strategy == "fsdp":
-        return MeshShape("fsdp", 1, data_parallel, tp)
-    shard = config.shard_size or max(1, local_world_size // tp)
-    if data_parallel % shard:
-        key = "dist.shard_size" if config.shard_size else "LOCAL_WORLD_SIZE / dist.tensor_parallel (dist.shard_size)"
-        raise ConfigError(f"{key} = {shard}: does not divide the {data_parallel} data-parallel ranks (world size "
-                          f"{world_size} / tensor parallel {tp}); set --set dist.shard_size to a divisor of "
-                          f"{data_parallel}, e.g. the ranks of one node")
-    return MeshShape("hsdp", data_parallel // shard, shard, tp)
+def data_parallel_size(config: DistConfig, world_size: int, local_world_size: int) -> int:
+    """The ranks that read different micro-batches once dist.pipeline_parallel and dist.tensor_parallel have taken
+    their share of the world, or a one-line ConfigError naming the degree that does not divide it. How a strategy
+    lays these ranks out (replicas, shard groups) is its own: Strategy.replicas_and_shards."""
+    pp, tp = config.pipeline_parallel, config.tensor_parallel
+    if world_size % pp:
+        raise ConfigError(f"dist.pipeline_parallel = {pp}: does not divide world size {world_size}; use a divisor "
+                          f"of {world_size}")
+    if world_size // pp % tp:
+        raise ConfigError(f"dist.tensor_parallel = {tp}: does not divide world size {world_size}"
+                          + (f" / pipeline parallel {pp}" if pp > 1 else "")
+                          + f"; use a divisor of {world_size // pp} (ideally of the {local_world_size} ranks per node)")
+    return world_size // (pp * tp)
 
 
-def build_mesh(shape: MeshShape, device_type: str):
+def build_mesh(shape: ParallelDims, device_type: str):
     """torch's DeviceMesh of this shape (every rank calls it, in the same order: it creates process groups)."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -88,6 +103,6 @@ def group_split(size: int, inner: int, per_node: int, nbytes: float, rounds: int
 
 
 def data_parallel_mesh(mesh):
-    """The dimensions FSDP shards and replicates over: all but the tensor-parallel one."""
-    names = tuple(name for name in mesh.mesh_dim_names if name != "tp")
+    """The dimensions FSDP shards and replicates over: all but the tensor-parallel and pipeline ones."""
+    names = tuple(name for name in mesh.mesh_dim_names if name not in ("tp", "pp"))
     return mesh[names] if len(names) < len(mesh.mesh_dim_names) else mesh

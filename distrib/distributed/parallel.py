@@ -98,20 +98,27 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
-def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+def clip_grad_norm(parameters, max_norm: float, across: dist.ProcessGroup | None = None) -> torch.Tensor:
     """torch's clip_grad_norm_, also for parameters on several device meshes (tensor parallel's layers beside the
     norms FSDP alone shards), where one stack of norms is refused: one norm per mesh made whole (a collective per
-    mesh, in parameter order, so the same on every rank), combined, then every group scaled by the same factor."""
+    mesh, in parameter order, so the same on every rank), combined, then every group scaled by the same factor.
+    across: the group of ranks holding the model's other parts (pipeline stages), whose norms combine with this one."""
     from torch.distributed.tensor.experimental import implicit_replication
 
     groups: dict = {}  # the gradients' mesh (None: plain tensors) -> parameters
     for param in parameters:
         if param.grad is not None:
             groups.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
-    if len(groups) <= 1:
+    if len(groups) <= 1 and across is None:
         return nn.utils.clip_grad_norm_([p for group in groups.values() for p in group], max_norm)
     norms = [nn.utils.get_total_norm([p.grad for p in group]) for group in groups.values()]
-    total = torch.linalg.vector_norm(torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]))
+    device = next(iter(groups.values()))[0].grad.device if groups else torch.device("cpu")
+    whole = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms] or [torch.zeros((), device=device)]
+    total = torch.linalg.vector_norm(torch.stack(whole))
+    if across is not None:  # the squares summed over the stages: the norm of every parameter of the model
+        squared = total.float() ** 2
+        dist.all_reduce(squared, group=across)
+        total = squared.sqrt()
     with implicit_replication():  # the plain total norm scales DTensor gradients as a replicated value
         for group in groups.values():
             nn.utils.clip_grads_with_norm_(group, max_norm, total)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from distrib.config import DistConfig
 from distrib.distributed.host_heap import keep_freed_memory, return_freed_memory
-from distrib.distributed.mesh import MeshShape
+from distrib.distributed.mesh import ParallelDims
 from distrib.distributed.peers import PeerWatch
 from distrib.errors import CollectiveTimeoutError, PeerLostError, Preempted, UserError
 from distrib.launch.lifeline import die_with_parent
@@ -93,19 +93,19 @@ class Runtime:
     backend: str
     restart_count: int = 0
     peers: PeerWatch | None = None  # the other ranks' heartbeats; None in one process
-    mesh: MeshShape | None = None  # the run's parallel degrees (its strategy's); None: every rank a ddp replica
+    mesh: ParallelDims | None = None  # the run's parallel degrees (its strategy's); None: every rank a ddp replica
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def with_mesh(self, mesh: MeshShape) -> "Runtime":
+    def with_mesh(self, mesh: ParallelDims) -> "Runtime":
         """This runtime inside a run of this mesh: the data rank and shares follow it."""
         return dataclasses.replace(self, mesh=mesh)
 
     @property
-    def _mesh(self) -> MeshShape:
-        return self.mesh or MeshShape("ddp", self.world_size, 1)
+    def _mesh(self) -> ParallelDims:
+        return self.mesh or ParallelDims("ddp", self.world_size, 1)
 
     @property
     def data_rank(self) -> int:

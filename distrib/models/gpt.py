@@ -94,6 +94,10 @@ class GPT(nn.Module):
     _no_split_modules = ("Block",)
     # dist.tensor_parallel's plan (distrib.distributed.tensor_parallel): heads and the MLP's hidden units split over
     # the group, one all-reduce after each output projection; norms, embedding and output whole on every rank.
+    # dist.pipeline_parallel's units, in the order forward runs them (distrib.distributed.pipeline): the blocks (`*`)
+    # split balanced over the stages, the embeddings with the first, the final norm and output with the last. A stage
+    # holds None for the units it does not run, and forward skips them.
+    _pipeline_units = ("tok_embeddings", "layers.*", "norm", "output")
     _tp_plan = {"layers.*.attention.wq": "colwise", "layers.*.attention.wk": "colwise",
                 "layers.*.attention.wv": "colwise", "layers.*.attention.wo": "rowwise",
                 "layers.*.feed_forward.w1": "colwise", "layers.*.feed_forward.w3": "colwise",
@@ -139,10 +143,13 @@ class GPT(nn.Module):
         if length > self.seq_len:
             raise ValueError(f"a sequence of {length} tokens is longer than the model's seq_len {self.seq_len}")
         cos, sin = self.rope_cos[:length], self.rope_sin[:length]
-        x = self.tok_embeddings(tokens)
+        # Under pipeline parallel a stage may lack the embeddings (its input is the previous stage's activations),
+        # the final norm or the output (it returns its own).
+        x = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers:
             x = layer(x, cos, sin)
-        return self.output(self.norm(x))
+        x = self.norm(x) if self.norm is not None else x
+        return self.output(x) if self.output is not None else x
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token as torchtitan and PaLM count them: 6 x the parameters of the matrix products

@@ -123,11 +123,25 @@ class Loss:
         return logits.shape == targets.shape
 
 
+def step_loss(loss: Loss, targets: list, world_size: int) -> Callable[[object, object, int], torch.Tensor]:
+    """The one place a step's loss is normalised: (outputs, targets, pieces) -> the loss to backward for one of
+    `pieces` equal pieces of one of the step's micro-batches (`targets`: each micro-batch's), such that the gradients
+    summed over micro-batches and pieces, then averaged over the batch mesh by DDP's or FSDP's reduction, are those
+    of the mean loss of the global batch. Losses whose counts vary divide each piece's sum by the global count
+    (global_count_scale); the others average equal pieces' means."""
+    scale = global_count_scale(loss, targets, world_size)
+    if scale is not None:
+        return lambda outputs, piece_targets, pieces: loss.total(outputs, piece_targets) * scale
+    micro_steps = len(targets)
+    return lambda outputs, piece_targets, pieces: loss(outputs, piece_targets) / (micro_steps * pieces)
+
+
 def global_count_scale(loss: Loss, targets: list, world_size: int) -> torch.Tensor | None:
     """world_size / (positions counted in the whole global batch), for losses whose counts vary; None otherwise.
     One all-reduce on every rank of every step where it applies (all ranks hold the same kind of targets). Under
-    tensor parallelism each group's ranks add the same count, so the sum and world_size are both tp times the
-    data-parallel ones, and the ratio is the data-parallel size over the global count, as the gradient mean needs."""
+    tensor and pipeline parallelism each group's ranks add the same count (every stage reads the targets), so the
+    sum and world_size are both tp x pp times the batch mesh's, and the ratio is the batch mesh's size over the
+    global count, as the gradient mean needs."""
     if not loss.counts_vary(targets[0]):
         return None
     total = torch.stack([loss.count(t) for t in targets]).sum()

@@ -19,8 +19,8 @@ from distrib.config import TrainConfig
 from distrib.data import Batch, BatchPlan, epoch_steps
 from distrib.data.samples import named
 from distrib.distributed.agreement import RankAgreement
-from distrib.distributed.parallel import clip_grad_norm, explain_device_errors, local_tensor, unwrap
-from distrib.distributed.strategies import DDPStrategy, Strategy
+from distrib.distributed.parallel import local_tensor, unwrap
+from distrib.distributed.strategies import DDPStrategy, StepLoss, Strategy
 from distrib.errors import ConfigError, UserError
 from distrib.launch.preempt import Preempted
 from distrib.metrics import Recorder
@@ -28,7 +28,7 @@ from distrib.training.callbacks import Callbacks
 from distrib.training.early_stop import EarlyStopping
 from distrib.training.ema import EMA
 from distrib.training.evaluation import autocast, evaluate
-from distrib.training.losses import Loss, forward, global_count_scale
+from distrib.training.losses import Loss, forward, step_loss
 from distrib.training.optimizers import chunked_steps, param_groups, user_optimizer
 from distrib.training.throughput import Throughput
 
@@ -169,20 +169,25 @@ class Trainer:
     last_eval: tuple[int, dict] | None = field(default=None, init=False)  # (step, metrics) of the latest evaluation
 
     def step(self, micro_batches: list[Batch]) -> torch.Tensor:
-        """One optimizer step, top to bottom: forward and backward per micro-batch (gradients synced in the last),
-        the finite check, the rank agreement on sync steps, the update. Returns the loss averaged over the global
-        batch (the same on every rank) on sync steps (log steps among them), and this rank's share on the others."""
-        step, num_micro_steps = self.state.progress.step + 1, len(micro_batches)
-        # Dense class targets may count different numbers of positions per micro-batch: divide by the global count.
-        scale = global_count_scale(self.loss, [targets for _, targets in micro_batches], self.agreement.world_size)
-        losses = [self._micro_step(inputs, targets, sync=micro_step == num_micro_steps - 1,
-                                   num_micro_steps=num_micro_steps, scale=scale)
-                  for micro_step, (inputs, targets) in enumerate(micro_batches)]
-        local = torch.stack(losses).sum()
+        """One optimizer step, top to bottom: the strategy's forward and backward of the micro-batches (gradients
+        synced in the last), the finite check, the rank agreement on sync steps, the update. Returns the loss averaged
+        over the global batch (the same on every rank) on sync steps (log steps among them), and this rank's share on
+        the others."""
+        step = self.state.progress.step + 1
+        local = self.state.strategy.forward_backward(self.state.model, micro_batches, self._step_loss(micro_batches))
         self._check_finite(step)
         loss = self._agree(local, step) if self.is_sync_step(step) else local
         self._optimizer_step()
         return loss
+
+    def _step_loss(self, micro_batches: list[Batch]) -> StepLoss:
+        state, config = self.state, self.config
+        return StepLoss(
+            loss=step_loss(self.loss, [targets for _, targets in micro_batches], self.agreement.world_size),
+            forward=forward, autocast=lambda: autocast(config.precision, self.device),
+            backward=lambda loss: state.scaler.scale(loss).backward(),
+            batch=lambda inputs, targets: {**named(inputs, "inputs"), **named(targets, "targets")},
+            device=self.device)
 
     def _check_finite(self, step: int) -> None:
         every = self.config.finite_check_every
@@ -192,24 +197,11 @@ class Trainer:
             self.agreement.check_finite([local_tensor(p.grad) for group in self.state.optimizer.param_groups
                                          for p in group["params"] if p.grad is not None])
 
-    def _micro_step(self, inputs, targets, sync: bool, num_micro_steps: int, scale: torch.Tensor | None):
-        model = self.state.model
-        # Sync off for the whole forward+backward of non-final micro-steps: DDP decides in the forward.
-        batch = {**named(inputs, "inputs"), **named(targets, "targets")}
-        with self.state.strategy.grad_sync(model, sync), explain_device_errors(model, self.device, batch):
-            with autocast(self.config.precision, self.device):
-                outputs = forward(model, inputs)
-                # The sum x world_size / global count: DDP and FSDP then average gradients over ranks.
-                loss = (self.loss.total(outputs, targets) * scale if scale is not None
-                        else self.loss(outputs, targets) / num_micro_steps)
-            self.state.scaler.scale(loss).backward()
-        return loss.detach()
-
     def _optimizer_step(self) -> None:
         state = self.state
         if self.config.grad_clip:
             state.scaler.unscale_(state.optimizer)  # clip the true gradients, not the scaled ones
-            clip_grad_norm(state.model.parameters(), self.config.grad_clip)
+            state.strategy.clip_grad_norm(state.model, self.config.grad_clip)
         state.scaler.step(state.optimizer)
         state.scaler.update()
         state.optimizer.zero_grad(set_to_none=True)

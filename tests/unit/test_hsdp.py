@@ -5,17 +5,18 @@ runs measure (ddp, fsdp, hsdp at world sizes 1, 2, 4); the mesh's refusals."""
 
 import pytest
 
-from distrib.config import DistConfig
-from distrib.distributed.mesh import MeshShape, mesh_shape
+from distrib.config import Config, DistConfig
+from distrib.distributed.mesh import ParallelDims
+from distrib.distributed.strategies import check_config, parallel_dims
 from distrib.errors import ConfigError
 
 
 def test_mesh_shapes_tile_the_world():
-    assert mesh_shape(DistConfig(strategy="hsdp"), 16, 8) == MeshShape("hsdp", 2, 8)  # one node per shard group
-    assert mesh_shape(DistConfig(strategy="hsdp", shard_size=4), 16, 8).dims() == (("replicate", 4), ("shard", 4))
-    assert mesh_shape(DistConfig(strategy="fsdp"), 8, 8).dims() == (("shard", 8),)
-    assert mesh_shape(DistConfig(strategy="ddp"), 8, 8) == MeshShape("ddp", 8, 1)
-    tp = mesh_shape(DistConfig(strategy="hsdp", tensor_parallel=2), 32, 8)
+    assert parallel_dims(DistConfig(strategy="hsdp"), 16, 8) == ParallelDims("hsdp", 2, 8)  # one node per shard group
+    assert parallel_dims(DistConfig(strategy="hsdp", shard_size=4), 16, 8).dims() == (("replicate", 4), ("shard", 4))
+    assert parallel_dims(DistConfig(strategy="fsdp"), 8, 8).dims() == (("shard", 8),)
+    assert parallel_dims(DistConfig(strategy="ddp"), 8, 8) == ParallelDims("ddp", 8, 1)
+    tp = parallel_dims(DistConfig(strategy="hsdp", tensor_parallel=2), 32, 8)
     assert tp.dims() == (("replicate", 4), ("shard", 4), ("tp", 2)) and tp.data_parallel == 16
     assert [tp.data_rank(rank) for rank in range(4)] == [0, 0, 1, 1]  # one tensor-parallel group, one micro-batch
 
@@ -27,7 +28,7 @@ def test_mesh_shapes_tile_the_world():
 ])
 def test_a_mesh_that_does_not_tile_the_world_is_refused_in_one_line(config, world, message):
     with pytest.raises(ConfigError, match=None) as caught:
-        mesh_shape(config, world, 4)
+        parallel_dims(config, world, 4)
     assert message in str(caught.value) and "\n" not in str(caught.value)
 
 
@@ -37,4 +38,4 @@ def test_a_mesh_that_does_not_tile_the_world_is_refused_in_one_line(config, worl
 ])
 def test_mesh_keys_that_do_not_fit_the_strategy_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
-        DistConfig(**overrides)
+        check_config(Config(dist=DistConfig(**overrides)))

@@ -6,7 +6,7 @@ import torch
 
 from distrib.config import TrainConfig
 from distrib.data.batching import make_plan
-from distrib.distributed.mesh import MeshShape
+from distrib.distributed.mesh import ParallelDims
 from distrib.distributed.runtime import Runtime
 from distrib.distributed.tensor_parallel import tensor_parallel_plan
 from distrib.errors import ConfigError
@@ -33,7 +33,7 @@ def test_a_plan_that_does_not_divide_is_refused():
 
 def test_the_ranks_of_one_tensor_parallel_group_read_the_same_micro_batches():
     train = TrainConfig(global_batch_size=16, grad_accum_steps=2)
-    mesh = MeshShape("fsdp", 1, 2, 2)
+    mesh = ParallelDims("fsdp", 1, 2, 2)
     plans = [make_plan(64, train, Runtime(rank, rank, 4, 4, torch.device("cpu"), "gloo", mesh=mesh))
              for rank in range(4)]
     order = plans[0].order(0)

@@ -151,13 +151,14 @@ class _WholeThenSlice(TorchFunctionMode):
     """A torch.nn.init function or a random fill applied to a DTensor runs on the whole tensor on the host instead
     (the CPU generator draws what one process draws for it, and fans are the whole tensor's), and this rank keeps its
     slice: one tensor whole at a time, never the model. Other in-place ops are elementwise: DTensor runs them on the
-    local shard, with the same result."""
+    local shard, with the same result. A fill of a meta tensor (a pipeline stage another rank holds) is drawn and
+    dropped, so that the draws for this rank's tensors are the ones one process makes."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         target = _in_place_target(func, args, kwargs)
         whole_op = _is_init_function(func) or getattr(func, "__name__", "") in _RANDOM_FILLS
-        if not whole_op or not isinstance(target, DTensor):
+        if not whole_op or not (isinstance(target, DTensor) or (target is not None and target.is_meta)):
             return func(*args, **kwargs)
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -166,6 +167,8 @@ class _WholeThenSlice(TorchFunctionMode):
             func(whole, *args[1:], **kwargs)
         else:
             func(**{**kwargs, "tensor": whole})
+        if not isinstance(target, DTensor):  # another pipeline stage's: drawn as one process draws it, then dropped
+            return target
         shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
         target.to_local().copy_(whole[tuple(slice(start, start + size) for start, size in zip(offset, shape))])
         return target
