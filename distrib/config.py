@@ -490,9 +490,13 @@ class CheckpointConfig:
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class SpeedConfig:
-    compile: bool = key(False, "`torch.compile` the DDP model; its warm-up steps stay out of the throughput figures")
+    compile: bool = key(False,
+        "`torch.compile` the model, under every strategy: ddp compiles the whole model over DDP; fsdp, hsdp and tensor "
+        "parallel compile each block (`dist.shard_modules`) in place, after tensor parallel and before sharding; its "
+        "warm-up steps stay out of the throughput figures")
     compile_mode: str = key("default",
-        "`torch.compile`'s mode: `default`, `reduce-overhead`, `max-autotune` or `max-autotune-no-cudagraphs`",
+        "`torch.compile`'s mode: `default`, `reduce-overhead` (CUDA graphs, on CUDA devices only: elsewhere the same "
+        "as `default`), `max-autotune` or `max-autotune-no-cudagraphs`",
         choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
     channels_last: bool = key(False, "NHWC weights and 4-D inputs (tensor-core convolutions)")
     gradient_as_bucket_view: bool = key(False,

@@ -241,9 +241,10 @@ def measure_all(args, runtime, out_dir: Path) -> dict[str, list[dict]]:
     return results
 
 
-def worker(args) -> None:
-    """One bench process, launched like torchrun launches: distrib's runtime reads RANK, WORLD_SIZE and MASTER_*.
-    Ends with barrier -> destroy (the runtime) -> os._exit, since gloo can abort in interpreter teardown."""
+def worker(args, measure=measure_all) -> None:
+    """One bench process, launched like torchrun launches: distrib's runtime reads RANK, WORLD_SIZE and MASTER_*;
+    measure(args, runtime, folder) -> results (another script's, scripts/bench_compile.py's). Ends with barrier ->
+    destroy (the runtime) -> os._exit, since gloo can abort in interpreter teardown."""
     import torch
 
     torch.set_num_threads(args.threads or max(1, len(os.sched_getaffinity(0)) // int(os.environ["WORLD_SIZE"])))
@@ -252,8 +253,9 @@ def worker(args) -> None:
 
     code = 0
     try:
-        with open_runtime(DistConfig(device="cpu", timeout_s=600)) as runtime, tempfile.TemporaryDirectory() as tmp:
-            results = measure_all(args, runtime, Path(tmp))
+        with open_runtime(DistConfig(device="cpu", timeout_s=600)) as runtime:
+            # run_world's folder, one for every rank: a sharded run's ranks write into the same run.dir
+            results = measure(args, runtime, Path(os.environ["BENCH_OUT"]).parent)
             if runtime.is_main:
                 Path(os.environ["BENCH_OUT"]).write_text(json.dumps(results))
     except BaseException as e:  # noqa: BLE001 - reported, then the hard exit below
@@ -270,13 +272,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_world(args, argv: list[str], world_size: int) -> dict[str, list[dict]]:
-    """world_size copies of this script in worker mode, each in its own session so a timeout kills them all."""
+def run_world(args, argv: list[str], world_size: int, script: str = __file__) -> dict[str, list[dict]]:
+    """world_size copies of this script (or another that runs worker()) in worker mode, each in its own session so a
+    timeout kills them all."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "results.json"
         env = {**os.environ, "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "BENCH_OUT": str(out)}
-        procs = [subprocess.Popen([sys.executable, __file__, "--worker", *argv], start_new_session=True,
+        procs = [subprocess.Popen([sys.executable, script, "--worker", *argv], start_new_session=True,
                                   env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
                  for rank in range(world_size)]
         deadline = time.monotonic() + args.timeout

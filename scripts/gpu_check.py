@@ -1,7 +1,8 @@
 """The GPU check behind scripts/gpu_check.sh: DDP equivalence at world size 1 against a plain model (NCCL on a GPU),
 FSDP2 against DDP, the device-mismatch listing, the seed Network's throughput at several global batches (DDP, and
-FSDP2 with the bf16 mixed-precision policy), and a byte-level GPT in bf16 under ddp, fsdp, hsdp and tensor parallel
-2 (tokens/s, MFU, peak memory); prints one table. Under a launcher (--gpt-only) the GPT rows run on every GPU.
+FSDP2 with the bf16 mixed-precision policy), and a byte-level GPT in bf16 under ddp, fsdp, hsdp, tensor parallel 2
+and fsdp with speed.compile (tokens/s, MFU, peak memory); prints one table. Under a launcher (--gpt-only) the GPT
+rows run on every GPU.
 
     python scripts/gpu_check.py --device cuda [--json gpu_check.json]      (what gpu_check.sh runs)
     python scripts/gpu_check.py --device cpu --quick                        (a smoke test of the same code on gloo)
@@ -179,7 +180,9 @@ GPT_MODES = {"gpt bf16": ["train.precision=bf16"], "gpt fsdp bf16": ["train.prec
              # hsdp: a 1 x N mesh on one node (shard groups of the node's N GPUs, one replica)
              "gpt hsdp bf16": ["train.precision=bf16", "dist.strategy=hsdp"],
              # tensor parallel 2 (the GPT's 6 heads and 1024 hidden units divide by 2) x fsdp over the rest
-             "gpt tp2 bf16": ["train.precision=bf16", "dist.strategy=fsdp", "dist.tensor_parallel=2"]}
+             "gpt tp2 bf16": ["train.precision=bf16", "dist.strategy=fsdp", "dist.tensor_parallel=2"],
+             # each Block compiled in place before fully_shard (distrib.distributed.compile); last: the slowest warm-up
+             "gpt fsdp bf16+compile": ["train.precision=bf16", "dist.strategy=fsdp", "speed.compile=true"]}
 GPT_SIZE = {"n_layers": 6, "n_heads": 6, "dim": 384}  # nanoGPT's Shakespeare-char model, context 256
 GPT_QUICK = {"n_layers": 2, "n_heads": 2, "dim": 32}
 
@@ -236,7 +239,7 @@ def run_all(args) -> tuple[list[dict], list[dict]]:
         if not args.gpt_only:
             checks += [check_equivalence(runtime, args.equivalence_steps), *check_mismatch(runtime),
                        check_fsdp(runtime, args.equivalence_steps, Path(tmp) / "fsdp_check")]
-        for mode in GPT_MODES:  # first: the figures no GPU has given yet
+        for mode in args.gpt_modes:  # first: the figures no GPU has given yet
             if time.monotonic() > deadline:
                 args.gpt_rows.append({"mode": mode, "skipped": "time budget"})
                 continue
@@ -297,13 +300,14 @@ def parse_args(argv):
     parser.add_argument("--gpt-only", action="store_true",
                         help="only the GPT under every strategy (gpu_check.sh runs it under distrib launch on N GPUs)")
     args = parser.parse_args(argv)
-    args.batches, args.modes = (512, 1024, 4096), list(MODES)
+    args.batches, args.modes, args.gpt_modes = (512, 1024, 4096), list(MODES), list(GPT_MODES)
     args.gpt_batch, args.gpt_seq_len, args.gpt_rows, args.train_size = 64, 256, [], 60000
     if args.quick:  # a smoke test: making 60,000 synthetic images per row was most of its time
         args.train_size = 2048
         args.batches, args.modes = (32,), ["fp32", "bf16", "bf16 dataloader", "fsdp bf16"]
         args.steps, args.skip, args.equivalence_steps = 4, 1, 3
         args.gpt_batch, args.gpt_seq_len = 4, 16
+        args.gpt_modes = [mode for mode in GPT_MODES if "speed.compile=true" not in GPT_MODES[mode]]
     return args
 
 

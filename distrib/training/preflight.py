@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from distrib.data import DataInfo, samples
+from distrib.distributed.compile import explain_compile_errors
 from distrib.distributed.parallel import check_batch, explain_device_errors, unwrap
 from distrib.errors import UserError
 from distrib.factory import import_object
@@ -55,7 +56,8 @@ def _check_keys(model: nn.Module, inputs) -> str:
 def _run(model: nn.Module, inputs, info: DataInfo, device: torch.device):
     batch = samples.named(inputs, "inputs")
     try:
-        with torch.no_grad(), explain_device_errors(model, device, batch):
+        # a model with compiled blocks (speed.compile under fsdp) compiles them here, in the first forward
+        with torch.no_grad(), explain_device_errors(model, device, batch), explain_compile_errors(model):
             return forward(model, inputs)
     except (RuntimeError, ValueError, TypeError, IndexError) as e:  # the shape errors of layers, mostly
         said = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__

@@ -72,8 +72,8 @@ def count_flops_per_sample(model: nn.Module, inputs, targets, loss=None) -> floa
     params = [p for p in model.parameters() if p.requires_grad]
     was_training = model.training
     model.eval()
-    try:
-        with FlopCounterMode(display=False) as counter:
+    try:  # eager (compiled blocks too): the counter sees every op, and no graph is compiled for eval mode with grad
+        with torch.compiler.set_stance("force_eager"), FlopCounterMode(display=False) as counter:
             outputs = forward(model, inputs)
             value = loss(outputs, targets) if loss is not None else F.cross_entropy(outputs.float(), targets)
             if params and value.requires_grad:

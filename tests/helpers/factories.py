@@ -93,3 +93,24 @@ def wide_mlp(num_classes: int = 10, in_channels: int = 1, image_size: int = 28, 
     """A wide two-layer MLP: most of its parameters in two large matrices, sharded in rows by fsdp and hsdp."""
     return nn.Sequential(nn.Flatten(), nn.Linear(in_channels * image_size ** 2, width), nn.ReLU(),
                          nn.Linear(width, num_classes))
+
+
+@torch.library.custom_op("distrib_tests::doubled", mutates_args=())
+def _doubled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2  # registered without a fake (meta) implementation: torch.compile cannot trace it
+
+
+class _Untraceable(nn.Module):
+    """A layer that calls a custom op with no fake implementation (as a C++ extension's op may be)."""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.linear = nn.Linear(28 * 28, num_classes)
+
+    def forward(self, t):
+        return _doubled(self.linear(t.flatten(1)))
+
+
+def untraceable(num_classes: int = 10):
+    """A model whose one block (dist.shard_modules = auto finds the layer) dynamo cannot trace."""
+    return nn.Sequential(_Untraceable(num_classes))

@@ -88,3 +88,25 @@ def test_gpu_check_runs_its_checks_and_table_on_the_cpu(tmp_path):
     assert all(r["tokens_per_second"] > 0 and r["mfu"] > 0 and r["test_loss"] > 0 for r in ran)
     assert "tokens/s" in result.stdout
     assert "PASS" in result.stdout and "FAIL" not in result.stdout and "samples/s" in result.stdout
+
+
+@pytest.mark.timeout(900)
+def test_bench_compile_prints_compiled_over_eager_per_strategy(tmp_path):
+    """One round at world size 2: its fsdp runs compile the Blocks of tests/integration/test_compile.py at the same
+    shapes (8 windows of 32 per rank), so inductor's cache on disk serves whichever comes second."""
+    out = tmp_path / "bench_compile.json"
+    result = run([sys.executable, str(REPO / "scripts" / "bench_compile.py"), "--world-sizes", "2", "--steps", "4",
+                  "--skip", "2", "--repeats", "1", "--warmup-runs", "0", "--json", str(out)], timeout=EVENT_S)
+    assert_ok(result)
+    data = json.loads(out.read_text())
+    median, ratios = data["median"]["2"], data["ratios"]["2"]
+    assert list(median) == ["ddp", "ddp compiled", "fsdp", "fsdp compiled"] and list(ratios) == ["ddp", "fsdp"]
+    for strategy in ("ddp", "fsdp"):  # the same steps, compiled or not
+        compiled = median[f"{strategy} compiled"]
+        assert compiled["final_loss"] == pytest.approx(median[strategy]["final_loss"], rel=1e-5)
+        assert ratios[strategy]["wall"] == pytest.approx(compiled["wall"] / median[strategy]["wall"])
+        assert set(ratios[strategy]) == {"wall", "p50", "cpu", "paired_wall", "paired_p50", "paired_cpu"}
+    lines = result.stdout.splitlines()
+    assert lines[0].split()[:3] == ["world", "size", "variant"]
+    assert any(line.split()[:2] == ["2", "fsdp"] and len(line.split()) == 8 for line in lines[-4:])
+    assert lines[-1] == f"written to {out}"

@@ -4,6 +4,7 @@ the gradients in buckets during the last micro-step's backward, and rank 0 alone
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -11,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distrib.config import DistConfig, SpeedConfig
 from distrib.distributed import fsdp
+from distrib.distributed.compile import compile_whole
 from distrib.distributed.mesh import ParallelDims, group_split
 from distrib.distributed.parallel import place_model, unwrap
 from distrib.distributed.runtime import Runtime
@@ -39,18 +41,18 @@ def prepare(model: nn.Module, speed: SpeedConfig, shard_modules) -> None:
         fsdp.checkpoint_activations(model, shard_modules)
 
 
-def compiled(model: nn.Module, speed: SpeedConfig) -> nn.Module:
-    """torch.compile over the wrapped module (not the reverse): dynamo then splits graphs at DDP's buckets, so
-    all-reduce overlaps."""
-    return torch.compile(model, mode=speed.compile_mode) if speed.compile else model
-
-
-def wrap(model: nn.Module, runtime: Runtime, speed: SpeedConfig, shard_modules="auto") -> nn.Module:
-    """A placed whole model made ready to train or evaluate as ddp: the [speed] options, DDP, torch.compile. What
-    distrib eval and predict run too."""
+def wrap(model: nn.Module, runtime: Runtime, speed: SpeedConfig, shard_modules="auto",
+         log: Callable[[str], None] = lambda line: None) -> nn.Module:
+    """A placed whole model made ready to train or evaluate as ddp: the [speed] options, DDP, torch.compile (over
+    DDP: distrib.distributed.compile.compile_whole, whose line goes to `log`). What distrib eval and predict run too."""
     prepare(model, speed, shard_modules)
-    return compiled(wrap_ddp(model, runtime, gradient_as_bucket_view=speed.gradient_as_bucket_view,
-                             static_graph=speed.static_graph, bucket_cap_mb=speed.bucket_cap_mb or None), speed)
+    wrapped = wrap_ddp(model, runtime, gradient_as_bucket_view=speed.gradient_as_bucket_view,
+                       static_graph=speed.static_graph, bucket_cap_mb=speed.bucket_cap_mb or None)
+    if not speed.compile:
+        return wrapped
+    wrapped, line = compile_whole(wrapped, speed)
+    log(line)
+    return wrapped
 
 
 class DDPStrategy(Strategy):
@@ -82,7 +84,8 @@ class DDPStrategy(Strategy):
         model = build.given if build.given is not None else build_whole(build.factory, build.seed)
         if build.load_weights is not None:
             build.load_weights(model)
-        return wrap(place_model(model, runtime.device), runtime, build.speed, self.config.shard_modules)
+        return wrap(place_model(model, runtime.device), runtime, build.speed, self.config.shard_modules,
+                    build.log)
 
     def grad_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
         wrapped = getattr(model, "_orig_mod", model)  # torch.compile wraps the DDP module

@@ -2,11 +2,12 @@
 groups, a 2-D mesh: its subclass in .hsdp) and either composed with tensor parallel (dist.tensor_parallel, the
 innermost mesh dimension). They differ only by the mesh (ParallelDims); this class owns their model's life.
 
-Start-up: the model is built on the meta device, split by tensor parallel, sharded by fully_shard, and only this
-rank's shards are materialised on its device (distrib.distributed.strategies.materialise), then filled by the
-weights to load (model.init_from), the model's own initialisation, or rank 0's whole copy. Steady state: each rank
-holds its shards of parameters, gradients and optimizer state, all-gathers a block's parameters for its forward and
-backward, reduce-scatters its gradients, and saves its own shards (DCP)."""
+Start-up: the model is built on the meta device, split by tensor parallel, its blocks compiled in place
+(speed.compile: distrib.distributed.compile), sharded by fully_shard, and only this rank's shards are materialised on
+its device (distrib.distributed.strategies.materialise), then filled by the weights to load (model.init_from), the
+model's own initialisation, or rank 0's whole copy. Steady state: each rank holds its shards of parameters, gradients
+and optimizer state, all-gathers a block's parameters for its forward and backward, reduce-scatters its gradients, and
+saves its own shards (DCP)."""
 
 from __future__ import annotations
 
@@ -18,12 +19,13 @@ import torch.nn as nn
 
 from distrib.config import DistConfig
 from distrib.distributed import fsdp
+from distrib.distributed.compile import compile_blocks
 from distrib.distributed.mesh import build_mesh, group_split
 from distrib.distributed.parallel import mismatch_error, place_model, unwrap
 from distrib.distributed.runtime import Runtime
 from distrib.distributed.strategies import materialise
 from distrib.distributed.strategies.base import Build, Strategy
-from distrib.distributed.strategies.ddp import compiled, prepare
+from distrib.distributed.strategies.ddp import prepare
 from distrib.distributed.tensor_parallel import apply_tensor_parallel
 
 # On the CPU, glibc keeps the whole parameters a sharded model gathers and frees block by block in its heap (the fsdp
@@ -60,12 +62,16 @@ class FSDPStrategy(Strategy):
                             local_world_size: int) -> tuple[int, int]:
         return 1, data_parallel  # one shard group of every data-parallel rank
 
-    def shard(self, model: nn.Module, runtime: Runtime, precision: str, device_type: str) -> nn.Module:
+    def shard(self, model: nn.Module, runtime: Runtime, precision: str, device_type: str,
+              build: Build | None = None) -> nn.Module:
         """The run's mesh (device_type explicit: a CPU run on a GPU host, or distrib plan's fake group), tensor
-        parallel on its innermost dimension, then FSDP2 over the others. distrib plan calls this too."""
+        parallel on its innermost dimension, speed.compile of each block, then FSDP2 over the others. distrib plan
+        calls this too (no build: nothing compiled)."""
         mesh = build_mesh(self.dims, device_type)
         if self.dims.tensor_parallel > 1:  # first, so that FSDP shards the tensor-parallel slices over the others
             apply_tensor_parallel(model, mesh["tp"])
+        if build is not None and build.speed.compile:  # torchtitan's order: tensor parallel, compile, FSDP
+            build.log(compile_blocks(model, fsdp.find_blocks(model, self.config.shard_modules), build.speed))
         return fsdp.shard(model, runtime, self.config, precision, mesh)
 
     def setup_module(self, build: Build, runtime: Runtime) -> nn.Module:
@@ -73,10 +79,10 @@ class FSDPStrategy(Strategy):
             _return_freed_memory_if_large(build.given, runtime)
             model = place_model(build.given, runtime.device)
             prepare(model, build.speed, self.config.shard_modules)
-            model = self.shard(model, runtime, build.precision, runtime.device.type)
+            model = self.shard(model, runtime, build.precision, runtime.device.type, build)
             if build.load_weights is not None:
                 build.load_weights(model)
-            return compiled(model, build.speed)
+            return model
         buffers = {}
         if build.load_weights is not None:  # no initialisation to run: the weights come from the file
             model, buffers = materialise.build_for_loading(build.factory, build.seed)
@@ -85,10 +91,10 @@ class FSDPStrategy(Strategy):
         _return_freed_memory_if_large(model, runtime)  # before any shard is materialised
         self_init = build.load_weights is None and materialise.initialises_itself(model)
         prepare(model, build.speed, self.config.shard_modules)
-        model = self.shard(model, runtime, build.precision, runtime.device.type)
+        model = self.shard(model, runtime, build.precision, runtime.device.type, build)
         self._materialise(model, runtime)
         self._fill(model, build, runtime, self_init, buffers)
-        return compiled(model, build.speed)
+        return model
 
     def _fill(self, model: nn.Module, build: Build, runtime: Runtime, self_init: bool,
               buffers: dict[str, torch.Tensor]) -> None:
@@ -122,7 +128,7 @@ class FSDPStrategy(Strategy):
 
     def grad_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
         # FSDP reduce-scatters in the backward unless told not to (it then keeps unsharded gradients until the last).
-        return _requires_gradient_sync(getattr(model, "_orig_mod", model), enabled)
+        return _requires_gradient_sync(model, enabled)
 
     def after_forward_only(self, model: nn.Module) -> None:
         # With dist.reshard_after_forward = false (and for the root module always) a forward leaves the parameters
