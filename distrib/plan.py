@@ -369,8 +369,11 @@ def table(figures: dict, machine: Machine) -> str:
                             + ("each rank reads its shards from model.init_from" if f["loads_weights"] else
                                "the model initialises its own shards" if f["self_initialising"] else
                                "rank 0 also builds the whole model in host memory") + ")"),
-        ("gathered in flight", f"{_size(f['gathered_bytes_per_rank'])} (the root unit, and the largest block's "
-                               "bytes at its backward)"),
+        ("gathered in flight", f"{_size(f['gathered_bytes_per_rank'])} " + (
+            "(the root unit, and the largest block's bytes at its backward)" if f["pipeline_parallel"] == 1 else
+            f"(its stages' parameters, from their first backward to the step's end), their gradients unsharded "
+            f"{_size(f['unsharded_gradient_bytes_per_rank'])}, receive buffers "
+            f"{_size(f['pipeline_buffer_bytes_per_rank'])}")),
         ("optimizer temporaries", _size(f["optimizer_temporary_bytes_per_rank"])),
         ("allocator slack", f"{_size(f['allocator_slack_bytes_per_rank'])}"
                             + (f" ({f['host_allocator']} on the host)" if f["host_allocator"] else "")),
