@@ -20,7 +20,16 @@ def _toml_text(value: Any) -> str:
 
 
 def resolve_config(config: str | Path | Config | None, overrides: Mapping[str, Any] | None) -> Config:
-    """The built-in defaults, a TOML file or a Config, then {"section.key": value} overrides."""
+    """The built-in defaults, a TOML file or a Config, then {"section.key": value} overrides; checked against its
+    strategy's rules too (before any process group: the driver of distrib.integrations.ray starts no worker)."""
+    from distrib.distributed.strategies import check_config
+
+    resolved = _resolved(config, overrides)
+    check_config(resolved)
+    return resolved
+
+
+def _resolved(config: str | Path | Config | None, overrides: Mapping[str, Any] | None) -> Config:
     items = [f"{key}={_toml_text(value)}" for key, value in (overrides or {}).items()]
     if isinstance(config, Config):
         from distrib.config import to_dict

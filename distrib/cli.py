@@ -27,10 +27,12 @@ EXIT_USER_ERROR = 2
 
 def _train(args: argparse.Namespace) -> int:
     from distrib.config import load_config
+    from distrib.distributed.strategies import check_config
     from distrib.launch.rundir import check_folders
     from distrib.metrics import require_loggers
 
     config = load_config(args.config, args.set)  # fail on a bad config before starting any worker
+    check_config(config)  # and on a rule of its strategy (imports torch, as the launcher does anyway)
     _check_nproc(args.nproc_per_node)
     check_folders(config, probe_locks=True)  # writable and not another live run's (rank 0 then locks them)
     require_loggers(config.metrics)  # a missing tracker package: one line here, not one per worker
@@ -84,9 +86,11 @@ def _worker(config) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from distrib.config import load_config
+    from distrib.distributed.strategies import check_config
     from distrib.plan import GB, GIB, Machine, main
 
     config = load_config(args.config, args.set)
+    check_config(config)
     nproc = args.nproc_per_node or (args.world_size if args.world_size and not args.nnodes else 8)
     nnodes = args.nnodes or (args.world_size // nproc if args.world_size else 1)
     if args.world_size and nnodes * nproc != args.world_size:

@@ -405,31 +405,19 @@ class DistConfig:
         "BatchNorm statistics over each micro-step's global batch (SyncBatchNorm; GPUs only). Without it a BatchNorm "
         "model's statistics are per micro-batch, and the log says that world sizes then no longer agree exactly")
 
-    @property
-    def sharded(self) -> bool:
-        """Parameters, gradients and optimizer state split over ranks (FSDP2 DTensors, saved shard by shard): fsdp,
-        hsdp, and any strategy under pipeline parallel (each stage holds its own part of the model)."""
-        return self.strategy in ("fsdp", "hsdp") or self.pipeline_parallel > 1
-
     def __post_init__(self):
+        """The keys' own ranges and choices. The rules of a strategy (which keys it takes, which precision and
+        checkpoints its state allows) are its class's: distrib.distributed.strategies.check_config, run before any
+        worker starts by distrib train, distrib plan, distrib.fit and the worker itself."""
         _choice("dist", self, "device")
         _positive("dist", self, "timeout_s", 60)
-        _choice("dist", self, "strategy")
+        _choice("dist", self, "strategy")  # the names the strategy classes register (kept equal by a unit test)
         names = (self.shard_modules,) if isinstance(self.shard_modules, str) else self.shard_modules
         if not names or not all(isinstance(n, str) and n.isidentifier() for n in names):
             _fail("dist", "shard_modules", self.shard_modules, "must be auto or a list of module class names",
                   "e.g. --set 'dist.shard_modules=[\"TransformerBlock\"]'")
-        if self.cpu_offload and self.strategy == "ddp":
-            _fail("dist", "cpu_offload", self.cpu_offload, "offloads FSDP shards, and dist.strategy is ddp",
-                  "set --set dist.strategy=fsdp or --set dist.cpu_offload=false")
         _at_least("dist", self, "shard_size", 0)
-        if self.shard_size and self.strategy != "hsdp":
-            _fail("dist", "shard_size", self.shard_size, f"sizes hsdp's shard groups, and dist.strategy is "
-                  f"{self.strategy}", "set --set dist.strategy=hsdp or --set dist.shard_size=0")
         _at_least("dist", self, "tensor_parallel", 1)
-        if self.tensor_parallel > 1 and self.strategy == "ddp":
-            _fail("dist", "tensor_parallel", self.tensor_parallel, "composes with fsdp or hsdp on the data-parallel "
-                  "ranks, and dist.strategy is ddp", "set --set dist.strategy=fsdp (or hsdp)")
         self._check_pipeline()
 
     MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zbv", "dualpipev")
@@ -449,34 +437,10 @@ class DistConfig:
         if not all(isinstance(name, str) and name for name in self.pipeline_split):
             _fail("dist", "pipeline_split", self.pipeline_split, "must be a list of module names",
                   "e.g. --set 'dist.pipeline_split=[\"layers.2\"]'")
-        if self.pipeline_parallel == 1:
-            if self.pipeline_split:
-                _fail("dist", "pipeline_split", self.pipeline_split, "splits the model into pipeline stages, and "
-                      "dist.pipeline_parallel is 1", "set --set dist.pipeline_parallel=2 (or more), or drop it")
-            return
-        schedule, per_rank = self.pipeline_schedule, self.stages_per_rank
-        if schedule in ("zbv", "dualpipev"):
-            # Measured: the built-in GPT at pp 2 (ddp or fsdp) trained to test loss 5.25 (zbv) and 4.068 (dualpipev)
-            # after 12 steps where one process and every other schedule reach 4.0716: torch's split of the backward
-            # into input and weight gradients does not give the same gradients here.
-            _fail("dist", "pipeline_schedule", schedule, "runs under torch 2.14 but does not train the same model as "
-                  "one process (its split backward, measured on gloo: docs/parallelism.md, Pipeline parallelism)",
-                  "use --set dist.pipeline_schedule=interleaved_1f1b (or 1f1b)")
-        if schedule in ("gpipe", "1f1b") and per_rank != 1:
-            _fail("dist", "pipeline_stages_per_rank", per_rank, f"the {schedule} schedule runs one stage per rank",
-                  "set --set dist.pipeline_schedule=interleaved_1f1b, or dist.pipeline_stages_per_rank=1")
-        if schedule in ("zbv", "dualpipev") and per_rank != 2:
-            _fail("dist", "pipeline_stages_per_rank", per_rank, f"the {schedule} schedule runs two stages per rank, "
-                  "in a V", "set --set dist.pipeline_stages_per_rank=2 (or 0)")
-        if schedule == "interleaved_1f1b" and per_rank < 2:
-            _fail("dist", "pipeline_stages_per_rank", per_rank, "interleaved_1f1b interleaves several stages per rank",
-                  "set --set dist.pipeline_stages_per_rank=2 (or 0), or dist.pipeline_schedule=1f1b")
-        if self.cpu_offload:
-            _fail("dist", "cpu_offload", self.cpu_offload, "is not supported with dist.pipeline_parallel > 1 (each "
-                  "stage's shards stay on its device)", "set --set dist.cpu_offload=false")
-        if self.sync_batchnorm:
-            _fail("dist", "sync_batchnorm", self.sync_batchnorm, "is not supported with dist.pipeline_parallel > 1",
-                  "set --set dist.sync_batchnorm=false")
+        if self.pipeline_parallel == 1 and self.pipeline_split:
+            _fail("dist", "pipeline_split", self.pipeline_split, "splits the model into pipeline stages, and "
+                  "dist.pipeline_parallel is 1", "set --set dist.pipeline_parallel=2 (or more), or drop it")
+        # The schedule's own rules, and what a pipeline cannot compose with: PipelineStrategy.check_keys.
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -605,14 +569,6 @@ class Config:
             raise ConfigError(f"speed.static_graph = true: does not work with train.grad_accum_steps = "
                               f"{self.train.grad_accum_steps} (DDP's static graph has no no_sync); "
                               "set --set speed.static_graph=false or --set train.grad_accum_steps=1")
-        if self.dist.sharded and self.train.precision == "fp16":  # GradScaler would skip per shard
-            where = ("dist.pipeline_parallel > 1" if self.dist.pipeline_parallel > 1
-                     else f"dist.strategy = '{self.dist.strategy}'")
-            raise ConfigError(f"train.precision = 'fp16': not supported with {where} (a GradScaler's skip decision "
-                              "would differ between shards); use --set train.precision=bf16")
-        if self.checkpoint.async_save and not self.dist.sharded:
-            raise ConfigError("checkpoint.async_save = true: asynchronous saves write sharded (fsdp) checkpoints; "
-                              "set --set dist.strategy=fsdp or --set checkpoint.async_save=false")
         _needs_ema("checkpoint", "best_metric", self.checkpoint.best_metric if self.checkpoint.keep_best else "",
                    self.train.ema_decay)
 

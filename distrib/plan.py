@@ -25,6 +25,7 @@ from distrib.distributed.parallel import local_tensor, state_parts
 from distrib.distributed.runtime import Runtime
 from distrib.distributed.strategies import Strategy, make_strategy
 from distrib.distributed.strategies.materialise import initialises_itself
+from distrib.distributed.tensor_parallel import layers_split
 from distrib.models.build import build_model
 from distrib.training.trainer import build_optimizer
 
@@ -189,10 +190,7 @@ def _tp_activations(model: nn.Module, shape: ParallelDims, inputs: torch.Tensor)
     gradient of the column-wise layers before it in backward (the same size: the residual stream)."""
     if shape.tensor_parallel == 1:
         return 0
-    from fnmatch import fnmatch
-
-    plan = getattr(model, "_tp_plan", {})
-    rowwise = [m for n, m in model.named_modules() if any(fnmatch(n, p) for p, s in plan.items() if s == "rowwise")]
+    rowwise = layers_split(model, "rowwise")
     positions = inputs.numel() if inputs.dim() == 2 else len(inputs)  # tokens of a micro-batch, or samples
     return 2 * sum(positions * m.out_features for m in rowwise)
 

@@ -28,7 +28,7 @@ from distrib.data.split import split_validation
 from distrib.distributed.agreement import RankAgreement
 from distrib.distributed.parallel import memory_report, sync_batchnorm, unwrap
 from distrib.distributed.runtime import LaunchEnv, Runtime, collective_timeouts, open_runtime
-from distrib.distributed.strategies import Build, LoadWeights, make_strategy
+from distrib.distributed.strategies import Build, LoadWeights, check_config, make_strategy
 from distrib.errors import ConfigError, say
 from distrib.factory import accepted, call_factory
 from distrib.launch import allocator
@@ -238,6 +238,7 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
     (data, model, the dry batch, the checkpoint to resume) runs before anything is written to run.dir, so a run that
     fails leaves an earlier run's files there as they were. on_step_end(step) runs after each step's bookkeeping;
     callbacks (after train.callbacks') get the hooks of distrib.training.callbacks."""
+    check_config(config)  # checked before any worker too; here for a Config built in Python
     strategy = make_strategy(config.dist, runtime.world_size, runtime.local_world_size)
     runtime = runtime.with_mesh(strategy.dims)  # the ranks of a tensor-parallel group read the same data
     start, notes = time.perf_counter(), []
@@ -294,8 +295,10 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
                       + (f", host allocator {allocator.running()}" if runtime.device.type == "cpu" else ""))
         for note in notes:
             recorder.info(note)
-        recorder.info(f"{_steps_said(config, total_steps)} of {plan.global_batch_size} samples ({runtime.world_size} "
-                      f"ranks x {config.train.grad_accum_steps} micro-steps x {plan.micro_batch_size}), "
+        ranks = (f"{runtime.world_size} ranks" if runtime.data_world_size == runtime.world_size else
+                 f"{runtime.data_world_size} data-parallel ranks of {runtime.world_size}")
+        recorder.info(f"{_steps_said(config, total_steps)} of {plan.global_batch_size} samples ({ranks} x "
+                      f"{config.train.grad_accum_steps} micro-steps x {plan.micro_batch_size}), "
                       f"{type(data.train).__name__}")
         recorder.start(to_dict(config), resumed_from, runtime.restart_count)  # trackers: fail here, not mid-run
         try:

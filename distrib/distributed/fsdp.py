@@ -133,10 +133,16 @@ def shard(model: nn.Module, runtime: Runtime, config: DistConfig, precision: str
     return model if roots else fully_shard(model, **options)
 
 
+# The optimizer state flattened (state.NAME.exp_avg, param_groups.NAME.lr): every parameter carries its group's
+# settings by name, so a rank that holds some of the parameters (a pipeline stage) saves and finds its own; nested,
+# DCP keeps one rank's param_groups, which name only its stage's parameters (torchtitan flattens for the same reason).
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """Model and optimizer state keyed by parameter names (no prefixes), as DTensors holding this rank's shards of a
     sharded model, or plain tensors of a plain one: what torch.distributed.checkpoint saves and reshards on load."""
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=_FLAT)
     return {"model": model_state, "optimizer": optimizer_state}
 
 
@@ -148,12 +154,14 @@ def reshard(model: nn.Module) -> None:
 
 
 def keyed_by_name(optimizer_state: dict) -> bool:
-    """Whether an optimizer state_dict is keyed by parameter names (a sharded checkpoint's) or by integer ids."""
-    return any(isinstance(key, str) for group in optimizer_state["param_groups"] for key in group["params"])
+    """Whether an optimizer state_dict is keyed by parameter names (a sharded checkpoint's, flattened) or by
+    integer ids (torch's own, what a one-file checkpoint holds)."""
+    return "param_groups" not in optimizer_state
 
 
 def load_sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=_FLAT)
 
 
 def by_name(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict) -> dict:

@@ -70,9 +70,10 @@ class ParallelDims:
         return " x ".join(f"{name} {size}" for name, size in self.layout().items())
 
 
-def parallel_dims(config: DistConfig, world_size: int, local_world_size: int) -> ParallelDims:
-    """The degrees dist.strategy, dist.pipeline_parallel, dist.shard_size and dist.tensor_parallel ask for at this
-    world size, or a one-line ConfigError naming the value that does not tile the world and the fix."""
+def data_parallel_size(config: DistConfig, world_size: int, local_world_size: int) -> int:
+    """The ranks that read different micro-batches once dist.pipeline_parallel and dist.tensor_parallel have taken
+    their share of the world, or a one-line ConfigError naming the degree that does not divide it. How a strategy
+    lays these ranks out (replicas, shard groups) is its own: Strategy.replicas_and_shards."""
     pp, tp = config.pipeline_parallel, config.tensor_parallel
     if world_size % pp:
         raise ConfigError(f"dist.pipeline_parallel = {pp}: does not divide world size {world_size}; use a divisor "
@@ -81,18 +82,7 @@ def parallel_dims(config: DistConfig, world_size: int, local_world_size: int) ->
         raise ConfigError(f"dist.tensor_parallel = {tp}: does not divide world size {world_size}"
                           + (f" / pipeline parallel {pp}" if pp > 1 else "")
                           + f"; use a divisor of {world_size // pp} (ideally of the {local_world_size} ranks per node)")
-    data_parallel = world_size // (pp * tp)
-    if config.strategy == "ddp":
-        return ParallelDims("ddp", data_parallel, 1, tp, pp)
-    if config.strategy == "fsdp":
-        return ParallelDims("fsdp", 1, data_parallel, tp, pp)
-    shard = config.shard_size or max(1, min(data_parallel, local_world_size // tp))
-    if data_parallel % shard:
-        key = "dist.shard_size" if config.shard_size else "LOCAL_WORLD_SIZE / dist.tensor_parallel (dist.shard_size)"
-        raise ConfigError(f"{key} = {shard}: does not divide the {data_parallel} data-parallel ranks (world size "
-                          f"{world_size} / tensor parallel {tp}" + (f" / pipeline parallel {pp}" if pp > 1 else "")
-                          + f"); set --set dist.shard_size to a divisor of {data_parallel}, e.g. the ranks of one node")
-    return ParallelDims("hsdp", data_parallel // shard, shard, tp, pp)
+    return world_size // (pp * tp)
 
 
 def build_mesh(shape: ParallelDims, device_type: str):

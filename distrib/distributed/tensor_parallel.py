@@ -35,6 +35,13 @@ def tensor_parallel_plan(model: nn.Module, size: int) -> dict[str, str]:
     return plan
 
 
+def layers_split(model: nn.Module, style: str) -> list[nn.Module]:
+    """The modules the model's _tp_plan splits in this style ("colwise" or "rowwise"); what distrib plan counts."""
+    plan = getattr(model, "_tp_plan", None) or {}
+    return [module for name, module in model.named_modules()
+            if any(fnmatch(name, pattern) for pattern, each in plan.items() if each == style)]
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh) -> nn.Module:
     """Splits the planned layers over tp_mesh in place (on the meta device, as the strategy builds it: each rank's
     slices are materialised afterwards); their outputs are plain tensors again."""

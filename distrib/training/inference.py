@@ -18,9 +18,9 @@ from distrib.checkpoint.format import list_checkpoints, load_failure, read_check
 from distrib.checkpoint.weights import WEIGHTS_DIR, aliases_of, read_weights
 from distrib.config import Config, load_config
 from distrib.data import DataInfo, eval_batches, load_data, load_inputs
-from distrib.distributed.parallel import place_model, unwrap
+from distrib.distributed.parallel import unwrap
 from distrib.distributed.runtime import Runtime
-from distrib.distributed.strategies import ddp
+from distrib.distributed.strategies import for_trained
 from distrib.errors import UserError
 from distrib.metrics import write_json_atomic
 from distrib.models.build import build_model, factory_call
@@ -170,8 +170,8 @@ def rebuilt_model(trained: Trained, info: DataInfo) -> nn.Module:
 def placed_model(trained: Trained, info: DataInfo, runtime: Runtime) -> nn.Module:
     """The trained model placed and wrapped exactly as training did (channels_last and all), so that its logits,
     and the metrics computed from them, are the same bits as at the end of training."""
-    return ddp.wrap(place_model(rebuilt_model(trained, info), runtime.device), runtime, trained.config.speed,
-                    trained.config.dist.shard_modules)
+    strategy = for_trained(trained.config.dist, runtime)
+    return strategy.setup_trained(rebuilt_model(trained, info), runtime, trained.config.speed)
 
 
 def check_rebuildable(trained: Trained, input_arg: str | None = None) -> None:

@@ -9,6 +9,7 @@ import torch
 
 from distrib.checkpoint.policy import choose, decide
 from distrib.config import load_config
+from distrib.distributed.strategies import check_config
 from distrib.errors import ConfigError
 from tests.helpers.support import REPO
 
@@ -34,7 +35,7 @@ def _sets(run_dir, *overrides) -> list[str]:
 ])
 def test_fsdp_config_mistakes_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
-        load_config(None, overrides)
+        check_config(load_config(None, overrides))  # a key's own value in load_config; a strategy's rule in its class
 
 
 def test_named_blocks_that_the_model_lacks_are_refused():

@@ -5,8 +5,9 @@ runs measure (ddp, fsdp, hsdp at world sizes 1, 2, 4); the mesh's refusals."""
 
 import pytest
 
-from distrib.config import DistConfig
-from distrib.distributed.mesh import ParallelDims, parallel_dims
+from distrib.config import Config, DistConfig
+from distrib.distributed.mesh import ParallelDims
+from distrib.distributed.strategies import check_config, parallel_dims
 from distrib.errors import ConfigError
 
 
@@ -37,4 +38,4 @@ def test_a_mesh_that_does_not_tile_the_world_is_refused_in_one_line(config, worl
 ])
 def test_mesh_keys_that_do_not_fit_the_strategy_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
-        DistConfig(**overrides)
+        check_config(Config(dist=DistConfig(**overrides)))

@@ -1,5 +1,5 @@
-"""What the launcher checks once, in the parent, before any worker starts: the global batch's split, the device, the
-script. Each is one line and exit 2, and no worker is started (run_agent is never reached)."""
+"""What the launcher checks once, in the parent, before any worker starts: the global batch's split, the device, a
+rule of the strategy, the script. Each is one line and exit 2, and no worker is started (run_agent is never reached)."""
 
 from __future__ import annotations
 
@@ -24,10 +24,13 @@ def no_workers(monkeypatch):
     (["train", "--nproc-per-node", "2", "--set", "dist.device=cuda"],
      "distrib: error: dist.device = 'cuda': CUDA is not available on this machine; use --set dist.device=cpu "
      "(or auto)"),
+    (["train", "--nproc-per-node", "2", "--set", "dist.cpu_offload=true"],
+     "distrib: error: dist.cpu_offload = True: offloads FSDP shards, and dist.strategy is ddp; set --set "
+     "dist.strategy=fsdp or --set dist.cpu_offload=false"),
     (["launch", "--nproc-per-node", "2", "nope.py"],
      "distrib: error: nope.py: no such script; give the path of a Python script, or -m MODULE (e.g. distrib launch "
      "--nproc-per-node 2 -m distrib train)"),
-], ids=["global-batch", "grad-accum", "no-cuda", "no-script"])
+], ids=["global-batch", "grad-accum", "no-cuda", "strategy-rule", "no-script"])
 def test_the_launcher_checks_once_before_any_worker(argv, line, tmp_path, capfd, monkeypatch, no_workers):
     import torch
 

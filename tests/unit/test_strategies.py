@@ -1,4 +1,5 @@
-"""The strategy objects in one process: the registry and the mesh each gets, which models initialise their own shards
+"""The strategy objects in one process: the names each registers and the config lists, the mesh each gets, the
+refusal of a trained model's evaluation by a sharded one, which models initialise their own shards
 (checked on the meta device), the sharded build at world size 1 giving bitwise the weights one process builds, and
 weights loaded into the shards of a model never built whole (rank 1 of fsdp 2, a fake group)."""
 
@@ -6,12 +7,22 @@ import pytest
 import torch
 import torch.nn as nn
 
-from distrib.config import DistConfig
+from distrib.config import DistConfig, SpeedConfig, choices
 from distrib.distributed.mesh import ParallelDims
 from distrib.distributed.runtime import Runtime, open_runtime
-from distrib.distributed.strategies import Build, DDPStrategy, FSDPStrategy, make_strategy, materialise
+from distrib.distributed.strategies import (
+    Build,
+    DDPStrategy,
+    FSDPStrategy,
+    HSDPStrategy,
+    make_strategy,
+    materialise,
+    registered,
+    strategy_named,
+)
+from distrib.distributed.strategies import base as strategy_base
 from distrib.distributed.strategies.materialise import build_on_meta, build_whole, initialises_itself
-from distrib.errors import UserError
+from distrib.errors import ConfigError, UserError
 from distrib.models.gpt import GPT
 from distrib.models.network import Network
 from tests.helpers.factories import self_initialising
@@ -24,7 +35,35 @@ def test_every_strategy_is_one_object_over_its_mesh():
     fsdp = make_strategy(DistConfig(strategy="fsdp", tensor_parallel=2), 8, 8)
     assert isinstance(fsdp, FSDPStrategy) and fsdp.dims == ParallelDims("fsdp", 1, 4, 2) and fsdp.sharded_state
     hsdp = make_strategy(DistConfig(strategy="hsdp"), 16, 8)
-    assert isinstance(hsdp, FSDPStrategy) and hsdp.dims.layout() == {"replicate": 2, "shard": 8}
+    assert isinstance(hsdp, HSDPStrategy) and hsdp.dims.layout() == {"replicate": 2, "shard": 8}
+
+
+def test_each_strategy_registers_its_names_and_the_config_lists_the_same():
+    assert {name: cls.__name__ for name, cls in registered().items()} == {
+        "ddp": "DDPStrategy", "fsdp": "FSDPStrategy", "hsdp": "HSDPStrategy"}
+    # config.py imports no strategy (no torch): its choices are the docs' list and load_config's check
+    assert choices(DistConfig, "strategy") == tuple(registered())
+    with pytest.raises(ConfigError) as caught:
+        strategy_named("zero")
+    assert str(caught.value) == ("dist.strategy = 'zero': no strategy registers that name; use one of ddp, fsdp, "
+                                 "hsdp, e.g. --set dist.strategy=ddp")
+
+
+def test_a_new_strategy_registers_itself_by_being_defined(monkeypatch):
+    monkeypatch.setattr(strategy_base, "_REGISTERED", dict(strategy_base._REGISTERED))  # undone after the test
+
+    class Zero2(FSDPStrategy):
+        names = ("zero2",)
+
+    assert strategy_named("zero2") is Zero2 and strategy_named("fsdp") is FSDPStrategy  # its parent's names stay
+    with pytest.raises(AssertionError, match="'zero2' registered by Zero2 too"):
+        class Again(FSDPStrategy):
+            names = ("zero2",)
+
+
+def test_a_sharded_strategy_refuses_to_run_a_trained_model_whole():
+    with pytest.raises(UserError, match="FSDPStrategy shards the model, and evaluating a trained model runs it whole"):
+        make_strategy(DistConfig(strategy="fsdp"), 1, 1).setup_trained(nn.Linear(2, 2), None, SpeedConfig())
 
 
 class _TruncNormal(nn.Linear):

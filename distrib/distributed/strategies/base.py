@@ -3,7 +3,9 @@ forward and backward run and its gradients sync and clip, how the training state
 what `distrib plan` reports for it.
 
 A strategy holds the run's ParallelDims (every parallel degree; the Runtime reads its data rank from the same object).
-The worker, trainer, checkpoint package, evaluation and plan talk to this interface only, never to a strategy's name."""
+The worker, trainer, checkpoint package, evaluation and plan talk to this interface only, never to a strategy's name.
+Each subclass registers the dist.strategy names it serves (`names`) and checks the config's rules about itself
+(`check`, before any worker starts)."""
 
 from __future__ import annotations
 
@@ -15,10 +17,11 @@ from typing import Callable, ClassVar
 import torch
 import torch.nn as nn
 
-from distrib.config import DistConfig, SpeedConfig
+from distrib.config import Config, DistConfig, SpeedConfig
 from distrib.distributed.mesh import ParallelDims
 from distrib.distributed.parallel import clip_grad_norm, explain_device_errors
 from distrib.distributed.runtime import Runtime
+from distrib.errors import ConfigError, UserError
 
 # Loads weights into the built, materialised (possibly sharded) model in place of its initialisation: the hook that
 # model.init_from uses (each rank loads its own slices of a sharded model). None: the model's own initialisation.
@@ -58,16 +61,78 @@ class StepLoss:
     device: torch.device
 
 
-class Strategy(ABC):
-    """One data- (and tensor-) parallel strategy. Subclasses: distrib.distributed.strategies.ddp and .fsdp."""
+# dist.strategy -> the class that serves it, filled by each subclass's `names` as it is defined.
+_REGISTERED: dict[str, type[Strategy]] = {}
 
-    name: ClassVar[str]
+
+def registered() -> dict[str, type[Strategy]]:
+    """{dist.strategy name: its class}, in the order the classes were defined."""
+    return dict(_REGISTERED)
+
+
+def strategy_named(name: str) -> type[Strategy]:
+    """The class that serves dist.strategy = name, or a one-line ConfigError listing the names registered."""
+    if name not in _REGISTERED:
+        raise ConfigError(f"dist.strategy = {name!r}: no strategy registers that name; use one of "
+                          f"{', '.join(_REGISTERED)}, e.g. --set dist.strategy=ddp")
+    return _REGISTERED[name]
+
+
+class Strategy(ABC):
+    """One data- (and tensor-) parallel strategy. Subclasses: distrib.distributed.strategies.ddp, .fsdp, .hsdp and
+    .pipeline."""
+
+    # The dist.strategy values this class serves, registered when the class is defined (each name once). Empty: a
+    # strategy chosen otherwise (pipeline parallel, by dist.pipeline_parallel). config.py lists the same names as
+    # dist.strategy's choices, for its docs; tests/unit/test_strategies.py keeps the two equal.
+    names: ClassVar[tuple[str, ...]] = ()
     # Whether the training state is DTensor shards (each rank saves its own: DCP checkpoints) or whole on every rank
     # (one file, written by rank 0).
     sharded_state: ClassVar[bool] = False
+    # Whether dist.shard_size sizes this strategy's shard groups (hsdp's); any other refuses it.
+    reads_shard_size: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for name in cls.__dict__.get("names", ()):  # its own names only: a subclass does not inherit its parent's
+            assert name not in _REGISTERED, f"dist.strategy {name!r} registered by {_REGISTERED[name].__name__} too"
+            _REGISTERED[name] = cls
 
     def __init__(self, config: DistConfig, dims: ParallelDims):
         self.config, self.dims = config, dims
+
+    # ---------------------------------------------------------------- the config's rules and the mesh
+
+    @classmethod
+    def check(cls, config: Config) -> None:
+        """A one-line ConfigError (key, value, fix) for a config this strategy cannot run: its dist keys
+        (check_keys), then what its state allows. Called before any worker starts (distrib train, plan, fit)."""
+        cls.check_keys(config.dist)
+        if cls.sharded_state and config.train.precision == "fp16":  # GradScaler would skip per shard
+            raise ConfigError(f"train.precision = 'fp16': not supported with {cls.described(config.dist)} (a "
+                              "GradScaler's skip decision would differ between shards); use --set train.precision=bf16")
+        if config.checkpoint.async_save and not cls.sharded_state:
+            raise ConfigError("checkpoint.async_save = true: asynchronous saves write sharded (fsdp) checkpoints; "
+                              "set --set dist.strategy=fsdp or --set checkpoint.async_save=false")
+
+    @classmethod
+    def check_keys(cls, config: DistConfig) -> None:
+        """A one-line ConfigError for a dist key this strategy does not take or a value it cannot run."""
+        if config.shard_size and not cls.reads_shard_size:
+            raise ConfigError(f"dist.shard_size = {config.shard_size}: sizes hsdp's shard groups, and dist.strategy "
+                              f"is {config.strategy}; set --set dist.strategy=hsdp or --set dist.shard_size=0")
+
+    @classmethod
+    def described(cls, config: DistConfig) -> str:
+        """The config's words for this strategy in a refusal."""
+        return f"dist.strategy = '{config.strategy}'"
+
+    @classmethod
+    @abstractmethod
+    def replicas_and_shards(cls, config: DistConfig, data_parallel: int, world_size: int,
+                            local_world_size: int) -> tuple[int, int]:
+        """How this strategy lays out the data_parallel ranks: (replicas, ranks per shard group), their product
+        data_parallel; or a one-line ConfigError when the config's sizes do not tile them."""
 
     # ---------------------------------------------------------------- the model's life
 
@@ -134,6 +199,13 @@ class Strategy(ABC):
     def full_model_state(self, model: nn.Module) -> dict:
         """What model.pt holds: the whole plain state_dict on rank 0 (a collective where the model is sharded; the
         other ranks may get {})."""
+
+    def setup_trained(self, model: nn.Module, runtime: Runtime, speed: SpeedConfig) -> nn.Module:
+        """A whole trained model (its weights loaded, on the host) placed and wrapped on this worker as training
+        wrapped it, for distrib eval and predict: each rank runs its own batches of it. Only strategies that keep the
+        model whole on every rank can; distrib.distributed.strategies.for_trained picks one."""
+        raise UserError(f"{type(self).__name__} shards the model, and evaluating a trained model runs it whole on "
+                        "every rank; evaluate it under --set dist.strategy=ddp")
 
     # ---------------------------------------------------------------- distrib plan
 

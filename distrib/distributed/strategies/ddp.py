@@ -16,6 +16,7 @@ from distrib.distributed.parallel import place_model, unwrap
 from distrib.distributed.runtime import Runtime
 from distrib.distributed.strategies.base import Build, Strategy
 from distrib.distributed.strategies.materialise import build_whole
+from distrib.errors import ConfigError
 
 
 def wrap_ddp(model: nn.Module, runtime: Runtime, **options) -> DDP:
@@ -53,11 +54,29 @@ def wrap(model: nn.Module, runtime: Runtime, speed: SpeedConfig, shard_modules="
 
 
 class DDPStrategy(Strategy):
-    name = "ddp"
+    names = ("ddp",)
     sharded_state = False
 
     def __init__(self, config: DistConfig = DistConfig(), dims: ParallelDims = ParallelDims("ddp", 1, 1)):
         super().__init__(config, dims)
+
+    @classmethod
+    def check_keys(cls, config: DistConfig) -> None:
+        if config.cpu_offload:
+            raise ConfigError(f"dist.cpu_offload = {config.cpu_offload}: offloads FSDP shards, and dist.strategy is "
+                              "ddp; set --set dist.strategy=fsdp or --set dist.cpu_offload=false")
+        super().check_keys(config)
+        if config.tensor_parallel > 1:
+            raise ConfigError(f"dist.tensor_parallel = {config.tensor_parallel}: composes with fsdp or hsdp on the "
+                              "data-parallel ranks, and dist.strategy is ddp; set --set dist.strategy=fsdp (or hsdp)")
+
+    @classmethod
+    def replicas_and_shards(cls, config: DistConfig, data_parallel: int, world_size: int,
+                            local_world_size: int) -> tuple[int, int]:
+        return data_parallel, 1  # every data-parallel rank a whole replica
+
+    def setup_trained(self, model: nn.Module, runtime: Runtime, speed: SpeedConfig) -> nn.Module:
+        return wrap(place_model(model, runtime.device), runtime, speed, self.config.shard_modules)
 
     def setup_module(self, build: Build, runtime: Runtime) -> nn.Module:
         model = build.given if build.given is not None else build_whole(build.factory, build.seed)

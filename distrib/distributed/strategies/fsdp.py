@@ -1,6 +1,6 @@
 """The sharded strategies: fsdp (FSDP2 over one shard group of every data-parallel rank), hsdp (replicas of shard
-groups, a 2-D mesh) and either composed with tensor parallel (dist.tensor_parallel, the innermost mesh dimension).
-They differ only by the mesh (ParallelDims); this class owns their model's life.
+groups, a 2-D mesh: its subclass in .hsdp) and either composed with tensor parallel (dist.tensor_parallel, the
+innermost mesh dimension). They differ only by the mesh (ParallelDims); this class owns their model's life.
 
 Start-up: the model is built on the meta device, split by tensor parallel, sharded by fully_shard, and only this
 rank's shards are materialised on its device (distrib.distributed.strategies.materialise), then filled by the
@@ -16,6 +16,7 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
+from distrib.config import DistConfig
 from distrib.distributed import fsdp
 from distrib.distributed.mesh import build_mesh, group_split
 from distrib.distributed.parallel import mismatch_error, place_model, unwrap
@@ -51,8 +52,13 @@ def _requires_gradient_sync(module, enabled: bool) -> Iterator[None]:
 
 
 class FSDPStrategy(Strategy):
-    name = "fsdp"
+    names = ("fsdp",)
     sharded_state = True
+
+    @classmethod
+    def replicas_and_shards(cls, config: DistConfig, data_parallel: int, world_size: int,
+                            local_world_size: int) -> tuple[int, int]:
+        return 1, data_parallel  # one shard group of every data-parallel rank
 
     def shard(self, model: nn.Module, runtime: Runtime, precision: str, device_type: str) -> nn.Module:
         """The run's mesh (device_type explicit: a CPU run on a GPU host, or distrib plan's fake group), tensor

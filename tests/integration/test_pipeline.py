@@ -1,0 +1,156 @@
+"""Pipeline parallel (gloo, CPU) against one process, on the built-in GPT (4 blocks, dim 64, seq 32, untied) after 12
+AdamW steps with gradient clipping: pp 2 x fsdp 2 with 1f1b and with interleaved_1f1b (2 stages per rank) at world
+size 4, pp 2 x tp 2 x fsdp 2 at world size 8, and pp 2 alone (ddp, gpipe) at world size 2 end within 1e-5 of it and
+evaluate the same test set exactly. The pp 2 x fsdp 2 checkpoint of step 6 resumes bitwise under the same layout, and
+within 1e-5 of one process as fsdp at world size 2 and as ddp in one process. A user's nn.Sequential split by
+dist.pipeline_split trains like one process, with a validation set, EMA weights and early stopping; without a split it
+is one line, exit 2. (The pipeline's split and views: tests/unit/test_pipeline.py; plan: tests/integration/test_plan.py;
+a pp layout in the resume matrix: test_resume_matrix.py.)"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from distrib import cli
+from distrib.checkpoint.weights import read_weights
+from distrib.config import load_config
+from distrib.worker import run_training
+from tests.helpers.launch_runs import launch_runs, split_runs, torchrun_runs
+from tests.helpers.support import VALIDATED, assert_ok, load_weights, max_relative_diff
+
+TEXT = Path("/usr/share/common-licenses/GPL-3")  # Debian's base-files ships it: 35 kB of English prose
+GPT = ["model.name=gpt", "model.kwargs={n_layers = 4, n_heads = 4, dim = 64, tie_weights = false}",
+       "data.name=text", f"data.root={TEXT}", "data.seq_len=32", "train.optimizer=adamw", "train.lr=3e-3",
+       "train.warmup_steps=3", "train.max_steps=12", "train.global_batch_size=16", "train.epochs=0",
+       "train.eval_every_epochs=0", "checkpoint.every_steps=6", "train.grad_clip=0.5", "run.progress=false",
+       "dist.device=cpu"]
+PP = ["dist.strategy=fsdp", "dist.pipeline_parallel=2"]
+# A user's nn.Sequential (Flatten, Linear, ReLU, Linear) with a validation set, EMA weights and early stopping (after
+# the evaluation of step 9: tests/helpers/support.py's VALIDATED).
+SEQUENTIAL = ["data.name=synthetic", *VALIDATED, "train.global_batch_size=32", "train.warmup_steps=2",
+              "model.factory=tests.helpers.factories:wide_mlp", "model.kwargs={width = 64}", "train.ema_decay=0.9",
+              "train.grad_clip=0.5", "run.progress=false", "dist.device=cpu", "checkpoint.every_steps=0"]
+SPLIT = ["dist.pipeline_parallel=2", 'dist.pipeline_split=["2"]']
+
+
+def _summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def _step_6(run_dir: Path) -> str:
+    return f"checkpoint.resume={run_dir / 'checkpoints' / 'step_00000006'}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    """Every run: the one-process references here, then launches of 4, 8 and 2 workers (several runs each, sharing
+    the workers' start-up), then the pp checkpoint resumed in one process. Returns the folder and each launched
+    run's part of rank 0's stderr."""
+    tmp = tmp_path_factory.mktemp("pp")
+    run_training(load_config(None, [*GPT, f"run.dir={tmp / 'one'}"]))
+    run_training(load_config(None, [*SEQUENTIAL, f"run.dir={tmp / 'seq_one'}"]))
+    logs = {}
+    launches = {
+        4: {"pp_1f1b": PP, "pp_interleaved": [*PP, "dist.pipeline_schedule=interleaved_1f1b"],
+            "pp_resumed": [*PP, _step_6(tmp / "pp_1f1b")]},
+        8: {"pp_tp_fsdp": [*PP, "dist.tensor_parallel=2"]},
+        2: {"gpipe": ["dist.strategy=ddp", "dist.pipeline_parallel=2", "dist.pipeline_schedule=gpipe"],
+            "fsdp_from_pp": ["dist.strategy=fsdp", _step_6(tmp / "pp_1f1b")]}}
+    for nproc, named in launches.items():
+        (tmp / f"launch{nproc}").mkdir()
+        done = torchrun_runs(nproc, {name: [*GPT, f"run.dir={tmp / name}", *items] for name, items in named.items()},
+                             tmp / f"launch{nproc}")
+        assert_ok(done)
+        logs.update(split_runs(done.stderr, list(named)))
+    # the user's Sequential, and the refusals, in one launch that runs them all and keeps their exit codes
+    sequential = {"seq_pp": SPLIT, "seq_no_split": ["dist.pipeline_parallel=2"],
+                  "seq_bad_split": [*SPLIT[:1], 'dist.pipeline_split=["4"]']}
+    codes = tmp / "codes.json"
+    done = launch_runs([*torchrun(2)], [(name, {}, [*SEQUENTIAL, f"run.dir={tmp / name}", *items])
+                                        for name, items in sequential.items()], tmp, codes=codes)
+    assert done.returncode == 0, done.stderr[-3000:]
+    logs.update(split_runs(done.stderr, list(sequential)))
+    logs["codes"] = json.loads(codes.read_text())
+    run_training(load_config(None, [*GPT, f"run.dir={tmp / 'ddp_from_pp'}", _step_6(tmp / "pp_1f1b")]))
+    return tmp, logs
+
+
+def torchrun(nproc: int) -> list[str]:
+    import sys
+
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["pp_1f1b", "pp_interleaved", "pp_tp_fsdp", "gpipe"])
+def test_each_pipeline_layout_trains_and_evaluates_like_one_process(runs, name):
+    tmp, logs = runs
+    one, run = _summary(tmp / "one"), _summary(tmp / name)
+    assert max_relative_diff(load_weights(tmp / name), load_weights(tmp / "one")) < 1e-5
+    assert run["test_count"] == one["test_count"] > 0  # every test window once, not once per stage
+    assert run["test_loss"] == pytest.approx(one["test_loss"], rel=1e-6)
+    assert run["train_loss"] == pytest.approx(one["train_loss"], rel=1e-5)
+    assert run["flops_per_sample"] == one["flops_per_sample"]  # the whole model's, not one stage's
+    assert "no rank held the model whole" in logs[name]
+
+
+@pytest.mark.timeout(900)
+def test_each_rank_holds_only_its_stages(runs):
+    tmp, logs = runs
+    assert "this rank holds stage 0 (tok_embeddings .. layers.1)" in logs["pp_1f1b"]
+    assert "this rank holds stage 0 (tok_embeddings .. layers.0), stage 2 (layers.2)" in logs["pp_interleaved"]
+    whole, pp = _summary(tmp / "fsdp_from_pp")["state_bytes_per_rank"], _summary(tmp / "pp_1f1b")
+    assert pp["state_bytes_per_rank"] < 0.6 * whole  # fsdp 2 vs pp 2 x fsdp 2: about half, the larger stage's
+
+
+@pytest.mark.timeout(900)
+def test_a_pipeline_checkpoint_resumes_bitwise_and_reshards_to_fsdp_and_ddp(runs):
+    tmp, _ = runs
+    uninterrupted = load_weights(tmp / "pp_1f1b")
+    resumed = load_weights(tmp / "pp_resumed")
+    assert _summary(tmp / "pp_resumed")["resumed_from_step"] == 6
+    assert all(torch.equal(resumed[name], uninterrupted[name]) for name in uninterrupted)
+    one = load_weights(tmp / "one")
+    for name in ("fsdp_from_pp", "ddp_from_pp"):
+        assert _summary(tmp / name)["resumed_from_step"] == 6
+        assert max_relative_diff(load_weights(tmp / name), one) < 1e-5, name
+
+
+@pytest.mark.timeout(900)
+def test_the_weights_files_carry_one_process_names_and_distrib_eval_reads_them(runs):
+    tmp, _ = runs
+    exported, one = read_weights(tmp / "pp_1f1b" / "weights"), read_weights(tmp / "one" / "weights")
+    assert list(exported) == list(one)
+    assert all(torch.equal(exported[name], tensor) for name, tensor in load_weights(tmp / "pp_1f1b").items())
+    assert cli.main(["eval", str(tmp / "pp_1f1b")]) == 0  # in one process, from the pp run's model.pt
+    evaluated = json.loads((tmp / "pp_1f1b" / "eval.json").read_text())
+    assert evaluated["test_loss"] == pytest.approx(_summary(tmp / "pp_1f1b")["test_loss"], rel=1e-6)
+
+
+@pytest.mark.timeout(900)
+def test_a_split_sequential_trains_like_one_process_with_validation_ema_and_early_stopping(runs):
+    tmp, logs = runs
+    assert logs["codes"]["seq_pp"] == 0
+    one, run = _summary(tmp / "seq_one"), _summary(tmp / "seq_pp")
+    assert run["steps"] == one["steps"] == 9 and run["stop_reason"] == "early_stop"
+    for key in ("test_loss", "test_accuracy", "test_loss_ema", "val_loss"):
+        if key in one:
+            assert run[key] == pytest.approx(one[key], rel=1e-6), key
+    assert max_relative_diff(load_weights(tmp / "seq_pp"), load_weights(tmp / "seq_one")) < 1e-5
+    ema = torch.load(tmp / "seq_pp" / "model_ema.pt", weights_only=True)
+    assert max_relative_diff(ema, torch.load(tmp / "seq_one" / "model_ema.pt", weights_only=True)) < 1e-5
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name, says", [
+    ("seq_no_split", "has no pipeline split of its own; name the modules that start stages 2, 3, ... with --set "
+                     "'dist.pipeline_split=[...]' (its units: 0, 1, 2, 3)"),
+    ("seq_bad_split", "'4' is not one of Sequential's pipeline units (0, 1, 2, 3)")])
+def test_a_sequential_without_a_usable_split_is_one_line(runs, name, says):
+    _, logs = runs
+    assert logs["codes"][name] == 2
+    # every rank says it (a neighbouring run's rank 1 may still be saying its own when rank 0 starts this one)
+    errors = [line for line in logs[name].splitlines() if line.startswith("distrib: error:")]
+    assert any(says in line for line in errors) and "Traceback" not in logs[name]

@@ -1,0 +1,141 @@
+"""Pipeline parallel's pieces in one process: the parallel degrees and data ranks of a pp mesh, where models split
+into stages (balanced by blocks, or at dist.pipeline_split) and the one-line refusals, views that keep the whole
+model's names and share its tensors, a stage's initialisation drawing what one process draws, and the keys' checks.
+(Training against one process: tests/integration/test_pipeline.py.)"""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from distrib.config import Config, DistConfig
+from distrib.distributed.mesh import ParallelDims
+from distrib.distributed.pipeline import split_stages, stages_of, view
+from distrib.distributed.strategies import PipelineStrategy, check_config, make_strategy, parallel_dims
+from distrib.distributed.strategies.materialise import _WholeThenSlice, build_on_meta, build_whole
+from distrib.errors import ConfigError
+from distrib.models.gpt import GPT
+
+
+def _gpt(n_layers: int = 4, tie_weights: bool = False) -> GPT:
+    return GPT(vocab_size=32, seq_len=8, n_layers=n_layers, n_heads=2, dim=16, tie_weights=tie_weights)
+
+
+def test_pipeline_is_the_outermost_dimension_and_its_stages_read_the_same_data():
+    dims = parallel_dims(DistConfig(strategy="fsdp", pipeline_parallel=2, tensor_parallel=2), 8, 8)
+    assert dims == ParallelDims("fsdp", 1, 2, 2, 2) and dims.dims() == (("pp", 2), ("shard", 2), ("tp", 2))
+    assert dims.data_parallel == 2 and dims.loss_ranks == 4
+    # ranks 0-3 hold stage 0, 4-7 stage 1; within each, tp pairs read the same micro-batches
+    assert [dims.data_rank(rank) for rank in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [dims.pipeline_rank(rank) for rank in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    ddp = parallel_dims(DistConfig(pipeline_parallel=2), 4, 4)  # ddp's replicas as FSDP2 over (replicate, shard 1)
+    assert ddp.dims() == (("pp", 2), ("replicate", 2), ("shard", 1)) and ddp.data_parallel == 2
+    assert isinstance(make_strategy(DistConfig(pipeline_parallel=2), 4, 4), PipelineStrategy)
+    with pytest.raises(ConfigError, match="dist.pipeline_parallel = 3: does not divide world size 4"):
+        parallel_dims(DistConfig(strategy="fsdp", pipeline_parallel=3), 4, 4)
+
+
+def test_the_gpt_splits_balanced_by_blocks_with_embeddings_first_and_the_head_last():
+    split = split_stages(build_on_meta(_gpt, 0), 2, (), 2)
+    assert split.stage_units(0) == ("tok_embeddings", "layers.0", "layers.1")
+    assert split.stage_units(1) == ("layers.2", "layers.3", "norm", "output")
+    three = split_stages(build_on_meta(lambda: _gpt(n_layers=5), 0), 3, (), 3)
+    assert [len([u for u in three.stage_units(s) if u.startswith("layers")]) for s in range(3)] == [2, 1, 2]
+    with pytest.raises(ConfigError, match="8 stages: more than GPT's 4 blocks; use fewer stages"):
+        split_stages(build_on_meta(_gpt, 0), 8, (), 4)
+
+
+def test_a_user_split_names_the_units_that_start_stages():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    assert split_stages(model, 2, ("2",), 2).stage_units(1) == ("2", "3", "4")
+    with pytest.raises(ConfigError, match=r"1 names make 2 stages, and dist.pipeline_parallel = 2 x 2 stage\(s\) per "
+                                          r"rank = 4 stages; give 3 names"):
+        split_stages(model, 4, ("2",), 2)
+    with pytest.raises(ConfigError, match="must follow the model's order"):
+        split_stages(model, 3, ("3", "1"), 3)
+    with pytest.raises(ConfigError, match="Sequential has no pipeline split of its own"):
+        split_stages(model, 2, (), 2)
+
+    class Custom(nn.Module):
+        def forward(self, x):
+            return x
+
+    with pytest.raises(ConfigError, match="Custom is neither an nn.Sequential nor declares its pipeline units"):
+        split_stages(Custom(), 2, (), 2)
+
+
+def test_stages_of_a_rank_loop_or_form_a_v():
+    assert stages_of(0, 2, 2, "interleaved_1f1b") == [0, 2] and stages_of(1, 4, 1, "1f1b") == [1]
+    assert stages_of(0, 2, 2, "zbv") == [0, 3]
+
+
+def test_a_stage_view_keeps_the_model_names_and_shares_its_tensors():
+    model = _gpt()
+    split = split_stages(model, 2, (), 2)
+    last = view(model, split.units, set(split.stage_units(1)))
+    assert list(last.state_dict()) == [name for name in model.state_dict()
+                                       if name.startswith(("layers.2", "layers.3", "norm", "output"))]
+    assert last.layers._modules["2"].attention.wq.weight is model.layers[2].attention.wq.weight
+    assert len(model.layers) == 4 and model.tok_embeddings is not None  # the model itself keeps every unit
+    first = view(model, split.units, set(split.stage_units(0)))
+    tokens = torch.randint(0, 32, (2, 8))
+    assert torch.allclose(last(first(tokens)), model(tokens), atol=1e-6)  # stages in turn are the model
+
+
+def test_a_stage_initialises_its_tensors_as_one_process_draws_them():
+    whole = build_whole(_gpt, 3)
+    model = build_on_meta(_gpt, 3)
+    split = split_stages(model, 2, (), 2)
+    last = view(model, split.units, set(split.stage_units(1)))
+    last.to_empty(device="cpu")  # this stage's tensors real, the other stage's still on meta in `model`
+    torch.manual_seed(3)
+    with torch.no_grad(), _WholeThenSlice():
+        model.reset_parameters()
+    for name, tensor in last.state_dict().items():
+        assert torch.equal(tensor, whole.state_dict()[name]), name
+
+
+def test_tied_weights_across_stages_are_one_line():
+    strategy = make_strategy(DistConfig(strategy="fsdp", pipeline_parallel=2), 2, 2)
+    from distrib.distributed.strategies.pipeline import _refuse_ties
+
+    model = build_on_meta(lambda: _gpt(tie_weights=True), 0)
+    split = split_stages(model, strategy.stages, (), 2)
+    stage_of = {unit: s for s in range(2) for unit in split.stage_units(s)}
+    with pytest.raises(ConfigError, match=r"GPT ties output.weight to tok_embeddings.weight, which fall in different "
+                                          r"stages; untie them"):
+        _refuse_ties(model, stage_of, 2)
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (dict(pipeline_split=("layers.2",)), "dist.pipeline_split = ('layers.2',): splits the model into pipeline stages, "
+                                        "and dist.pipeline_parallel is 1"),
+    (dict(pipeline_parallel=2, pipeline_schedule="1f1b", pipeline_stages_per_rank=2),
+     "the 1f1b schedule runs one stage per rank"),
+    (dict(pipeline_parallel=2, pipeline_schedule="interleaved_1f1b", pipeline_stages_per_rank=1),
+     "interleaved_1f1b interleaves several stages per rank"),
+    (dict(pipeline_parallel=2, pipeline_schedule="zbv"), "does not train the same model as one process"),
+    (dict(pipeline_parallel=2, strategy="fsdp", cpu_offload=True), "not supported with dist.pipeline_parallel > 1")])
+def test_pipeline_keys_that_do_not_fit_are_one_line(overrides, says):
+    with pytest.raises(ConfigError, match=None) as error:
+        check_config(Config(dist=DistConfig(**overrides)))  # the keys' own checks, then PipelineStrategy's rules
+    assert says in str(error.value) and "\n" not in str(error.value)
+
+
+def test_microbatches_must_divide_the_micro_batch():
+    strategy = make_strategy(DistConfig(strategy="fsdp", pipeline_parallel=2, pipeline_microbatches=3), 4, 4)
+    with pytest.raises(ConfigError, match="dist.pipeline_microbatches = 3: does not divide the micro-batch of 8"):
+        strategy.check_micro_batch(8)
+    assert make_strategy(DistConfig(strategy="fsdp", pipeline_parallel=2), 4, 4).microbatches == 2
+
+
+def test_a_device_mismatch_inside_a_stage_names_the_stage():
+    from distrib.distributed.parallel import explain_device_errors
+    from distrib.distributed.pipeline import Pipeline, _naming_stage
+    from distrib.errors import DeviceMismatchError
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU())
+    pipeline = Pipeline(split_stages(model, 2, ("2",), 2), {}, None, 2, "1f1b", 2, torch.device("cpu"), model)
+    with pytest.raises(DeviceMismatchError) as error:
+        with explain_device_errors(model, torch.device("cpu"), {}), _naming_stage(1, pipeline):
+            torch.zeros(2, 10) + torch.zeros(10, device="meta")  # a tensor made in forward, elsewhere
+    assert "(PyTorch said: pipeline stage 1 (2 .. 3): Tensor on device meta is not on the expected device" in str(error.value)
