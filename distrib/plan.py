@@ -86,12 +86,27 @@ def activation_bytes(model: nn.Module, inputs: torch.Tensor, targets: torch.Tens
     """Bytes autograd keeps for backward after one forward of this micro-batch (parameters not counted, each
     storage once): as is, and with each block recomputed (speed.activation_checkpointing = blocks: a block keeps
     only its input, and one block's own tensors live again while it is recomputed)."""
+    def forward_and_loss():
+        logits = model(inputs)
+        torch.nn.functional.cross_entropy(logits.flatten(0, -2) if logits.dim() > 2 else logits, targets.flatten())
+
+    whole, recomputed, _ = saved_bytes(forward_and_loss, model, blocks)
+    return whole, recomputed
+
+
+def saved_bytes(forward, model: nn.Module, blocks: list[nn.Module], skip: tuple[torch.Tensor, ...] = ()
+                ) -> tuple[int, int, object]:
+    """activation_bytes' count for any forward (a pipeline stage's): the bytes autograd saves while `forward()`
+    runs, neither the model's parameters nor the tensors in `skip` (each storage once); the same with each block
+    recomputed; and what forward returned."""
     params = {id(p) for p in model.parameters()}
+    skipped = {t.untyped_storage()._cdata for t in skip}
     saved: dict[tuple, tuple[int, int]] = {}  # storage -> (bytes, index of the block that saved it, -1: none)
     block_inputs, current = [], [-1]
 
     def pack(tensor):
-        if id(tensor) not in params and not (tensor._base is not None and id(tensor._base) in params):
+        if id(tensor) not in params and not (tensor._base is not None and id(tensor._base) in params) \
+                and tensor.untyped_storage()._cdata not in skipped:
             key = (tensor.untyped_storage()._cdata, tensor.storage_offset(), tuple(tensor.shape))
             saved.setdefault(key, (_nbytes(tensor), current[0]))
         return tensor
@@ -106,19 +121,17 @@ def activation_bytes(model: nn.Module, inputs: torch.Tensor, targets: torch.Tens
     handles += [block.register_forward_hook(lambda *_: current.__setitem__(0, -1)) for block in blocks]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            logits = model(inputs)
-            torch.nn.functional.cross_entropy(logits.flatten(0, -2) if logits.dim() > 2 else logits,
-                                              targets.flatten())
+            returned = forward()
     finally:
         for handle in handles:
             handle.remove()
     whole = sum(size for size, _ in saved.values())
     per_block = [sum(size for size, owner in saved.values() if owner == i) for i in range(len(blocks))]
     outside = whole - sum(per_block)
-    return whole, outside + sum(block_inputs) + max(per_block, default=0)
+    return whole, outside + sum(block_inputs) + max(per_block, default=0), returned
 
 
-def _meta_batch(model_input_shape: tuple[int, ...], num_classes: int, micro_batch_size: int):
+def meta_batch(model_input_shape: tuple[int, ...], num_classes: int, micro_batch_size: int):
     """A micro-batch of meta tensors of the data's shapes: token ids (and next-token targets) for sequences."""
     if len(model_input_shape) == 1:
         tokens = torch.zeros(micro_batch_size, *model_input_shape, dtype=torch.long, device="meta")
@@ -127,7 +140,7 @@ def _meta_batch(model_input_shape: tuple[int, ...], num_classes: int, micro_batc
             torch.zeros(micro_batch_size, dtype=torch.long, device="meta"))
 
 
-def _meta_model(config: Config, info) -> nn.Module:
+def meta_model(config: Config, info) -> nn.Module:
     torch.manual_seed(config.train.seed)
     with torch.device("meta"):
         model = build_model(config.model, info)
@@ -138,10 +151,18 @@ def _sharded_state(config: Config, strategy: Strategy, info, machine: Machine, d
                    ) -> tuple[dict, int]:
     """Rank 0's bytes of parameters, gradients and optimizer state (the fullest rank: shards are chunks, rank 0's
     the largest), and the parameters it holds."""
+    model, optimizer = planned_rank(config, strategy, info, machine, device, 0)
+    return state_parts_planned(model, optimizer, strategy, device), local_parameters(model)
+
+
+def planned_rank(config: Config, strategy: Strategy, info, machine: Machine, device: torch.device, rank: int
+                 ) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The model as `rank` holds it (its shards on meta, over the fake group of rank 0: the data-parallel coordinates
+    are rank 0's) and its optimizer after one step on meta."""
     torch.manual_seed(config.train.seed)
     with torch.device("meta"):
         model = build_model(config.model, info)
-    runtime = Runtime(0, 0, machine.world_size, machine.nproc_per_node, device, "fake")
+    runtime = Runtime(rank, rank % machine.nproc_per_node, machine.world_size, machine.nproc_per_node, device, "fake")
     model = strategy.plan_module(model, runtime, config.train.precision)
     optimizer = build_optimizer(model, config.train)
     for group in optimizer.param_groups:  # the same state; DTensor's sharding rules cache per-tensor ops, not
@@ -150,10 +171,18 @@ def _sharded_state(config: Config, strategy: Strategy, info, machine: Machine, d
     for param in model.parameters():
         param.grad = torch.zeros_like(param) if param.requires_grad else None
     optimizer.step()  # creates the optimizer's state (momenta, moments, step counts) on meta, as a first step would
-    local = sum(local_tensor(p).numel() for p in model.parameters())
-    # dist.cpu_offload on an accelerator: the shards live in host memory, and the device holds none of them
+    return model, optimizer
+
+
+def local_parameters(model: nn.Module) -> int:
+    return sum(local_tensor(p).numel() for p in model.parameters())
+
+
+def state_parts_planned(model: nn.Module, optimizer, strategy: Strategy, device: torch.device) -> dict:
+    """state_parts of a planned model. dist.cpu_offload on an accelerator: the shards live in host memory, and the
+    device holds none of them."""
     offloaded = strategy.state_on_host and device.type != "cpu"
-    return state_parts(model, optimizer, device, planned=not offloaded), local
+    return state_parts(model, optimizer, device, planned=not offloaded)
 
 
 def _tp_activations(model: nn.Module, shape: ParallelDims, inputs: torch.Tensor) -> int:
@@ -221,8 +250,6 @@ def peak_terms(config: Config, strategy: Strategy, model: nn.Module, activations
     """What a step holds beyond its state and its activations, per rank: parameters gathered in flight (sharded
     strategies: the root unit and BLOCKS_IN_FLIGHT of the largest block, in the compute dtype, a tensor-parallel
     rank's slice), the optimizer's temporaries (one chunk: distrib.training.optimizers) and the allocator's slack."""
-    from distrib.training.optimizers import MAX_CHUNKS, MIN_CHUNK_ELEMENTS
-
     gathered = 0
     if strategy.sharded_state:
         blocks = fsdp.find_blocks(model, config.dist.shard_modules)
@@ -235,12 +262,19 @@ def peak_terms(config: Config, strategy: Strategy, model: nn.Module, activations
         # measured 0.97-1.10x above a tiny run, plan 1.23x so, 1.47x counting two of it as two blocks
         other = max((sum(_nbytes(p) for p in unit.parameters()) for unit in others), default=0)
         gathered = (root + max(in_flight * largest, other)) // strategy.dims.tensor_parallel
-    temporaries = 0 if config.train.optimizer == "sgd" and not config.train.weight_decay else \
-        4 * max(MIN_CHUNK_ELEMENTS, -(-local_params // MAX_CHUNKS))
     slack = 0.0 if device.type != "cpu" or returns_freed_memory(strategy, model) else KEPT_SLACK
-    return {"gathered_bytes_per_rank": gathered, "optimizer_temporary_bytes_per_rank": min(temporaries,
-                                                                                          4 * local_params),
+    return {"gathered_bytes_per_rank": gathered,
+            "optimizer_temporary_bytes_per_rank": optimizer_temporaries(config, local_params),
             "allocator_slack_bytes_per_rank": round(slack * (activations + gathered))}
+
+
+def optimizer_temporaries(config: Config, local_params: int) -> int:
+    """The optimizer's temporaries at its step: one chunk of the local parameters (distrib.training.optimizers)."""
+    from distrib.training.optimizers import MAX_CHUNKS, MIN_CHUNK_ELEMENTS
+
+    if config.train.optimizer == "sgd" and not config.train.weight_decay:
+        return 0
+    return min(4 * max(MIN_CHUNK_ELEMENTS, -(-local_params // MAX_CHUNKS)), 4 * local_params)
 
 
 def step_peak(parts: dict, activations: int, terms: dict, grad_accum_steps: int) -> int:
@@ -262,10 +296,17 @@ def plan_run(config: Config, machine: Machine) -> dict:
     data = split_validation(load_data(config.data, one, config.train.seed, log=lambda message: None), config.data)
     batches = BatchPlan(data.train.num_samples, config.train.global_batch_size, config.train.grad_accum_steps, 0,
                         shape.data_parallel, config.train.seed)
+    from distrib.plan_pipeline import no_pipeline, plan_pipeline  # (it builds on this module's helpers)
+
+    pipeline = None
     with fake_process_group(machine.world_size):
-        parts, local_params = _sharded_state(config, strategy, data.info, machine, device)
-    model = _meta_model(config, data.info)
-    inputs, targets = _meta_batch(tuple(data.info.input_shape), data.info.num_classes, batches.micro_batch_size)
+        if shape.pipeline > 1:  # every pipeline rank's stages: the fullest rank's state
+            pipeline = plan_pipeline(config, strategy, data.info, machine, device, batches)
+            parts, local_params = pipeline["parts"], pipeline["local_parameters"]
+        else:
+            parts, local_params = _sharded_state(config, strategy, data.info, machine, device)
+    model = meta_model(config, data.info)
+    inputs, targets = meta_batch(tuple(data.info.input_shape), data.info.num_classes, batches.micro_batch_size)
     whole, recomputed = activation_bytes(model, inputs, targets, fsdp.find_blocks(model, config.dist.shard_modules))
     compute_bytes = 2 if config.train.precision == "bf16" else 4
     intra, inter = strategy.step_traffic(machine.nproc_per_node, local_params, compute_bytes,
@@ -275,6 +316,11 @@ def plan_run(config: Config, machine: Machine) -> dict:
     activations = recomputed if config.speed.activation_checkpointing == "blocks" else whole
     peak = peak_terms(config, strategy, model, activations, local_params, device)
     needed = step_peak(parts, activations, peak, config.train.grad_accum_steps)
+    staged = pipeline["figures"] if pipeline else no_pipeline(config, activations)
+    if pipeline:  # the highest pipeline rank's peak; the activations sent between stages on top of the collectives
+        peak, needed = pipeline["peak"], pipeline["memory_bytes_per_rank"]
+    intra += staged["pipeline_bytes_per_step_intra_node"]
+    inter += staged["pipeline_bytes_per_step_inter_node"]
     return {"world_size": machine.world_size, "nnodes": machine.nnodes, "nproc_per_node": machine.nproc_per_node,
             "strategy": config.dist.strategy, "mesh": shape.layout(),
             "num_parameters": sum(p.numel() for p in model.parameters()),
@@ -286,7 +332,7 @@ def plan_run(config: Config, machine: Machine) -> dict:
             "collective_bytes_per_step_intra_node": intra, "collective_bytes_per_step_inter_node": inter,
             "device_memory_bytes": machine.device_memory, "memory_bytes_per_rank": needed, **peak,
             "host_allocator": _host_allocator(returns_freed_memory(strategy, model)) if device.type == "cpu" else "",
-            **_memory_figures(config, strategy, machine, data.info, parts, needed, device),
+            **_memory_figures(config, strategy, machine, data.info, parts, needed, device), **staged,
             "step_seconds_lower_bound": max(intra / machine.intra_node_bandwidth,
                                             inter / machine.inter_node_bandwidth)}
 
@@ -312,6 +358,7 @@ def table(figures: dict, machine: Machine) -> str:
         ("state_bytes_per_rank", f"{_size(f['state_bytes_per_rank'])} ({f['state_bytes_per_rank']} bytes)"),
         ("activations / micro-batch", f"{_size(f['activation_bytes_per_micro_batch'])}; with activation "
                                       f"checkpointing {_size(f['activation_bytes_per_micro_batch_checkpointed'])}"),
+        *_pipeline_rows(f),
         ("batch", f"global {f['global_batch_size']} = {f['data_parallel_size']} data-parallel ranks x "
                   f"{f['grad_accum_steps']} grad-accum steps x micro-batch {f['micro_batch_size']}"),
         ("collectives / step", f"{_size(f['collective_bytes_per_step_intra_node'])} intra-node, "
@@ -320,8 +367,11 @@ def table(figures: dict, machine: Machine) -> str:
                             + ("each rank reads its shards from model.init_from" if f["loads_weights"] else
                                "the model initialises its own shards" if f["self_initialising"] else
                                "rank 0 also builds the whole model in host memory") + ")"),
-        ("gathered in flight", f"{_size(f['gathered_bytes_per_rank'])} (the root unit, and the largest block's "
-                               "bytes at its backward)"),
+        ("gathered in flight", f"{_size(f['gathered_bytes_per_rank'])} " + (
+            "(the root unit, and the largest block's bytes at its backward)" if f["pipeline_parallel"] == 1 else
+            f"(its stages' parameters, from their first backward to the step's end), their gradients unsharded "
+            f"{_size(f['unsharded_gradient_bytes_per_rank'])}, receive buffers "
+            f"{_size(f['pipeline_buffer_bytes_per_rank'])}")),
         ("optimizer temporaries", _size(f["optimizer_temporary_bytes_per_rank"])),
         ("allocator slack", f"{_size(f['allocator_slack_bytes_per_rank'])}"
                             + (f" ({f['host_allocator']} on the host)" if f["host_allocator"] else "")),
@@ -337,6 +387,27 @@ def table(figures: dict, machine: Machine) -> str:
                          f"{machine.inter_node_bandwidth / GB:g} GB/s inter-node"),
     ]
     return "\n".join(f"{name:<26} {value}" for name, value in rows)
+
+
+def _pipeline_rows(f: dict) -> list[tuple[str, str]]:
+    """Under pipeline parallel: the schedule and its bubble, each pipeline rank's stages, what each holds, and the
+    activations sent between stages."""
+    if f["pipeline_parallel"] == 1:
+        return []
+    rows = [("pipeline", f"{f['pipeline_parallel']} ranks x {f['pipeline_stages_per_rank']} stage(s), "
+                         f"{f['pipeline_schedule']}, {f['pipeline_microbatches']} microbatches per micro-batch: "
+                         f"bubble {f['bubble_share']:.1%} of a step")]
+    for rank in f["stages"]:
+        held = ", ".join(f"{s['stage']} ({s['units'][0]}" + (f" .. {s['units'][-1]})" if len(s["units"]) > 1 else ")")
+                         for s in rank["stages"])
+        in_flight = "+".join(str(s["microbatches_in_flight"]) for s in rank["stages"])
+        rows.append((f"pipeline rank {rank['pipeline_rank']}",
+                     f"stage {held}: state {_size(rank['state_bytes'])}, {in_flight} microbatch(es) in flight "
+                     f"{_size(rank['activation_bytes_in_flight'])}, peak {_size(rank['memory_bytes'])}"))
+    rows.append(("between stages / step", f"{_size(f['pipeline_bytes_per_step_intra_node'])} intra-node, "
+                                          f"{_size(f['pipeline_bytes_per_step_inter_node'])} inter-node per rank "
+                                          "(activations on, gradients back; in the collectives' figures)"))
+    return rows
 
 
 def main(config: Config, machine: Machine, as_json: bool) -> int:

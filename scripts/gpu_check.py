@@ -1,8 +1,8 @@
 """The GPU check behind scripts/gpu_check.sh: DDP equivalence at world size 1 against a plain model (NCCL on a GPU),
 FSDP2 against DDP, the device-mismatch listing, the seed Network's throughput at several global batches (DDP, and
 FSDP2 with the bf16 mixed-precision policy), and a byte-level GPT in bf16 under ddp, fsdp, hsdp, tensor parallel 2
-and fsdp with speed.compile (tokens/s, MFU, peak memory); prints one table. Under a launcher (--gpt-only) the GPT
-rows run on every GPU.
+and pipeline parallel 2, and fsdp with speed.compile (tokens/s, MFU, peak memory); prints one table. Under a
+launcher (--gpt-only) the GPT rows run on every GPU.
 
     python scripts/gpu_check.py --device cuda [--json gpu_check.json]      (what gpu_check.sh runs)
     python scripts/gpu_check.py --device cpu --quick                        (a smoke test of the same code on gloo)
@@ -181,8 +181,12 @@ GPT_MODES = {"gpt bf16": ["train.precision=bf16"], "gpt fsdp bf16": ["train.prec
              "gpt hsdp bf16": ["train.precision=bf16", "dist.strategy=hsdp"],
              # tensor parallel 2 (the GPT's 6 heads and 1024 hidden units divide by 2) x fsdp over the rest
              "gpt tp2 bf16": ["train.precision=bf16", "dist.strategy=fsdp", "dist.tensor_parallel=2"],
+             # pipeline parallel 2 (1f1b, 2 microbatches) x fsdp over the rest; untied: a stage holds the embedding,
+             # another the output layer
+             "gpt pp2 bf16": ["train.precision=bf16", "dist.strategy=fsdp", "dist.pipeline_parallel=2"],
              # each Block compiled in place before fully_shard (distrib.distributed.compile); last: the slowest warm-up
              "gpt fsdp bf16+compile": ["train.precision=bf16", "dist.strategy=fsdp", "speed.compile=true"]}
+UNTIED = ("gpt pp2 bf16",)
 GPT_SIZE = {"n_layers": 6, "n_heads": 6, "dim": 384}  # nanoGPT's Shakespeare-char model, context 256
 GPT_QUICK = {"n_layers": 2, "n_heads": 2, "dim": 32}
 
@@ -195,10 +199,12 @@ def measure_gpt(runtime, mode: str, args, run_dir: Path) -> dict:
     from distrib.config import load_config
     from distrib.worker import train_on
 
-    if "dist.tensor_parallel=2" in GPT_MODES[mode] and runtime.world_size % 2:
-        return {"mode": mode, "skipped": f"tensor parallel 2 needs an even world size, not {runtime.world_size}: "
+    parallel = next((f"{kind} parallel 2" for kind in ("tensor", "pipeline") if f"dist.{kind}_parallel=2" in
+                     GPT_MODES[mode]), None)
+    if parallel and runtime.world_size % 2:
+        return {"mode": mode, "skipped": f"{parallel} needs an even world size, not {runtime.world_size}: "
                                          "gpu_check.sh runs it under distrib launch on 2+ GPUs"}
-    size = GPT_QUICK if args.quick else GPT_SIZE
+    size = {**(GPT_QUICK if args.quick else GPT_SIZE), **({"tie_weights": "false"} if mode in UNTIED else {})}
     kwargs = ", ".join(f"{key} = {value}" for key, value in size.items())
     overrides = ["data.name=text", f"data.root={docs_text()}",
                  f"data.seq_len={args.gpt_seq_len}", "model.name=gpt", f"model.kwargs={{{kwargs}}}",

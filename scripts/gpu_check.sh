@@ -7,9 +7,10 @@
 #     through the DataLoader (the device-resident data path's gain on this GPU), and fsdp with the bf16
 #     mixed-precision policy (bf16 parameters, fp32 gradient reduction); samples/s, step time, MFU,
 #   - the built-in GPT (6 layers, 6 heads, 384 wide, context 256: nanoGPT's Shakespeare-char size) on the docs'
-#     bytes (README.md and docs/*.md) in bf16, under ddp, fsdp, hsdp (a 1 x N mesh) and tensor parallel 2 x fsdp: tokens/s, MFU (6 x
-#     parameters + 12 x layers x heads x head_dim x seq_len FLOPs per token), peak device memory; on one GPU in
-#     this process (tensor parallel skipped: it needs 2), then with 2+ GPUs again on all of them under distrib launch,
+#     bytes (README.md and docs/*.md) in bf16, under ddp, fsdp, hsdp (a 1 x N mesh), tensor parallel 2 x fsdp and
+#     pipeline parallel 2 x fsdp (1f1b, untied): tokens/s, MFU (6 x parameters + 12 x layers x heads x head_dim x
+#     seq_len FLOPs per token), peak device memory; on one GPU in this process (tensor and pipeline parallel skipped:
+#     they need 2), then with 2+ GPUs again on all of them under distrib launch.
 #   - the same GPT under fsdp with speed.compile (each Block compiled in place before fully_shard): tokens/s against
 #     the fsdp row above it, its compiling left out of the figures (--skip).
 # From the repository root, installing nothing (torch >= 2.10 is all it needs; the GPU image has 2.11):

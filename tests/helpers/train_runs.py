@@ -9,10 +9,12 @@ Ends with the first non-zero exit code of a run; with CODES.json, runs them all 
 unless a run lost a peer (exit 69: the process group is broken, and the launcher stops or restarts every worker; going
 on would wait in the next run's rendezvous until the launcher's grace period kills it).
 Restarted by `distrib launch --max-restarts`, it runs them again: a finished run then trains nothing, the interrupted
-one resumes."""
+one resumes. With TRAIN_RUNS_PEAKS=FOLDER in the launch's environment, each rank writes FOLDER/peaks_RANK.json:
+{NAME: its peak resident bytes so far} after each run (a small run first makes the baseline of a larger one's)."""
 
 import json
 import os
+import resource
 import sys
 from pathlib import Path
 
@@ -30,11 +32,21 @@ def main(path: str, codes_path: str | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":  # rank 0's lines until its next marker are this run's
             print(f"== run {name} ==", file=sys.stderr, flush=True)
         codes[name] = cli.main(["train", *[item for each in overrides for item in ("--set", each)]])
+        _record_peak(name)
         if codes[name] and (codes_path is None or codes[name] == EXIT_HUNG):
             return codes[name]
     if codes_path is not None:
         Path(codes_path).write_text(json.dumps(codes))
     return 0
+
+
+def _record_peak(name: str) -> None:
+    folder = os.environ.get("TRAIN_RUNS_PEAKS")
+    if folder:
+        path = Path(folder) / f"peaks_{os.environ.get('RANK', '0')}.json"
+        peaks = json.loads(path.read_text()) if path.exists() else {}
+        peaks[name] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        path.write_text(json.dumps(peaks))
 
 
 if __name__ == "__main__":

@@ -81,10 +81,11 @@ def test_gpu_check_runs_its_checks_and_table_on_the_cpu(tmp_path):
     assert [(r["batch"], r["mode"]) for r in data["rows"]] == [
         (32, "fp32"), (32, "bf16"), (32, "bf16 dataloader"), (32, "fsdp bf16")]
     assert all(r["samples_per_second"] > 0 and r["mfu"] > 0 for r in data["rows"])
-    assert [r["mode"] for r in data["gpt"]] == ["gpt bf16", "gpt fsdp bf16", "gpt hsdp bf16", "gpt tp2 bf16"]
+    assert [r["mode"] for r in data["gpt"]] == ["gpt bf16", "gpt fsdp bf16", "gpt hsdp bf16", "gpt tp2 bf16",
+                                                "gpt pp2 bf16"]
     ran = [r for r in data["gpt"] if "skipped" not in r]
-    assert [r["mode"] for r in ran] == ["gpt bf16", "gpt fsdp bf16", "gpt hsdp bf16"]  # one process: no TP 2
-    assert "even world size" in data["gpt"][-1]["skipped"]
+    assert [r["mode"] for r in ran] == ["gpt bf16", "gpt fsdp bf16", "gpt hsdp bf16"]  # one process: no TP 2, PP 2
+    assert all("even world size" in row["skipped"] for row in data["gpt"][-2:])
     assert all(r["tokens_per_second"] > 0 and r["mfu"] > 0 and r["test_loss"] > 0 for r in ran)
     assert "tokens/s" in result.stdout
     assert "PASS" in result.stdout and "FAIL" not in result.stdout and "samples/s" in result.stdout
@@ -110,3 +111,23 @@ def test_bench_compile_prints_compiled_over_eager_per_strategy(tmp_path):
     assert lines[0].split()[:3] == ["world", "size", "variant"]
     assert any(line.split()[:2] == ["2", "fsdp"] and len(line.split()) == 8 for line in lines[-4:])
     assert lines[-1] == f"written to {out}"
+
+
+@pytest.mark.timeout(900)
+def test_bench_pipeline_prints_the_ratios_idle_shares_and_bubbles(tmp_path):
+    out = tmp_path / "bench_pipeline.json"
+    result = run([sys.executable, str(REPO / "scripts" / "bench_pipeline.py"), "--steps", "3", "--skip", "1",
+                  "--rounds", "1", "--layers", "4", "--heads", "2", "--dim", "16", "--seq-len", "16",
+                  "--microbatches", "2", "--json", str(out)], timeout=EVENT_S)
+    assert_ok(result)
+    summary = json.loads(out.read_text())["summary"]
+    assert list(summary) == ["fsdp 4", "pp 2 x fsdp 2, 1f1b", "pp 2 x fsdp 2, interleaved"]
+    # the same GPT on the same batches: every variant ends on the same loss
+    losses = [row["final_loss"] for row in summary.values()]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4) and losses[2] == pytest.approx(losses[0], rel=1e-4)
+    for name, bubble in (("pp 2 x fsdp 2, 1f1b", 1 / 3), ("pp 2 x fsdp 2, interleaved", 1 / 5)):
+        row = summary[name]
+        assert row["bubble_share"] == pytest.approx(bubble) and row["ratio_to_fsdp"] > 0
+        assert len(row["idle_share"]) == 2 and all(0 < share < 1 for share in row["idle_share"])
+    lines = result.stdout.splitlines()
+    assert lines[0].split()[:2] == ["variant", "tokens/s"] and lines[-1] == f"written to {out}"

@@ -103,3 +103,57 @@ def test_the_peak_counts_the_gathered_blocks_the_optimizers_chunk_and_the_alloca
     assert "allocator slack" in table(cpu, Machine(1, 4)) and "glibc, keeping freed memory" in cpu["host_allocator"]
     ddp = plan_run(load_config(None, [*gpt, "dist.device=cpu"]), Machine(1, 4))
     assert ddp["gathered_bytes_per_rank"] == 0
+
+
+def test_the_bubble_is_the_ramp_of_the_schedule():
+    from distrib.plan_pipeline import bubble_share
+
+    assert bubble_share(1, 8) == 0
+    assert bubble_share(2, 2) == pytest.approx(1 / 3)  # (P - 1) / (M + P - 1)
+    assert bubble_share(4, 8) == pytest.approx(3 / 11)
+    assert bubble_share(2, 4, stages_per_rank=2) == pytest.approx(1 / 9)  # interleaved: (P - 1) / (V M + P - 1)
+
+
+def test_microbatches_in_flight_follow_the_schedule():
+    """gpipe holds every microbatch's activations; 1f1b P - r on pipeline rank r; interleaved the forwards torch's
+    schedule runs before its first backward, and one more, in rounds of P microbatches stage by stage."""
+    from distrib.plan_pipeline import in_flight
+
+    assert [in_flight("gpipe", 4, 1, 8, rank) for rank in range(4)] == [[8]] * 4
+    assert [in_flight("1f1b", 4, 1, 8, rank) for rank in range(4)] == [[4], [3], [2], [1]]
+    assert in_flight("1f1b", 4, 1, 2, 0) == [2]  # never more than the microbatches
+    assert [in_flight("interleaved_1f1b", 2, 2, 4, rank) for rank in range(2)] == [[3, 2], [2, 1]]
+    assert in_flight("interleaved_1f1b", 2, 2, 2, 0) == [2, 2]  # all V M of them at most
+
+
+PP_GPT = ["model.name=gpt", "model.kwargs={n_layers = 4, n_heads = 4, dim = 64, tie_weights = false}",
+          "data.name=text", "data.root=/usr/share/common-licenses/GPL-3", "data.seq_len=32",
+          "train.global_batch_size=16", "train.optimizer=adamw", "dist.device=cpu", "dist.strategy=fsdp",
+          "dist.pipeline_parallel=2"]
+
+
+def test_pipeline_stages_their_state_and_what_is_sent_between_them():
+    """pp 2 x fsdp 2: every unit in one stage, in order; a rank's stages hold its state; each rank sends a
+    microbatch's activation (or its gradient) per microbatch: 8 windows of 32 x 64 fp32 per micro-batch. pp is the
+    outermost dimension: on 2 nodes of 2 the stages are on different nodes."""
+    from distrib.config import load_config
+    from distrib.plan import Machine, plan_run, table
+
+    config = load_config(None, PP_GPT)
+    one_node, two_nodes = plan_run(config, Machine(1, 4)), plan_run(config, Machine(2, 2))
+    ranks = one_node["stages"]
+    assert [s["units"] for rank in ranks for s in rank["stages"]] == [
+        ["tok_embeddings", "layers.0", "layers.1"], ["layers.2", "layers.3", "norm", "output"]]
+    assert all(rank["state_bytes"] == sum(s["state_bytes"] for s in rank["stages"]) for rank in ranks)
+    assert one_node["state_bytes_per_rank"] == max(rank["state_bytes"] for rank in ranks)
+    assert one_node["memory_bytes_per_rank"] == max(rank["memory_bytes"] for rank in ranks)
+    assert [s["microbatches_in_flight"] for rank in ranks for s in rank["stages"]] == [2, 1]
+    sent = 8 * 32 * 64 * 4
+    assert (one_node["pipeline_bytes_per_step_intra_node"], one_node["pipeline_bytes_per_step_inter_node"]) == \
+        (sent, 0)
+    assert (two_nodes["pipeline_bytes_per_step_intra_node"], two_nodes["pipeline_bytes_per_step_inter_node"]) == \
+        (0, sent)
+    assert two_nodes["collective_bytes_per_step_inter_node"] == sent  # fsdp's shard groups stay on their node
+    assert one_node["bubble_share"] == pytest.approx(1 / 3) and "bubble 33.3% of a step" in table(one_node,
+                                                                                                   Machine(1, 4))
+    assert plan_run(load_config(None, PP_GPT[:-1]), Machine(1, 4))["stages"] == []

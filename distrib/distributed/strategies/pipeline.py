@@ -20,7 +20,7 @@ from distrib.config import DistConfig
 from distrib.distributed import fsdp
 from distrib.distributed.mesh import build_mesh, group_split
 from distrib.distributed.parallel import clip_grad_norm, explain_device_errors, place_model
-from distrib.distributed.pipeline import Pipeline, pipelined_view, split_stages, stages_of, view
+from distrib.distributed.pipeline import Pipeline, StageSplit, pipelined_view, split_stages, stages_of, view
 from distrib.distributed.runtime import Runtime
 from distrib.distributed.strategies import materialise
 from distrib.distributed.strategies.base import Build, StepLoss, strategy_named
@@ -121,9 +121,7 @@ class PipelineStrategy(FSDPStrategy):
         _refuse_ties(whole, {unit: s for s in range(split.num_stages) for unit in split.stage_units(s)}, pp)
         prepare(whole, build.speed, config.shard_modules)
         mesh = build_mesh(self.dims, runtime.device.type)
-        mine = stages_of(mesh["pp"].get_local_rank(), pp, config.stages_per_rank, config.pipeline_schedule)
-        model = pipelined_view(whole, split.units, {u for s in mine for u in split.stage_units(s)})
-        stage_views = {s: view(whole, split.units, set(split.stage_units(s))) for s in mine}
+        model, stage_views = rank_views(whole, split, mesh["pp"].get_local_rank(), pp, config)
         if self.dims.tensor_parallel > 1:  # first, so that FSDP shards the tensor-parallel slices over the others
             apply_tensor_parallel(model, mesh["tp"])
         fsdp.shard(model, runtime, config, build.precision, mesh, roots=list(stage_views.values()))
@@ -203,7 +201,20 @@ class PipelineStrategy(FSDPStrategy):
                 for name, t in whole.items()}
 
     def plan_module(self, model: nn.Module, runtime: Runtime, precision: str) -> nn.Module:
-        raise NotImplementedError  # distrib plan lays out a pipeline's stages itself (distrib.plan)
+        """The stages of runtime.rank's pipeline rank, as setup_module splits, views and shards them (over distrib
+        plan's fake group, whose own rank is 0: the data-parallel coordinates are rank 0's, the fullest shards);
+        `_pipeline` names them."""
+        config, pp = self.config, self.dims.pipeline
+        split = split_stages(model, self.stages, config.pipeline_split, pp)
+        _refuse_ties(model, {unit: s for s in range(split.num_stages) for unit in split.stage_units(s)}, pp)
+        mesh = build_mesh(self.dims, "cpu")
+        held, stage_views = rank_views(model, split, self.dims.pipeline_rank(runtime.rank), pp, config)
+        if self.dims.tensor_parallel > 1:
+            apply_tensor_parallel(held, mesh["tp"])
+        fsdp.shard(held, runtime, config, precision, mesh, roots=list(stage_views.values()))
+        held.__dict__["_pipeline"] = Pipeline(split, stage_views, mesh["pp"].get_group(), pp,
+                                              config.pipeline_schedule, self.microbatches, runtime.device, model)
+        return held
 
     def step_traffic(self, per_node: int, local_params: int, compute_bytes: int, grad_accum: int,
                      reshard_after_forward: bool, tp_activation_bytes: float = 0) -> tuple[float, float]:
@@ -212,4 +223,14 @@ class PipelineStrategy(FSDPStrategy):
                                     reshard_after_forward, tp_activation_bytes)
 
 
-__all__ = ["PipelineStrategy", "group_split"]
+def rank_views(whole: nn.Module, split: StageSplit, pipeline_rank: int, pp: int, config: DistConfig
+               ) -> tuple[nn.Module, dict[int, nn.Module]]:
+    """A pipeline rank's stages as views of the whole model: all of them as one Pipelined module (what the optimizer
+    and checkpoints see), and each stage's own view (an FSDP root, and the schedule's stage). distrib plan asks for
+    any pipeline rank's, not only its own."""
+    mine = stages_of(pipeline_rank, pp, config.stages_per_rank, config.pipeline_schedule)
+    held = pipelined_view(whole, split.units, {unit for stage in mine for unit in split.stage_units(stage)})
+    return held, {stage: view(whole, split.units, set(split.stage_units(stage))) for stage in mine}
+
+
+__all__ = ["PipelineStrategy", "group_split", "rank_views"]

@@ -1,0 +1,210 @@
+"""`distrib plan` under pipeline parallel (dist.pipeline_parallel > 1): each pipeline rank's stages sharded as the run
+shards them, what each rank holds in a step, the schedule's bubble, and the activations sent between stages.
+
+What a rank holds beyond its state, as torch's schedules run FSDP2 stages (torch.distributed.pipelining, torch 2.14):
+the activations of the microbatches its schedule has in flight; the receive buffers a stage allocates once for every
+microbatch (activations from the stage before, the gradients of its input sent back to it, the gradients from the
+stage after); and from its first backward to the step's end its stages' parameters gathered and their gradients
+unsharded in fp32 (each backward but the last runs without resharding or reducing; the stage reduces after all)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from distrib.config import Config
+from distrib.data.batching import BatchPlan
+from distrib.distributed import fsdp
+from distrib.distributed.pipeline import owner_of, split_stages, stages_of, view
+from distrib.distributed.strategies import Strategy
+from distrib.plan import (
+    KEPT_SLACK,
+    Machine,
+    local_parameters,
+    meta_batch,
+    meta_model,
+    optimizer_temporaries,
+    planned_rank,
+    returns_freed_memory,
+    saved_bytes,
+    state_parts_planned,
+)
+
+
+def bubble_share(pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
+    """The share of a step each rank idles, ramping the pipeline up and down: (P - 1) / (M + P - 1) for gpipe and
+    1f1b, (P - 1) / (V M + P - 1) with V stages per rank interleaved (each rank's work comes in V M smaller pieces)."""
+    return (pp - 1) / (stages_per_rank * microbatches + pp - 1)
+
+
+def in_flight(schedule: str, pp: int, stages_per_rank: int, microbatches: int, pipeline_rank: int) -> list[int]:
+    """Microbatches whose activations a pipeline rank holds at once, for each of its stages (stages_of's order):
+    gpipe all M; 1f1b P - r (the first rank P, the last 1; M at most); interleaved the forwards torch's
+    ScheduleInterleaved1F1B runs before a backward frees one: (V - 1) x its microbatches per round + 2 (P - 1 - r),
+    plus the steady state's forward, taken in rounds stage by stage."""
+    if schedule == "gpipe":
+        return [microbatches]
+    if schedule == "1f1b":
+        return [min(microbatches, pp - pipeline_rank)]
+    per_round = microbatches // max(1, microbatches // pp)
+    total = stages_per_rank * microbatches
+    warmup = min((stages_per_rank - 1) * per_round + 2 * (pp - 1 - pipeline_rank), total)
+    counts = [0] * stages_per_rank
+    for forward in range(min(warmup + 1, total)):
+        counts[forward // per_round % stages_per_rank] += 1
+    return counts
+
+
+def stage_passes(model: nn.Module, split, blocks: list[nn.Module], inputs: torch.Tensor, targets: torch.Tensor
+                 ) -> list[dict]:
+    """One microbatch through each stage in turn, on the whole meta model in the compute dtype: the bytes a stage
+    keeps for its backward (autograd's saved tensors, and its output, which the schedule keeps; not its input, a
+    receive buffer), the same with blocks recomputed, and the bytes of the activation it sends to the next stage."""
+    passes, x = [], inputs
+    last = split.num_stages - 1
+    for stage in range(last + 1):
+        module = view(model, split.units, set(split.stage_units(stage)))
+        received = x.detach().requires_grad_(x.is_floating_point()) if stage else x
+
+        def forward(module=module, received=received, stage=stage):
+            out = module(received)
+            if stage == last:
+                torch.nn.functional.cross_entropy(out.flatten(0, -2) if out.dim() > 2 else out, targets.flatten())
+            return out
+
+        held, recomputed, x = saved_bytes(forward, model, blocks, skip=(received,) if stage else ())
+        sent = x.nbytes if stage < last else 0
+        passes.append({"activation": held + sent, "checkpointed": recomputed + sent, "sent": sent})
+    return passes
+
+
+def _sent(pipeline_rank: int, mine: list[int], passes: list[dict], config: Config, machine: Machine,
+          batches: BatchPlan, microbatches: int) -> tuple[float, float]:
+    """(intra-node, inter-node) bytes one rank of this pipeline rank sends per step: each stage's output to the next
+    stage's rank and the gradient of its input back to the one before, per microbatch, every micro-step. Ranks are
+    numbered node by node and pp is the outermost dimension: peers are world_size / pp ranks apart per hop."""
+    pp, schedule = config.dist.pipeline_parallel, config.dist.pipeline_schedule
+    apart, last = machine.world_size // pp, len(passes) - 1
+    node = pipeline_rank * apart // machine.nproc_per_node
+    intra = inter = 0.0
+    for stage in mine:
+        sends = ([(stage + 1, passes[stage]["sent"])] if stage < last else []) + \
+            ([(stage - 1, passes[stage - 1]["sent"])] if stage > 0 else [])  # the output on, its gradient back
+        for peer_stage, nbytes in sends:
+            peer = owner_of(peer_stage, pp, schedule)
+            if peer == pipeline_rank:
+                continue
+            total = nbytes * microbatches * batches.grad_accum_steps
+            if peer * apart // machine.nproc_per_node == node:
+                intra += total
+            else:
+                inter += total
+    return intra, inter
+
+
+def _buffers(mine: list[int], passes: list[dict], microbatches: int) -> int:
+    """torch's receive buffers, one per microbatch, allocated at the first step and kept: a stage after the first
+    receives its input and keeps its gradient (until the next step), a stage before the last receives the gradient
+    of its output."""
+    last = len(passes) - 1
+    return microbatches * sum((2 * passes[s - 1]["sent"] if s else 0) + (passes[s]["sent"] if s < last else 0)
+                              for s in mine)
+
+
+def _stage_state(stage: nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy,
+                 device: torch.device) -> int:
+    """The state bytes of one stage's parameters and of their optimizer state."""
+    class Held:  # the optimizer's state of this stage's parameters only
+        state = {p: optimizer.state[p] for p in stage.parameters() if p in optimizer.state}
+
+    return sum(state_parts_planned(stage, Held, strategy, device).values())
+
+
+def rank_peak(parts: dict, activations: int, buffers: int, gathered: int, unsharded_grads: int, temporaries: int,
+              slack: int, grad_accum_steps: int) -> int:
+    """A pipeline rank's peak: its state's parameters and optimizer state throughout, and the most of: its backwards
+    (the stages' parameters gathered, their gradients unsharded, the activations in flight, the receive buffers, and
+    the reduced gradients of earlier micro-steps), the reduction at the step's end (the unsharded gradients and the
+    reduced ones), and the optimizer's step (the gradients and its temporaries); the allocator's slack."""
+    grads = parts["gradients"]
+    backward = gathered + unsharded_grads + activations + buffers + (grads if grad_accum_steps > 1 else 0)
+    return parts["parameters"] + parts["optimizer"] + slack + max(
+        backward, unsharded_grads + grads + buffers, grads + temporaries + buffers)
+
+
+def plan_pipeline(config: Config, strategy: Strategy, info, machine: Machine, device: torch.device,
+                  batches: BatchPlan) -> dict:
+    """Every pipeline rank's figures (under a fake process group of the world's size) and the fullest rank's, under
+    plan_run's names: `stages` (per pipeline rank: its stages' units, state, activations, buffers and sends),
+    `parts` and `local_parameters` of the rank with the most state, and the peak terms of the rank with the highest
+    peak."""
+    dist_config, pp = config.dist, config.dist.pipeline_parallel
+    per_rank, microbatches = dist_config.stages_per_rank, strategy.microbatches
+    model = meta_model(config, info)
+    split = split_stages(model, pp * per_rank, dist_config.pipeline_split, pp)
+    inputs, targets = meta_batch(tuple(info.input_shape), info.num_classes,
+                                  batches.micro_batch_size // microbatches)
+    passes = stage_passes(model, split, fsdp.find_blocks(model, dist_config.shard_modules), inputs, targets)
+    key = "checkpointed" if config.speed.activation_checkpointing == "blocks" else "activation"
+    slack_share = 0.0 if device.type != "cpu" or returns_freed_memory(strategy, model) else KEPT_SLACK
+    ranks = []
+    for pipeline_rank in range(pp):
+        first_rank = pipeline_rank * machine.world_size // pp  # its data-parallel rank 0's: the fullest shards
+        held, optimizer = planned_rank(config, strategy, info, machine, device, first_rank)
+        mine = stages_of(pipeline_rank, pp, per_rank, dist_config.pipeline_schedule)
+        counts = in_flight(dist_config.pipeline_schedule, pp, per_rank, microbatches, pipeline_rank)
+        parts, local = state_parts_planned(held, optimizer, strategy, device), local_parameters(held)
+        whole = [sum(p.numel() for u in split.stage_units(s) for p in model.get_submodule(u).parameters())
+                 for s in mine]
+        tp = strategy.dims.tensor_parallel
+        gathered = sum(whole) * next(model.parameters()).element_size() // tp  # in the compute dtype
+        activations = sum(count * passes[s][key] for count, s in zip(counts, mine))
+        figures = {"parameter_bytes": parts["parameters"], "gradient_bytes": parts["gradients"],
+                   "optimizer_bytes": parts["optimizer"], "state_bytes": sum(parts.values()),
+                   "activation_bytes_in_flight": activations, "buffer_bytes": _buffers(mine, passes, microbatches),
+                   "gathered_bytes": gathered, "unsharded_gradient_bytes": 4 * sum(whole) // tp,
+                   "optimizer_temporary_bytes": optimizer_temporaries(config, local)}
+        figures["allocator_slack_bytes"] = round(slack_share * (activations + gathered
+                                                                + figures["unsharded_gradient_bytes"]))
+        figures["memory_bytes"] = rank_peak(parts, activations, figures["buffer_bytes"], gathered,
+                                            figures["unsharded_gradient_bytes"], figures["optimizer_temporary_bytes"],
+                                            figures["allocator_slack_bytes"], batches.grad_accum_steps)
+        intra, inter = _sent(pipeline_rank, mine, passes, config, machine, batches, microbatches)
+        stages = [{"stage": s, "units": list(split.stage_units(s)),
+                   "state_bytes": _stage_state(held._pipeline.stages[s], optimizer, strategy, device),
+                   "activation_bytes_per_microbatch": passes[s][key], "microbatches_in_flight": count}
+                  for s, count in zip(mine, counts)]
+        ranks.append({"pipeline_rank": pipeline_rank, **figures, "sent_bytes_per_step_intra_node": intra,
+                      "sent_bytes_per_step_inter_node": inter, "stages": stages, "_parts": parts, "_local": local})
+    return _fullest(ranks, pp, microbatches, per_rank, dist_config.pipeline_schedule)
+
+
+def _fullest(ranks: list[dict], pp: int, microbatches: int, per_rank: int, schedule: str) -> dict:
+    """plan_run's pipeline figures: the state of the rank with the most (what summary.json's maximum over ranks
+    measures), the peak of the rank with the highest, and the sends of the rank that sends the most."""
+    by_state = max(ranks, key=lambda rank: rank["state_bytes"])
+    by_peak = max(ranks, key=lambda rank: rank["memory_bytes"])
+    by_sends = max(ranks, key=lambda rank: rank["sent_bytes_per_step_intra_node"]
+                   + rank["sent_bytes_per_step_inter_node"])
+    return {"parts": by_state["_parts"], "local_parameters": by_state["_local"],
+            "memory_bytes_per_rank": by_peak["memory_bytes"],
+            "peak": {"gathered_bytes_per_rank": by_peak["gathered_bytes"],
+                     "optimizer_temporary_bytes_per_rank": by_peak["optimizer_temporary_bytes"],
+                     "allocator_slack_bytes_per_rank": by_peak["allocator_slack_bytes"]},
+            "figures": {"pipeline_parallel": pp, "pipeline_schedule": schedule, "pipeline_microbatches": microbatches,
+                        "pipeline_stages_per_rank": per_rank,
+                        "bubble_share": bubble_share(pp, microbatches, per_rank),
+                        "activation_bytes_in_flight_per_rank": by_peak["activation_bytes_in_flight"],
+                        "pipeline_buffer_bytes_per_rank": by_peak["buffer_bytes"],
+                        "unsharded_gradient_bytes_per_rank": by_peak["unsharded_gradient_bytes"],
+                        "pipeline_bytes_per_step_intra_node": by_sends["sent_bytes_per_step_intra_node"],
+                        "pipeline_bytes_per_step_inter_node": by_sends["sent_bytes_per_step_inter_node"],
+                        "stages": [{k: v for k, v in rank.items() if not k.startswith("_")} for rank in ranks]}}
+
+
+def no_pipeline(config: Config, activations: int) -> dict:
+    """The pipeline figures of a run without one: one stage, no bubble, nothing sent between stages."""
+    return {"pipeline_parallel": 1, "pipeline_schedule": config.dist.pipeline_schedule, "pipeline_microbatches": 1,
+            "pipeline_stages_per_rank": 1, "bubble_share": 0.0, "activation_bytes_in_flight_per_rank": activations,
+            "pipeline_buffer_bytes_per_rank": 0, "unsharded_gradient_bytes_per_rank": 0,
+            "pipeline_bytes_per_step_intra_node": 0, "pipeline_bytes_per_step_inter_node": 0, "stages": []}
