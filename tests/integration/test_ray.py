@@ -60,7 +60,7 @@ class _Cluster:
                              runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "DISTRIB_TEST_DIE_AT": str(DIE_AT),
                                                        "DISTRIB_TEST_DIE_ONCE": str(self.marker)}})
                 return
-            except Exception as error:
+            except BaseException as error:  # also the test's timeout (pytest's Failed): nothing of Ray left behind
                 self.stop()
                 if "timed out during startup" not in str(error):
                     raise
