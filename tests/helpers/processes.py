@@ -42,6 +42,34 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def _started(pid: int) -> str | None:
+    """pid's start time (field 22 of /proc/PID/stat), None once it has ended: with the pid, it names one process."""
+    with contextlib.suppress(OSError, IndexError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    return None
+
+
+def own_processes() -> dict[int, str]:
+    """Every process this one started, at any depth, by pid, with its start time (for kill_remaining)."""
+    return {pid: started for pid in descendants(os.getpid()) if (started := _started(pid))}
+
+
+def kill_remaining(processes: dict[int, str]) -> list[int]:
+    """SIGKILLs those of `processes` (from own_processes) still running, also those since re-parented to init (the
+    same pid with the same start time, so a new process that took a freed pid is spared), and reaps its own children.
+    Returns the pids killed."""
+    killed = []
+    for pid, started in processes.items():
+        if _started(pid) == started:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+    for pid in killed:  # reaped, where this process is the parent: a zombie outlives it where init reaps none
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+    return killed
+
+
 def _listening_sockets() -> dict[str, tuple[str, int]]:
     """Every TCP socket in LISTEN state on this machine, by inode: (address, port), from /proc/net/tcp and tcp6."""
     found = {}
