@@ -1,8 +1,9 @@
 """speed.compile against eager training of the built-in GPT at world size 2 (gloo), each pair in one launch of 2
-workers: under fsdp and under tensor parallel 2 (each Block compiled in place after tensor parallel, before
-fully_shard), the same weights, final train loss and test loss within float noise, the log's line on what was
-compiled, and the compiling steps left out of the throughput figures. (No forward compiled, and the one-line refusal
-of a model dynamo cannot trace: tests/unit/test_compile.py)"""
+workers: under fsdp, under tensor parallel 2 and under pipeline parallel 2 (each Block compiled in place after tensor
+parallel, before fully_shard; under pipeline parallel, each rank its own stage's), the same weights, final train loss
+and test loss within float noise, the log's line on what was compiled, and the compiling steps left out of the
+throughput figures. (No forward compiled, and the one-line refusal of a model dynamo cannot trace:
+tests/unit/test_compile.py)"""
 
 import json
 from pathlib import Path
@@ -17,17 +18,23 @@ GPT = ["model.name=gpt", "model.kwargs={n_layers = 4, n_heads = 4, dim = 64}", "
        f"data.root={TEXT}", "data.seq_len=32", "train.optimizer=adamw", "train.lr=3e-3", "train.warmup_steps=3",
        "train.max_steps=12", "train.global_batch_size=16", "train.epochs=0", "train.eval_every_epochs=0",
        "checkpoint.every_steps=0", "train.grad_clip=0.5", "run.progress=false", "dist.device=cpu"]
-STRATEGIES = {"fsdp": ["dist.strategy=fsdp"], "tp": ["dist.strategy=fsdp", "dist.tensor_parallel=2"]}
-LINE = ("speed.compile: compiled 4 Block blocks, each in place before sharding, mode default; its warm-up (compiling "
-        "in the first steps) stays out of samples/s (metrics.timing_skip_steps)")
+UNTIED = "model.kwargs={n_layers = 4, n_heads = 4, dim = 64, tie_weights = false}"  # each stage its own end
+STRATEGIES = {"fsdp": ["dist.strategy=fsdp"], "tp": ["dist.strategy=fsdp", "dist.tensor_parallel=2"],
+              "pp": ["dist.strategy=ddp", "dist.pipeline_parallel=2", UNTIED]}
+BLOCKS = {"fsdp": 4, "tp": 4, "pp": 2}  # what the logging rank compiles: under pipeline parallel 2, its stage's
+
+
+def line(blocks: int) -> str:
+    return (f"speed.compile: compiled {blocks} Block blocks, each in place before sharding, mode default; its warm-up "
+            "(compiling in the first steps) stays out of samples/s (metrics.timing_skip_steps)")
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_compiled_blocks_train_like_eager(tmp_path, strategy):
     """Eager, then compiled, in one launch per strategy (the four runs in one launch took 380 s of its 420 s limit
-    with a cold compile cache on a loaded machine). Measured: 2.1e-6 (fsdp) and 6.5e-7 (tp) largest relative weight
-    difference, the same train loss to 7 digits, test losses 1e-8 apart."""
+    with a cold compile cache on a loaded machine). Measured: 2.1e-6 (fsdp), 6.5e-7 (tp) and 3.5e-6 (pp) largest
+    relative weight difference, the same train loss to 7 digits, test losses 1e-8 apart."""
     runs = {name: [*GPT, f"run.dir={tmp_path / name}", *STRATEGIES[strategy], *extra]
             for name, extra in (("eager", []), ("compiled", ["speed.compile=true"]))}
     done = torchrun_runs(2, runs, tmp_path)
@@ -41,5 +48,5 @@ def test_compiled_blocks_train_like_eager(tmp_path, strategy):
     assert compiled["train_loss"] == pytest.approx(eager["train_loss"], rel=1e-5)
     assert compiled["test_loss"] == pytest.approx(eager["test_loss"], rel=1e-5)
     assert compiled["test_count"] == eager["test_count"] > 0
-    assert LINE in logs["compiled"] and "speed.compile" not in logs["eager"]
+    assert line(BLOCKS[strategy]) in logs["compiled"] and "speed.compile" not in logs["eager"]
     assert compiled["timed_steps"] == 12 - 5  # metrics.timing_skip_steps: step 1, which compiled, is not timed

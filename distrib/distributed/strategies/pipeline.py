@@ -1,7 +1,7 @@
 """Pipeline parallel (dist.pipeline_parallel > 1), composed with ddp, fsdp or hsdp on the data-parallel ranks of each
 stage and with tensor parallel inside it: the model is built on meta, cut into stages (distrib.distributed.pipeline),
-and each rank materialises only its own stages' shards. A step runs the schedule (1F1B, GPipe, interleaved, ZBV,
-DualPipeV); evaluation, the pre-flight batch and prediction run every stage in turn.
+and each rank materialises only its own stages' shards, its blocks compiled first under speed.compile. A step runs
+the schedule (GPipe, 1F1B, interleaved 1F1B); evaluation, the pre-flight batch and prediction run every stage in turn.
 
 Every stage is FSDP2 over the stage's data-parallel ranks (ddp is FSDP2 replicating: a (replicate, shard 1) mesh),
 so its state is DTensors saved shard by shard under the whole model's names: any layout reads the checkpoint."""
@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from distrib.config import DistConfig
 from distrib.distributed import fsdp
+from distrib.distributed.compile import compile_blocks
 from distrib.distributed.mesh import build_mesh, group_split
 from distrib.distributed.parallel import clip_grad_norm, explain_device_errors, place_model
 from distrib.distributed.pipeline import Pipeline, StageSplit, pipelined_view, split_stages, stages_of, view
@@ -124,6 +125,8 @@ class PipelineStrategy(FSDPStrategy):
         model, stage_views = rank_views(whole, split, mesh["pp"].get_local_rank(), pp, config)
         if self.dims.tensor_parallel > 1:  # first, so that FSDP shards the tensor-parallel slices over the others
             apply_tensor_parallel(model, mesh["tp"])
+        if build.speed.compile:  # torchtitan's order: tensor parallel, compile, FSDP; this rank's blocks only
+            build.log(compile_blocks(model, fsdp.find_blocks(model, config.shard_modules), build.speed))
         fsdp.shard(model, runtime, config, build.precision, mesh, roots=list(stage_views.values()))
         if not given:
             self._materialise(model, runtime)
