@@ -90,7 +90,7 @@ def run_variant(args, runtime, name: str, run_dir: Path) -> dict:
     import torch.distributed as dist
 
     from distrib.config import load_config
-    from distrib.plan_pipeline import bubble_share
+    from distrib.plan.pipeline import bubble_share
     from distrib.worker import train_on
 
     config = load_config(None, [*overrides(args, run_dir), *VARIANTS[name]])

@@ -16,6 +16,8 @@ import torch
 from distrib import cli
 from distrib.checkpoint.weights import read_weights
 from distrib.config import load_config
+from distrib.models.gpt import GPT as GPT_MODEL
+from distrib.training.generate import generate_text, sample
 from distrib.worker import run_training
 from tests.helpers.launch_runs import launch_runs, split_runs, torchrun_runs
 from tests.helpers.support import VALIDATED, assert_ok, load_weights, max_relative_diff
@@ -119,7 +121,7 @@ def test_a_pipeline_checkpoint_resumes_bitwise_and_reshards_to_fsdp_and_ddp(runs
 
 
 @pytest.mark.timeout(900)
-def test_the_weights_files_carry_one_process_names_and_distrib_eval_reads_them(runs):
+def test_the_weights_files_carry_one_process_names_and_eval_and_generate_read_them(runs):
     tmp, _ = runs
     exported, one = read_weights(tmp / "pp_1f1b" / "weights"), read_weights(tmp / "one" / "weights")
     assert list(exported) == list(one)
@@ -127,6 +129,11 @@ def test_the_weights_files_carry_one_process_names_and_distrib_eval_reads_them(r
     assert cli.main(["eval", str(tmp / "pp_1f1b")]) == 0  # in one process, from the pp run's model.pt
     evaluated = json.loads((tmp / "pp_1f1b" / "eval.json").read_text())
     assert evaluated["test_loss"] == pytest.approx(_summary(tmp / "pp_1f1b")["test_loss"], rel=1e-6)
+    # distrib generate, in one process from the pp run's config, against the GPT built here on model.pt's weights
+    reference = GPT_MODEL(vocab_size=256, seq_len=32, n_layers=4, n_heads=4, dim=64, tie_weights=False)
+    reference.load_state_dict(load_weights(tmp / "pp_1f1b"))
+    greedy = sample(reference.eval(), list(b"The "), 12, temperature=0, seq_len=32)
+    assert generate_text(str(tmp / "pp_1f1b"), "The ", 12, temperature=0) == bytes(greedy).decode("utf-8", "replace")
 
 
 @pytest.mark.timeout(900)

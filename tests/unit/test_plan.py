@@ -106,7 +106,7 @@ def test_the_peak_counts_the_gathered_blocks_the_optimizers_chunk_and_the_alloca
 
 
 def test_the_bubble_is_the_ramp_of_the_schedule():
-    from distrib.plan_pipeline import bubble_share
+    from distrib.plan.pipeline import bubble_share
 
     assert bubble_share(1, 8) == 0
     assert bubble_share(2, 2) == pytest.approx(1 / 3)  # (P - 1) / (M + P - 1)
@@ -117,7 +117,7 @@ def test_the_bubble_is_the_ramp_of_the_schedule():
 def test_microbatches_in_flight_follow_the_schedule():
     """gpipe holds every microbatch's activations; 1f1b P - r on pipeline rank r; interleaved the forwards torch's
     schedule runs before its first backward, and one more, in rounds of P microbatches stage by stage."""
-    from distrib.plan_pipeline import in_flight
+    from distrib.plan.pipeline import in_flight
 
     assert [in_flight("gpipe", 4, 1, 8, rank) for rank in range(4)] == [[8]] * 4
     assert [in_flight("1f1b", 4, 1, 8, rank) for rank in range(4)] == [[4], [3], [2], [1]]

@@ -296,7 +296,7 @@ def plan_run(config: Config, machine: Machine) -> dict:
     data = split_validation(load_data(config.data, one, config.train.seed, log=lambda message: None), config.data)
     batches = BatchPlan(data.train.num_samples, config.train.global_batch_size, config.train.grad_accum_steps, 0,
                         shape.data_parallel, config.train.seed)
-    from distrib.plan_pipeline import no_pipeline, plan_pipeline  # (it builds on this module's helpers)
+    from distrib.plan.pipeline import no_pipeline, plan_pipeline  # (it builds on this module's helpers)
 
     pipeline = None
     with fake_process_group(machine.world_size):
