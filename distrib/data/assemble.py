@@ -13,14 +13,13 @@ from torch.utils.data import DataLoader, Dataset
 from distrib.config import DataConfig
 from distrib.data import samples
 from distrib.data.augment import Augment
-from distrib.data.batching import BatchSource, DeviceBatches, Failed, Finish, LoaderBatches, collate
+from distrib.data.batching import BatchSource, DeviceBatches, Failed, Finish, LoaderBatches, collate, init_worker
 from distrib.data.collate import Collate, probe, with_mask
 from distrib.data.stream import StreamBatches, describe, is_stream
 from distrib.data.stream_read import as_split, rows_of
 from distrib.data.tensors import DataInfo, Normalizer, Split, channel_stats, stats_indices
 from distrib.distributed.runtime import Runtime
 from distrib.errors import UserError
-from distrib.launch.preempt import ignore_stop_signals
 
 Stats = tuple[tuple[float, ...], tuple[float, ...]]
 STREAM_HEAD = 256  # a stream's first samples: where its kind, classes and image statistics are learnt
@@ -181,7 +180,7 @@ def materialize(split: Split | Dataset, config: DataConfig, collate_fn: Collate 
         return with_mask(split) if own.padded else split
     own = own.expecting(split)
     loader = DataLoader(split, batch_size=256, collate_fn=list if own.padded else own,
-                        num_workers=config.num_workers, worker_init_fn=ignore_stop_signals)
+                        num_workers=config.num_workers, worker_init_fn=init_worker)
     if own.padded:  # one micro-batch of every sample: padded to the split's longest
         batch = _checked(own([row for rows in loader for row in rows]))
         return Split(*batch)
@@ -316,7 +315,7 @@ def _stats(loaded: Loaded, train, inputs, config: DataConfig) -> Stats:
     if isinstance(train, Split):
         return channel_stats(train.inputs.index_select(0, chunk) for chunk in indices.split(1024))
     loader = DataLoader(torch.utils.data.Subset(train, indices.tolist()), batch_size=256, collate_fn=collate,
-                        num_workers=config.num_workers, worker_init_fn=ignore_stop_signals)
+                        num_workers=config.num_workers, worker_init_fn=init_worker)
     return channel_stats(_checked(batch)[0] for batch in loader)
 
 

@@ -3,6 +3,7 @@ DataLoader) behind one protocol; both yield bitwise-identical batches for the sa
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from typing import Iterator, Protocol
 
@@ -19,6 +20,16 @@ from distrib.errors import ConfigError, UserError
 from distrib.launch.preempt import ignore_stop_signals
 
 Batch = tuple[Tree, Tree | None]  # (inputs, targets); a dict sample's targets are its "labels" (or None)
+
+
+def init_worker(worker_id: int) -> None:
+    """The worker_init_fn of every DataLoader. First, the objects its worker process inherited from the training
+    process are frozen out of the garbage collector: the training process's garbage (a previous run's process group,
+    kept by a reference cycle until a collection, as when one script calls distrib.fit twice) would otherwise be
+    collected here, in a process without gloo's threads, whose destructor then hung or crashed the worker (measured:
+    a Segmentation fault, or a rank that waited forever). Then the stop signals are ignored (ignore_stop_signals)."""
+    gc.freeze()
+    ignore_stop_signals(worker_id)
 
 
 class BatchSource(Protocol):
@@ -247,7 +258,7 @@ class LoaderBatches(Indexed):
         pin = config.pin_memory and runtime.pin_memory
         extra = dict(persistent_workers=config.persistent_workers, prefetch_factor=config.prefetch_factor)
         self.loader = DataLoader(dataset, batch_sampler=self.sampler, collate_fn=collate_fn or collate,
-                                 num_workers=num_workers, pin_memory=pin, worker_init_fn=ignore_stop_signals,
+                                 num_workers=num_workers, pin_memory=pin, worker_init_fn=init_worker,
                                  **(extra if num_workers else {}))
 
     def batches(self, index_lists: list[torch.Tensor], epoch: int | None = None) -> Iterator[Batch]:

@@ -18,11 +18,10 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from distrib.config import DataConfig
 from distrib.data import samples
-from distrib.data.batching import Batch, BatchPlan, Failed, Finish, collate
+from distrib.data.batching import Batch, BatchPlan, Failed, Finish, collate, init_worker
 from distrib.data.stream_read import Item, Layout, StreamCollate, WorkerStream, head, identity, kinds_of
 from distrib.distributed.runtime import Runtime
 from distrib.errors import UserError
-from distrib.launch.preempt import ignore_stop_signals
 
 OK, DRY, FAILED = 1, 0, -1  # a rank's vote on the next step (the all-reduce keeps the smallest)
 
@@ -182,7 +181,7 @@ class StreamBatches:
             return iter(dataset)
         # A fresh loader per pass: its workers start from this pass's position.
         return DataLoader(dataset, batch_size=None, collate_fn=identity, num_workers=workers,
-                          prefetch_factor=self.config.prefetch_factor, worker_init_fn=ignore_stop_signals)
+                          prefetch_factor=self.config.prefetch_factor, worker_init_fn=init_worker)
 
     def _vote(self, items: list[Item | None]) -> tuple[int, str]:
         failed = next((item.batch for item in items if item is not None and isinstance(item.batch, Failed)), None)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import itertools
 import os
 import platform
@@ -295,6 +296,9 @@ def close_process_group(barrier: bool = True, destroy: bool = True) -> None:
             dist.barrier()
     if destroy:
         dist.destroy_process_group()
+        # A process group kept by a reference cycle is freed at the next collection: here, in this process, not in
+        # a DataLoader worker forked later by another run in it (distrib.data.batching.init_worker).
+        gc.collect()
 
 
 # Words in gloo's and NCCL's errors: the collective outwaited the timeout, or a peer's connection broke (it died).
