@@ -57,24 +57,28 @@ def runs(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     launches = {
         4: {"pp_1f1b": PP, "pp_interleaved": [*PP, "dist.pipeline_schedule=interleaved_1f1b"],
             "pp_resumed": [*PP, _step_6(tmp / "pp_1f1b")]},
-        8: {"pp_tp_fsdp": [*PP, "dist.tensor_parallel=2"]},
-        2: {"gpipe": ["dist.strategy=ddp", "dist.pipeline_parallel=2", "dist.pipeline_schedule=gpipe"],
-            "fsdp_from_pp": ["dist.strategy=fsdp", _step_6(tmp / "pp_1f1b")]}}
+        8: {"pp_tp_fsdp": [*PP, "dist.tensor_parallel=2"]}}
     for nproc, named in launches.items():
         (tmp / f"launch{nproc}").mkdir()
         done = torchrun_runs(nproc, {name: [*GPT, f"run.dir={tmp / name}", *items] for name, items in named.items()},
                              tmp / f"launch{nproc}")
         assert_ok(done)
         logs.update(split_runs(done.stderr, list(named)))
-    # the user's Sequential, and the refusals, in one launch that runs them all and keeps their exit codes
+    # at world size 2: the GPT's, then the user's Sequential and the refusals, in one launch that runs them all and
+    # keeps their exit codes
+    gpt = {"gpipe": ["dist.strategy=ddp", "dist.pipeline_parallel=2", "dist.pipeline_schedule=gpipe"],
+           "fsdp_from_pp": ["dist.strategy=fsdp", _step_6(tmp / "pp_1f1b")]}
     sequential = {"seq_pp": SPLIT, "seq_no_split": ["dist.pipeline_parallel=2"],
                   "seq_bad_split": [*SPLIT[:1], 'dist.pipeline_split=["4"]']}
     codes = tmp / "codes.json"
-    done = launch_runs([*torchrun(2)], [(name, {}, [*SEQUENTIAL, f"run.dir={tmp / name}", *items])
-                                        for name, items in sequential.items()], tmp, codes=codes)
+    done = launch_runs([*torchrun(2)], [*[(name, {}, [*GPT, f"run.dir={tmp / name}", *items])
+                                          for name, items in gpt.items()],
+                                        *[(name, {}, [*SEQUENTIAL, f"run.dir={tmp / name}", *items])
+                                          for name, items in sequential.items()]], tmp, codes=codes)
     assert done.returncode == 0, done.stderr[-3000:]
-    logs.update(split_runs(done.stderr, list(sequential)))
+    logs.update(split_runs(done.stderr, [*gpt, *sequential]))
     logs["codes"] = json.loads(codes.read_text())
+    assert logs["codes"]["gpipe"] == logs["codes"]["fsdp_from_pp"] == 0, logs["codes"]
     run_training(load_config(None, [*GPT, f"run.dir={tmp / 'ddp_from_pp'}", _step_6(tmp / "pp_1f1b")]))
     return tmp, logs
 
