@@ -415,17 +415,23 @@ def parse_args(argv):
     return args
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+def run_bench(argv: list[str], script: str = __file__, measure=measure_all, summarise=summarise,
+              table=table) -> int:
+    """A bench script's main (this one's, scripts/bench_compile.py's): as a worker, measure; else launch the workers
+    at each world size, then write the JSON and print the table."""
     args = parse_args(argv)
     if args.worker:
-        worker(args)
-    runs = {int(ws): run_world(args, argv, int(ws)) for ws in args.world_sizes.split(",")}
+        worker(args, measure)
+    runs = {int(ws): run_world(args, argv, int(ws), script=script) for ws in args.world_sizes.split(",")}
     result = summarise(args, runs)
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))
     print(f"\nwritten to {args.json}")
     return 0
+
+
+def main(argv=None) -> int:
+    return run_bench(sys.argv[1:] if argv is None else list(argv))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ of the medians and the median of the rounds' own ratios (paired). The other opti
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -70,16 +69,8 @@ def table(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    argv = [*DEFAULTS, *(sys.argv[1:] if argv is None else argv)]
-    args = bench.parse_args(argv)
-    if args.worker:
-        bench.worker(args, measure)
-    runs = {int(ws): bench.run_world(args, argv, int(ws), script=__file__) for ws in args.world_sizes.split(",")}
-    result = summarise(args, runs)
-    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    print(table(result))
-    print(f"\nwritten to {args.json}")
-    return 0
+    return bench.run_bench([*DEFAULTS, *(sys.argv[1:] if argv is None else argv)], __file__, measure, summarise,
+                           table)
 
 
 if __name__ == "__main__":
