@@ -72,14 +72,17 @@ def compiled_classes(model: nn.Module) -> list[str]:
 
 @contextlib.contextmanager
 def explain_compile_errors(model: nn.Module) -> Iterator[None]:
-    """Around the first forward of a model with compiled blocks: torch.compile's failures (dynamo cannot trace an op,
-    inductor cannot build a kernel) as one line naming speed.compile, the compiled classes and the fix."""
-    from torch._dynamo.exc import TorchDynamoException
-
+    """Around a forward (and backward) of a model that may be compiled (its first): torch.compile's failures (dynamo
+    cannot trace an op, inductor cannot build a kernel) as one line naming speed.compile, the compiled classes and
+    the fix. Dynamo is imported only to tell its exceptions from others."""
     try:
         yield
-    except TorchDynamoException as e:
-        classes = compiled_classes(model) or [_class_name(model)]
+    except Exception as e:
+        from torch._dynamo.exc import TorchDynamoException
+
+        if not isinstance(e, TorchDynamoException):
+            raise
+        classes = compiled_classes(model) or [_class_name(unwrap(model))]
         lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
         said = lines[0] if lines else type(e).__name__
         explained = next((line for line in lines[1:] if line.startswith("Explanation:")), "")

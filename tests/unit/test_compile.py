@@ -55,16 +55,21 @@ def test_only_the_outermost_blocks_are_compiled_and_a_model_without_blocks_whole
     assert compiled_classes(bare) == ["Linear"]
 
 
-def test_a_model_dynamo_cannot_trace_is_one_line_before_anything_is_written(tmp_path, capsys):
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_a_model_dynamo_cannot_trace_is_one_line(tmp_path, capsys, strategy):
+    """Under fsdp the pre-flight dry batch compiles the blocks, before anything is written; under ddp (compiled over
+    DDP, which the dry batch runs without) the first step's forward."""
     from distrib import cli
 
     sets = ["data.name=synthetic", "data.synthetic_train_size=64", "data.synthetic_test_size=16", "dist.device=cpu",
-            "train.global_batch_size=8", "dist.strategy=fsdp", "speed.compile=true", "train.max_steps=1",
+            "train.global_batch_size=8", f"dist.strategy={strategy}", "speed.compile=true", "train.max_steps=1",
             "run.progress=false", f"run.dir={tmp_path / 'run'}", "model.factory=tests.helpers.factories:untraceable"]
     assert cli.main(["train", *[item for each in sets for item in ("--set", each)]]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("distrib: error: speed.compile = true: torch.compile cannot take _Untraceable "
+    compiled = "_Untraceable" if strategy == "fsdp" else "Sequential"  # the block compiled, or the whole model
+    assert err.startswith(f"distrib: error: speed.compile = true: torch.compile cannot take {compiled} "
                           "(TorchRuntimeError: ")
     assert "distrib_tests.doubled" in err and err.endswith(
         "fix: --set speed.compile=false, or make the model traceable (docs/performance.md, Compiling)")
-    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+    if strategy == "fsdp":
+        assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())

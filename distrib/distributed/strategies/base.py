@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from distrib.config import Config, DistConfig, SpeedConfig
+from distrib.distributed.compile import explain_compile_errors
 from distrib.distributed.mesh import ParallelDims
 from distrib.distributed.parallel import clip_grad_norm, explain_device_errors
 from distrib.distributed.runtime import Runtime
@@ -150,7 +151,7 @@ class Strategy(ABC):
         rank's share of the step's loss (the sum of what it backwarded). Pipeline parallel runs a schedule instead."""
         losses = []
         for index, (inputs, targets) in enumerate(micro_batches):
-            with self.grad_sync(model, index == len(micro_batches) - 1), \
+            with self.grad_sync(model, index == len(micro_batches) - 1), explain_compile_errors(model), \
                     explain_device_errors(model, step.device, step.batch(inputs, targets)):
                 with step.autocast():  # DDP decides in the forward whether to sync: forward and backward inside
                     loss = step.loss(step.forward(model, inputs), targets, 1)
