@@ -491,8 +491,9 @@ class CheckpointConfig:
 @dataclass(kw_only=True, frozen=True, slots=True)
 class SpeedConfig:
     compile: bool = key(False,
-        "`torch.compile` the model, under every strategy: ddp compiles the whole model over DDP; fsdp, hsdp and tensor "
-        "parallel compile each block (`dist.shard_modules`) in place, after tensor parallel and before sharding; its "
+        "`torch.compile` the model, under every strategy: ddp compiles the whole model over DDP; fsdp, hsdp, tensor "
+        "and pipeline parallel compile each block (`dist.shard_modules`; under pipeline parallel each rank its own "
+        "stages') in place, after tensor parallel and before sharding; its "
         "warm-up steps stay out of the throughput figures")
     compile_mode: str = key("default",
         "`torch.compile`'s mode: `default`, `reduce-overhead` (CUDA graphs, on CUDA devices only: elsewhere the same "
