@@ -56,7 +56,7 @@ def _check_keys(model: nn.Module, inputs) -> str:
 def _run(model: nn.Module, inputs, info: DataInfo, device: torch.device):
     batch = samples.named(inputs, "inputs")
     try:
-        # a model with compiled blocks (speed.compile under fsdp) compiles them here, in the first forward
+        # compiled blocks (speed.compile but under ddp) compile here, in the first forward
         with torch.no_grad(), explain_device_errors(model, device, batch), explain_compile_errors(model):
             return forward(model, inputs)
     except (RuntimeError, ValueError, TypeError, IndexError) as e:  # the shape errors of layers, mostly

@@ -116,18 +116,8 @@ class PipelineStrategy(FSDPStrategy):
             whole = materialise.build_on_meta(build.factory, build.seed)
         _return_freed_memory_if_large(whole, runtime)
         self_init = not given and build.load_weights is None and materialise.initialises_itself(whole)
-        config, pp = self.config, self.dims.pipeline
-        split = split_stages(whole, self.stages, config.pipeline_split, pp)
         self._names = list(whole.state_dict())  # the whole model's, in its order: what model.pt holds
-        _refuse_ties(whole, {unit: s for s in range(split.num_stages) for unit in split.stage_units(s)}, pp)
-        prepare(whole, build.speed, config.shard_modules)
-        mesh = build_mesh(self.dims, runtime.device.type)
-        model, stage_views = rank_views(whole, split, mesh["pp"].get_local_rank(), pp, config)
-        if self.dims.tensor_parallel > 1:  # first, so that FSDP shards the tensor-parallel slices over the others
-            apply_tensor_parallel(model, mesh["tp"])
-        if build.speed.compile:  # torchtitan's order: tensor parallel, compile, FSDP; this rank's blocks only
-            build.log(compile_blocks(model, fsdp.find_blocks(model, config.shard_modules), build.speed))
-        fsdp.shard(model, runtime, config, build.precision, mesh, roots=list(stage_views.values()))
+        model = self._laid_out(whole, runtime, build.precision, runtime.device.type, build)
         if not given:
             self._materialise(model, runtime)
             if build.load_weights is not None:
@@ -138,12 +128,10 @@ class PipelineStrategy(FSDPStrategy):
                 materialise.load_from_rank0(model, build.factory, build.seed, runtime, build.log)
         if build.load_weights is not None:
             build.load_weights(model)
-        pipeline = Pipeline(split, stage_views, mesh["pp"].get_group(), pp, config.pipeline_schedule,
-                            self.microbatches, runtime.device, whole)
-        model.__dict__["_pipeline"] = pipeline  # a plain attribute: not a submodule, no state
+        pipeline, config = model._pipeline, self.config
         if hasattr(whole, "flops_per_token"):  # the whole model's FLOPs, for throughput and MFU
             model.__dict__["flops_per_token"] = whole.flops_per_token
-        build.log(f"pipeline parallel: {pp} ranks x {config.stages_per_rank} stage(s) each, schedule "
+        build.log(f"pipeline parallel: {self.dims.pipeline} ranks x {config.stages_per_rank} stage(s) each, schedule "
                   f"{config.pipeline_schedule}, {self.microbatches} microbatches per micro-step; this rank holds "
                   f"{pipeline.describe()}: no rank held the model whole")
         return model
@@ -205,18 +193,28 @@ class PipelineStrategy(FSDPStrategy):
 
     def plan_module(self, model: nn.Module, runtime: Runtime, precision: str) -> nn.Module:
         """The stages of runtime.rank's pipeline rank, as setup_module splits, views and shards them (over distrib
-        plan's fake group, whose own rank is 0: the data-parallel coordinates are rank 0's, the fullest shards);
-        `_pipeline` names them."""
+        plan's fake group, whose own rank is 0: the data-parallel coordinates are rank 0's, the fullest shards)."""
+        return self._laid_out(model, runtime, precision, "cpu")
+
+    def _laid_out(self, whole: nn.Module, runtime: Runtime, precision: str, device_type: str,
+                  build: Build | None = None) -> nn.Module:
+        """runtime.rank's pipeline rank of `whole`, what the run trains and distrib plan sizes: the stages cut, this
+        rank's as views, tensor parallel, compile (with a build: speed.compile), FSDP2 on each stage; `_pipeline`
+        names them (a plain attribute: not a submodule, no state). device_type: the mesh's (plan's is the CPU)."""
         config, pp = self.config, self.dims.pipeline
-        split = split_stages(model, self.stages, config.pipeline_split, pp)
-        _refuse_ties(model, {unit: s for s in range(split.num_stages) for unit in split.stage_units(s)}, pp)
-        mesh = build_mesh(self.dims, "cpu")
-        held, stage_views = rank_views(model, split, self.dims.pipeline_rank(runtime.rank), pp, config)
-        if self.dims.tensor_parallel > 1:
+        split = split_stages(whole, self.stages, config.pipeline_split, pp)
+        _refuse_ties(whole, {unit: s for s in range(split.num_stages) for unit in split.stage_units(s)}, pp)
+        if build is not None:
+            prepare(whole, build.speed, config.shard_modules)
+        mesh = build_mesh(self.dims, device_type)
+        held, stage_views = rank_views(whole, split, self.dims.pipeline_rank(runtime.rank), pp, config)
+        if self.dims.tensor_parallel > 1:  # first, so that FSDP shards the tensor-parallel slices over the others
             apply_tensor_parallel(held, mesh["tp"])
+        if build is not None and build.speed.compile:  # torchtitan's order: tensor parallel, compile, FSDP
+            build.log(compile_blocks(held, fsdp.find_blocks(held, config.shard_modules), build.speed))
         fsdp.shard(held, runtime, config, precision, mesh, roots=list(stage_views.values()))
         held.__dict__["_pipeline"] = Pipeline(split, stage_views, mesh["pp"].get_group(), pp,
-                                              config.pipeline_schedule, self.microbatches, runtime.device, model)
+                                              config.pipeline_schedule, self.microbatches, runtime.device, whole)
         return held
 
     def step_traffic(self, per_node: int, local_params: int, compute_bytes: int, grad_accum: int,
