@@ -29,6 +29,7 @@ from distrib.distributed.agreement import RankAgreement
 from distrib.distributed.parallel import memory_report, sync_batchnorm, unwrap
 from distrib.distributed.runtime import LaunchEnv, Runtime, collective_timeouts, open_runtime
 from distrib.distributed.strategies import Build, LoadWeights, check_config, make_strategy
+from distrib.distributed.strategies.materialise import init_seeded
 from distrib.errors import ConfigError, say
 from distrib.factory import accepted, call_factory
 from distrib.launch import allocator
@@ -36,6 +37,7 @@ from distrib.launch.preempt import Preempted, parse_signals, stop_on_signals
 from distrib.launch.rundir import checkpoint_dir, environment_faults, own_folders
 from distrib.metrics import Recorder
 from distrib.metrics.recorder import headline
+from distrib.models import adapters
 from distrib.models.build import batchnorm_layers, build_model, data_kwargs
 from distrib.training.callbacks import Callbacks, from_config
 from distrib.training.evaluation import MetricFn, Task, evaluate
@@ -197,7 +199,10 @@ def _init_from(config: Config, notes: list[str], resuming: bool = False) -> Load
             notes.append(f"model.init_from {config.model.init_from}: not read, the run resumes from its checkpoint "
                          "(which holds every weight)")
         else:
-            notes.append(load_weights(model, check_weights(model, open_source(config.model.init_from))))
+            pretrained = check_weights(model, open_source(config.model.init_from))
+            notes.append(load_weights(model, pretrained))
+            if pretrained.kept:  # a peft adapter: peft's own init, the same bits under every strategy and world size
+                init_seeded(lambda: adapters.reset_adapters(model), config.train.seed)
 
     return load
 
@@ -357,9 +362,10 @@ def _evaluator(config: Config, runtime: Runtime, data: Data, loss: Loss, task: T
 def _memory(config: Config, runtime: Runtime, state: TrainState, recorder: Recorder) -> dict:
     """state_bytes_per_rank (and peak_memory_bytes on CUDA), the fullest rank's, into the log. A collective."""
     memory = memory_report(state.model, state.optimizer, runtime)
-    peak = memory["peak_memory_bytes"]
+    peak, mesh = memory["peak_memory_bytes"], runtime.mesh
+    layout = f": {mesh.describe()}" if mesh and mesh.pipeline * mesh.tensor_parallel > 1 else ""
     recorder.info(f"parameters + gradients + optimizer state: {memory['state_bytes_per_rank'] / 2**20:.1f} MiB on "
-                  f"the fullest rank ({config.dist.strategy})"
+                  f"the fullest rank ({config.dist.strategy}{layout})"
                   + (f"; peak device memory {peak / 2**20:.1f} MiB" if peak else ""))
     return memory
 

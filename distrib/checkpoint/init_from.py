@@ -20,6 +20,7 @@ import torch.nn as nn
 from distrib.checkpoint.format import FORMAT
 from distrib.checkpoint.weights import INDEX, SINGLE, WEIGHTS_DIR, aliases_of, block_slices, local_block, local_part
 from distrib.errors import UserError
+from distrib.models import adapters
 
 _FIX = ("give a Hugging Face folder or .safetensors file, a distrib run directory (its weights/ or model.pt), or a "
         "distrib checkpoint (step_N.pt or a sharded step_N/)")
@@ -199,6 +200,7 @@ class Pretrained:
     names: dict[str, str]  # model name -> source name
     renamed: str = ""  # how the names were matched, when not as they are
     left_out: list[str] = field(default_factory=list)  # a head the model does not have (a base model from a full one)
+    kept: list[str] = field(default_factory=list)  # an adapter's tensors, not in base weights: their own init
 
 
 def _rename(name: str, prefix: str, how: str) -> str | None:
@@ -232,11 +234,25 @@ def _misfit(path, missing: list[str], unexpected: list[str], misshaped: list[tup
                      "sizes), or build the model they were saved from (model.name, model.factory, model.kwargs)")
 
 
+def _base_view(model: nn.Module) -> tuple[nn.Module, dict[str, str], list[str]]:
+    """(the model whose names weights are saved under, {its name: the model's name}, the model's adapter tensors):
+    the model itself, or for a peft adapter the base model inside it, whose weights fill the wrapped layers."""
+    names = list(model.state_dict())
+    if not adapters.is_peft(model):
+        return model, {name: name for name in names}, []
+    view = {adapters.base_name(model, name): name for name in names}
+    return adapters.base_model(model), {base: name for base, name in view.items() if base is not None}, \
+        [name for name in names if adapters.base_name(model, name) is None]
+
+
 def check_weights(model: nn.Module, source) -> Pretrained:
     """The model's names and shapes (any device, meta included) against the source's, strictly: every tensor of
-    the model's state_dict found (a tied one through its twin), none left over, each of the same shape."""
-    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
-    base = getattr(model, "base_model_prefix", "") or ""
+    the model's state_dict found (a tied one through its twin), none left over, each of the same shape. A peft
+    adapter's base model is checked against them, and the adapter's own tensors are kept."""
+    named, view, kept = _base_view(model)
+    state = model.state_dict()
+    expected = {base: tuple(state[name].shape) for base, name in view.items()}
+    base = getattr(named, "base_model_prefix", "") or ""
     prefix, how = _renaming(set(expected), source.shapes, base)
     names, unexpected, left_out = {}, [], []
     for original in source.shapes:
@@ -245,20 +261,20 @@ def check_weights(model: nn.Module, source) -> Pretrained:
             names[name] = original
         elif name is None and prefix == base + ".":
             left_out.append(original)  # from_pretrained's convention too: a base model drops the head
-        elif not _ignored(model, "unexpected", original):
+        elif not _ignored(named, "unexpected", original):
             unexpected.append(original)
-    tied = aliases_of(model)
+    tied = aliases_of(named)
     twins: dict[str, set[str]] = {}
     for name, first in tied.items():
         twins.setdefault(first, {first}).add(name)
     missing = [name for name in expected if not (twins.get(tied.get(name, name), {name}) & names.keys())
-               and not _ignored(model, "missing", name)]
+               and not _ignored(named, "missing", name)]
     misshaped = [(name, source.shapes[original], expected[name]) for name, original in names.items()
                  if tuple(source.shapes[original]) != expected[name]]
     if missing or unexpected or misshaped:
         raise _misfit(source.path, missing, unexpected, misshaped)
     renamed = "" if not prefix else f", names {'without' if how == 'strip' else 'with'} the prefix {prefix}"
-    return Pretrained(source, names, renamed, left_out)
+    return Pretrained(source, {view[name]: original for name, original in names.items()}, renamed, left_out, kept)
 
 
 def load_weights(model: nn.Module, pretrained: Pretrained) -> str:
@@ -274,6 +290,9 @@ def load_weights(model: nn.Module, pretrained: Pretrained) -> str:
         per_rank = [0] * dist.get_world_size()
         dist.all_gather_object(per_rank, mine)
     left_out = f"; left out, not in this model: {', '.join(pretrained.left_out[:3])}" if pretrained.left_out else ""
+    if pretrained.kept:
+        left_out += (f"; the adapter's {len(pretrained.kept)} tensors ({pretrained.kept[0]}, ...) are not in base "
+                     "weights: they keep the adapter's own initialisation")
     return (f"model.init_from {pretrained.source.path} ({pretrained.source.kind}, {len(targets)} tensors"
             f"{pretrained.renamed}): each rank read {', '.join(f'{b / 2**20:.2f}' for b in per_rank)} MiB of "
             f"{whole / 2**20:.2f} MiB{left_out}")

@@ -44,7 +44,8 @@ def build_optimizer(model: nn.Module, config: TrainConfig, log: Callable[[str], 
     # (bitwise the same) pays a dispatch per op and parameter: AdamW on the bench GPT 34 -> 10 ms a step under fsdp.
     # In chunks (optimizers.chunked_steps), so that its temporaries are not the size of the whole local model.
     if config.optimizer == "sgd":
-        return chunked_steps(torch.optim.SGD)(model.parameters(), lr=config.lr, momentum=config.momentum,
+        trainable = [param for param in model.parameters() if param.requires_grad]  # frozen ones get no state
+        return chunked_steps(torch.optim.SGD)(trainable, lr=config.lr, momentum=config.momentum,
                                               weight_decay=config.weight_decay, foreach=True)
     groups = param_groups(model, config, log or (lambda message: None))
     if config.optimizer in ("adam", "adamw"):

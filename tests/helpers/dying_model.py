@@ -58,5 +58,23 @@ def network():
     return _build(Network, _DyingNetwork)
 
 
+def dying(model):
+    """Any model, killing its process as _DiesAt does (a forward pre-hook: any forward signature); as it is when
+    DISTRIB_TEST_DIE_AT is unset or this is not the rank to die."""
+    die_at = int(os.environ.get("DISTRIB_TEST_DIE_AT", "0"))
+    if not (die_at and os.environ.get("RANK", "0") == os.environ.get("DISTRIB_TEST_DIE_RANK", "1")):
+        return model
+    signum, forwards = signal.Signals[os.environ.get("DISTRIB_TEST_DIE_SIGNAL", "SIGKILL")], [0]
+
+    def count(module, args, kwargs):
+        if module.training:
+            forwards[0] += 1
+            if forwards[0] == die_at and first_death():
+                os.kill(os.getpid(), signum)
+
+    model.register_forward_pre_hook(count, with_kwargs=True)
+    return model
+
+
 def gpt(vocab_size: int, seq_len: int, n_layers: int = 1, n_heads: int = 2, dim: int = 16):
     return _build(GPT, _DyingGPT, vocab_size=vocab_size, seq_len=seq_len, n_layers=n_layers, n_heads=n_heads, dim=dim)

@@ -71,3 +71,21 @@ def damaged_weights(folder: Path) -> dict[str, Path]:
         paths[name].parent.mkdir(parents=True)
         paths[name].write_bytes(data)
     return paths
+
+
+def lora_llama(r: int = 4, targets: str = "q_proj,v_proj"):
+    """The Llama wrapped by peft's LoRA on `targets` (base weights from model.init_from; the adapter's own init);
+    it dies as tests.helpers.dying_model.dying says."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.helpers.dying_model import dying
+
+    return dying(get_peft_model(llama(), LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets.split(","))))
+
+
+def lora_from_pretrained(folder: str, r: int = 4, targets: str = "q_proj,v_proj"):
+    """A factory that loads the base itself (from_pretrained), then wraps it: what users write first."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(llama_from_pretrained(folder), LoraConfig(r=r, lora_alpha=2 * r,
+                                                                    target_modules=targets.split(",")))

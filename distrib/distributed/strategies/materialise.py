@@ -56,8 +56,27 @@ def build_whole(factory: Callable[[], nn.Module], seed: int) -> nn.Module:
 def build_on_meta(factory: Callable[[], nn.Module], seed: int) -> nn.Module:
     """The model with every tensor on the meta device: shapes and structure, no memory, no random draws."""
     torch.manual_seed(seed)
-    with torch.device("meta"):
-        return factory()
+    try:
+        with torch.device("meta"):
+            return factory()
+    except UserError as e:
+        if not _loads_weights_itself(e):
+            raise
+        factory_key = str(e).split(": calling it with")[0]
+        raise UserError(f"{factory_key}: calls from_pretrained, which reads every weight on every rank, and a sharded "
+                        "strategy builds the model on the meta device so that no rank holds it whole; build the model "
+                        "from its config in the factory (AutoModelForCausalLM.from_config(AutoConfig.from_pretrained("
+                        "FOLDER)), then get_peft_model for an adapter) and --set model.init_from=FOLDER: each rank "
+                        "reads only its shards (or --set dist.strategy=ddp)") from None
+
+
+def _loads_weights_itself(error: BaseException | None) -> bool:
+    """Whether transformers refused a from_pretrained under the meta device (somewhere in the error's chain)."""
+    while error is not None:
+        if "from_pretrained" in str(error) and "meta" in str(error):
+            return True
+        error = error.__cause__
+    return False
 
 
 @contextlib.contextmanager
@@ -176,9 +195,15 @@ class _WholeThenSlice(TorchFunctionMode):
 
 def init_shards(model: nn.Module, seed: int) -> None:
     """The model's own initialisation on its materialised shards, bitwise what build_whole gives the whole."""
+    init_seeded(init_method(model), seed)
+
+
+def init_seeded(init: Callable[[], object], seed: int) -> None:
+    """An initialisation (of the whole model or a part) after seeding, on plain tensors or on shards alike: each
+    random fill of a DTensor is drawn whole, as one process draws it, and each rank keeps its slice."""
     torch.manual_seed(seed)
     with torch.no_grad(), _WholeThenSlice():
-        init_method(model)()
+        init()
 
 
 def load_from_rank0(model: nn.Module, factory: Callable[[], nn.Module], seed: int, runtime: Runtime,
