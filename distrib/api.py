@@ -3,6 +3,8 @@ runs as one process (`python train.py`) and unchanged under `torchrun` or `distr
 
 from __future__ import annotations
 
+import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -10,6 +12,9 @@ import torch.nn as nn
 
 from distrib.config import Config, load_config
 from distrib.errors import ConfigError, Preempted, UserError, say
+
+# How long a rank leaves a mistake every rank found to rank 0, to say once, before it says it itself.
+RANK_0_WAIT_S = 10.0
 
 
 def _toml_text(value: Any) -> str:
@@ -77,8 +82,13 @@ def fit(model: nn.Module | Callable[..., nn.Module], train_data, test_data,
     Run as one process, or unchanged under `torchrun --nproc-per-node N` / `distrib launch`: every worker runs the
     script, fit() joins the process group the launcher set up and takes its share of each global batch. Outputs go
     to run.dir as with `distrib train` (config.toml, metrics.jsonl, summary.json, weights/, model.pt). Called again on a
-    finished run.dir it trains nothing, writes nothing and returns that run's summary (one line says so); a failure
-    is one exception (a distrib error's one-line message), named in the launcher's last line too.
+    finished run.dir it trains nothing, writes nothing and returns that run's summary (one line says so).
+
+    A mistake (in the config, the data, the model) raises one distrib.errors.UserError, which a script may catch.
+    Uncaught, it ends the script as `distrib train` ends: one line `distrib: error: ...` and exit code 2
+    (EnvironmentFault 74, a lost or hung peer 69), no traceback. Under torchrun the rank that found it says it (rank 0
+    alone for a config mistake: every rank finds it); under distrib launch the launcher's last line alone names a
+    mistake (exit 2), once for the ranks that share it.
 
     A stop signal (checkpoint.signals: SIGTERM, SIGUSR1) checkpoints at the next step boundary, says one line and
     raises distrib.Preempted, a SystemExit with code 75: uncaught, the script ends with exit code 75 and no traceback
@@ -102,6 +112,7 @@ def fit(model: nn.Module | Callable[..., nn.Module], train_data, test_data,
     from distrib.launch.rundir import environment_faults
     from distrib.worker import peers_lost, train_on
 
+    resolved = None
     try:
         extra = {"model.init_from": str(init_from)} if init_from is not None else {}
         resolved = resolve_config(config, {**(overrides or {}), **extra})
@@ -117,6 +128,7 @@ def fit(model: nn.Module | Callable[..., nn.Module], train_data, test_data,
     except Exception as e:
         _record(e)
         if isinstance(e, UserError):  # its one line says it all: not the chain of exceptions that led to it
+            _one_line_if_uncaught(e, every_rank=resolved is None)  # the config's: on every rank alike
             raise e.with_traceback(None) from None
         raise
 
@@ -127,3 +139,41 @@ def _record(error: Exception) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
     ErrorHandler().record_exception(error)
+
+
+def _one_line_if_uncaught(error: UserError, every_rank: bool) -> None:
+    """Should `error` end the script uncaught, it ends it as the CLI ends: one line, then its exit code, no traceback
+    on every rank. One that every rank raised alike (a config mistake, found before any process group) is said by
+    rank 0 alone (the others say it after RANK_0_WAIT_S, if their launcher has not stopped them by then)."""
+    from distrib.distributed.runtime import read_launch_env
+
+    try:
+        error._left_to_rank_0 = every_rank and read_launch_env().rank != 0
+    except UserError:  # a launch environment fit refused: each rank says so
+        error._left_to_rank_0 = False
+    if not isinstance(sys.excepthook, _OneLineExit):  # outermost: init_process_group wraps the hook it finds
+        sys.excepthook = _OneLineExit(sys.excepthook)
+
+
+class _OneLineExit:
+    """sys.excepthook once fit() raised a distrib error: an uncaught one is `distrib: error: ...` (unless distrib
+    launch's last line names it, or rank 0 says it), then the process ends with its exit code (2; EnvironmentFault
+    74, a hung or lost peer 69). Any other exception goes to the hook before it."""
+
+    def __init__(self, previous: Callable) -> None:
+        self.previous = previous
+
+    def __call__(self, kind, error, traceback) -> None:
+        if not isinstance(error, UserError):
+            return self.previous(kind, error, traceback)
+        from distrib.errors import hard_exit
+        from distrib.launch.reporting import reported_by_launcher
+
+        if not reported_by_launcher(error):
+            if getattr(error, "_left_to_rank_0", False):
+                # Ended at once, this rank would have its launcher (torchrun: within 0.1 s) stop rank 0 before rank 0
+                # says it; rank 0's end stops this one instead. Still running after the wait, it says it too.
+                time.sleep(RANK_0_WAIT_S)
+            say(f"distrib: error: {error}")
+        if not (sys.flags.interactive or hasattr(sys, "ps1")):  # a Python prompt goes on
+            hard_exit(error.exit_code)  # gloo's threads can abort at interpreter exit

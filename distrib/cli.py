@@ -18,9 +18,10 @@ import os
 import sys
 from typing import NoReturn, Sequence
 
-from distrib.errors import EXIT_PREEMPTED, UserError, say
+from distrib.errors import EXIT_PREEMPTED, UserError, hard_exit, say
 from distrib.launch.clusters import check_pod, wants_launcher
 from distrib.launch.launcher import add_train_flags, launch_trainer, train_flags, usage_error, without_train_flags
+from distrib.launch.reporting import reported_by_launcher
 
 EXIT_USER_ERROR = 2
 
@@ -288,35 +289,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.argv = without_train_flags(argv[1:])  # what a launched worker runs after `distrib train` (eval, ...)
         return args.func(args)
     except UserError as e:
-        if not _reported_by_launcher(e):
+        if not reported_by_launcher(e):
             say(f"distrib: error: {e}")
         return getattr(e, "exit_code", EXIT_USER_ERROR)  # 2; EnvironmentFault: EXIT_ENVIRONMENT (74)
-
-
-def _reported_by_launcher(error: UserError) -> bool:
-    """A mistake in the input (exit 2), which every rank usually makes alike: a worker of distrib launch on its last
-    attempt writes it to torch's error file instead of stderr, and the launcher's last line names it once for all the
-    ranks that share it. Elsewhere (one process, torchrun, a restart still to come), and for a hung or lost peer
-    (each rank's own story), the worker prints it."""
-    from distrib.launch.reporting import errors_reported
-
-    if getattr(error, "exit_code", EXIT_USER_ERROR) != EXIT_USER_ERROR or not errors_reported():
-        return False
-    try:
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
-        ErrorHandler().record_exception(error)  # as @record does; also for errors raised outside its wrapper
-    except Exception:  # noqa: BLE001 - no error file written: then the worker says it itself
-        return False
-    return True
-
-
-def hard_exit(code: int) -> NoReturn:
-    """Ends the process without interpreter teardown: gloo's threads can otherwise SIGABRT at exit (pytorch#190489);
-    the process group was already closed (barrier, then destroy) by the runtime."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def entry() -> None:

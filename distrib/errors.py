@@ -1,9 +1,11 @@
 """User-facing errors: mistakes the user can fix, reported as one line without a traceback.
 
-The CLI is the only place that turns these into messages and exit codes."""
+The CLI is the only place that turns these into messages and exit codes (and distrib.fit's excepthook, for the
+one that ends a script)."""
 
 import os
 import sys
+from typing import NoReturn
 
 
 class UserError(Exception):
@@ -84,3 +86,11 @@ def say(text: str) -> None:
     data = (text + "\n").encode(errors="replace")
     while data:  # one write up to PIPE_BUF (4 KiB) is atomic; a longer line may need more than one
         data = data[os.write(fd, data):]
+
+
+def hard_exit(code: int) -> NoReturn:
+    """Ends the process without interpreter teardown: gloo's threads can otherwise SIGABRT at exit (pytorch#190489);
+    the process group was already closed (barrier, then destroy) by the runtime."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

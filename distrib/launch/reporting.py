@@ -10,7 +10,7 @@ import os
 import signal
 from typing import Iterator, Mapping
 
-from distrib.errors import EXIT_PREEMPTED
+from distrib.errors import EXIT_PREEMPTED, UserError
 
 # Set by distrib launch for its workers: it prints their errors (from torch's error file) in its last line, once for
 # all ranks that share one, so a worker on its last attempt writes its error there instead of to stderr.
@@ -26,6 +26,22 @@ def errors_reported(environ: Mapping[str, str] = os.environ) -> bool:
     except ValueError:
         return False
     return environ.get(REPORTS_VAR) == "1" and "TORCHELASTIC_ERROR_FILE" in environ and last_attempt
+
+
+def reported_by_launcher(error: UserError) -> bool:
+    """A mistake in the input (exit 2), which every rank usually makes alike: a worker of distrib launch on its last
+    attempt writes it to torch's error file instead of stderr, and the launcher's last line names it once for all the
+    ranks that share it. Elsewhere (one process, torchrun, a restart still to come), and for a hung or lost peer
+    (each rank's own story), the worker prints it."""
+    if error.exit_code != UserError.exit_code or not errors_reported():
+        return False
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(error)  # as @record does; also for errors raised outside its wrapper
+    except Exception:  # noqa: BLE001 - no error file written: then the worker says it itself
+        return False
+    return True
 
 
 def _how(failure) -> str:

@@ -2,6 +2,8 @@
 path, dict overrides and a loss function; `import distrib` stays light; the docstring example and the complete
 scripts in scripts/examples run."""
 
+import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -98,3 +100,88 @@ def test_fit_init_from_equals_a_model_that_loads_the_weights_itself(tmp_path, ca
                 init_from=tmp_path / "pretrained.pt")
     assert again["resumed_from_step"] is None and "checksum mismatch" in capsys.readouterr().err
     assert all(torch.equal(tensor, init[k]) for k, tensor in load_weights(tmp_path / "halves").items())
+
+
+class ChangesShape(torch.utils.data.IterableDataset):
+    """A stream whose samples grow a feature past the first 256 (where the data's kind is learnt): mid-pass."""
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(0)
+        for index in range(400):
+            yield torch.randn(4 if index < 300 else 5, generator=g), index % 3
+
+
+def _exits(code: int):
+    raise SystemExit(code)
+
+
+@pytest.mark.timeout(120)
+def test_an_uncaught_fit_error_ends_the_script_in_one_line_with_its_exit_code(tmp_path, monkeypatch, capfd):
+    """fit() raises the typed error (a script may catch it); uncaught, its excepthook says one line and ends the
+    process with the error's exit code: rank 0 alone says a config mistake (found on every rank), a worker of distrib
+    launch writes it to torch's error file instead; any other exception goes to the hook before."""
+    import distrib.api
+    import distrib.errors
+    from distrib.errors import EnvironmentFault, UserError
+    from distrib.launch.reporting import REPORTS_VAR
+
+    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_MAX_RESTARTS", REPORTS_VAR):
+        monkeypatch.delenv(name, raising=False)
+    before, waits = [], []
+    monkeypatch.setattr(sys, "excepthook", lambda *exc: before.append(exc[1]))
+    monkeypatch.setattr(distrib.errors, "hard_exit", _exits)  # os._exit would end pytest
+    monkeypatch.setattr(distrib.api, "time", SimpleNamespace(sleep=waits.append))
+
+    def uncaught(error) -> tuple[int, str]:
+        with pytest.raises(SystemExit) as ended:
+            sys.excepthook(type(error), error, error.__traceback__)
+        return ended.value.code, capfd.readouterr().err
+
+    def fit_error(**kw) -> UserError:
+        with pytest.raises(UserError) as raised:
+            fit(_model, *[_tensors(64, 1)] * 2, **kw)
+        return raised.value
+
+    mistake = fit_error(overrides={"train.lrr": 0.1})
+    assert type(mistake) is ConfigError and sys.excepthook.previous is not None
+    said = "distrib: error: train.lrr: unknown key; did you mean 'lr'?\n"
+    assert uncaught(mistake) == (2, said) and waits == []
+    sys.excepthook(ValueError, ValueError("not ours"), None)
+    assert [str(e) for e in before] == ["not ours"]
+
+    monkeypatch.setenv("RANK", "1")  # every rank found it: rank 1 leaves it to rank 0, then says it
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert uncaught(fit_error(overrides={"train.lrr": 0.1})) == (2, said) and waits == [distrib.api.RANK_0_WAIT_S]
+
+    # distrib launch's worker on its last attempt: its error file, for the launcher's last line; its own disk fault
+    # (exit 74, its own story) it says itself.
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    monkeypatch.setenv(REPORTS_VAR, "1")
+    assert uncaught(fit_error(overrides={"train.lrr": 0.1})) == (2, "")
+    assert "ConfigError: train.lrr: unknown key" in (tmp_path / "error.json").read_text()
+    assert uncaught(EnvironmentFault("run.dir: disk full")) == (74, "distrib: error: run.dir: disk full\n")
+
+
+@pytest.mark.timeout(120)
+def test_a_stream_that_changes_shape_mid_pass_is_one_line_and_exit_2(tmp_path, monkeypatch, capfd):
+    """Found by every rank alike at one step (distrib.data.stream's vote), raised by fit() as the typed error, said
+    as the CLI says it: one line, exit 2 (under distrib launch, its last line names it once for every rank)."""
+    import distrib.errors
+    from distrib.errors import UserError
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # restored after
+    monkeypatch.setattr(distrib.errors, "hard_exit", _exits)  # os._exit would end pytest
+    test = (torch.randn(64, 4), torch.randint(0, 3, (64,)))
+    with pytest.raises(UserError) as raised:  # the typed error, as a script may catch it
+        fit(nn.Linear(4, 3), ChangesShape(), test, overrides={**OVERRIDES, "train.max_steps": 0, "train.epochs": 1,
+                                                               "train.schedule": "constant",
+                                                               "run.dir": str(tmp_path / "run")})
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as ended:
+        sys.excepthook(type(raised.value), raised.value, raised.value.__traceback__)
+    said = capfd.readouterr().err
+    assert ended.value.code == 2 and said.count("\n") == 1, said
+    assert said.startswith("distrib: error: train data: a sample of float32 [5] -> int64 [], where the data's samples "
+                           "are float32 [4] -> int64 [] (at step 10 of pass 0"), said
