@@ -61,8 +61,11 @@ def fit(model: nn.Module | Callable[..., nn.Module], train_data, test_data,
         its passes; train.max_steps is needed only by a cosine schedule without train.schedule_steps; see
         docs/data.md, Streams).
     config: a TOML path or a distrib.Config (default: the built-in defaults); overrides: {"train.lr": 0.1, ...}.
-    loss_fn: (outputs, targets) -> scalar mean; default: the model's own outputs.loss if it returns one, else
-        train.loss (cross-entropy).
+    loss_fn: (outputs, targets) -> scalar mean, given the model's outputs whole: a tensor as it is, a dict, tuple or
+        ModelOutput as the model returned it; default: the model's own outputs.loss if it returns one, else
+        train.loss (cross-entropy). The output's other losses (keys ending in "loss", e.g. a mixture of experts'
+        aux_loss) are logged each log step; they join the backward only beside a built-in train.loss when the model
+        returns no loss (docs/training-features.md, Experts and extra losses).
     metrics: functions (outputs, targets) -> {name: (sum, count)}, reported as test_<name> = sum / count, summed
         exactly over the whole test set (as metrics.eval does for functions named in the config).
     collate_fn: list of samples -> a batch (a dict of tensors, e.g. a Hugging Face data collator's, or an (inputs,

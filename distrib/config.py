@@ -224,6 +224,10 @@ class ModelConfig:
         "Face folder or `.safetensors` file (one file, or several with `model.safetensors.index.json`), a distrib run "
         "directory (its `weights/`, else `model.pt`), or a checkpoint (`step_N.pt`, or a sharded `step_N/`); names "
         'and shapes must match (see docs/checkpoints.md, Pretrained weights in); `fit(..., init_from=PATH)` too')
+    merged_weights: bool = key(True,
+        "a peft (LoRA) model: besides the adapter in `weights/`, the merged model (each LoRA delta added to its base "
+        "weight, under the base model's names) in `weights/merged/`, which `from_pretrained` loads alone; `false` "
+        "skips it (it is as large as the base model)")
 
     def __post_init__(self):
         if self.factory:
@@ -286,8 +290,10 @@ class TrainConfig:
         "keep an exponential moving average of the weights (e.g. 0.999), updated after every optimizer step; 0 = off")
     loss: str = key("cross_entropy",
         "`cross_entropy` (classes per sample or per position, -100 not counted), `mse`, `l1`, `bce_with_logits` "
-        "(multi-label), or `package.module:function`, `(outputs, targets) -> scalar mean`; a model whose output has a "
-        "`loss` trains on that instead; evaluation reports the test loss of the same loss")
+        "(multi-label), or `package.module:function`, `(outputs, targets) -> scalar mean`, which receives the model's "
+        "outputs whole; a model whose output has a `loss` trains on that in place of a built-in loss; the output's "
+        "other `*loss` keys (`aux_loss`) are logged, and added to a built-in loss; evaluation reports the test loss of "
+        "the same loss")
     label_smoothing: float = key(0.0, "`cross_entropy` only: label smoothing in [0, 1)")
     callbacks: tuple[str, ...] = key((),
         "`package.module:Class` each, called with no arguments: objects with any of the hooks "
@@ -404,6 +410,11 @@ class DistConfig:
     sync_batchnorm: bool = key(False,
         "BatchNorm statistics over each micro-step's global batch (SyncBatchNorm; GPUs only). Without it a BatchNorm "
         "model's statistics are per micro-batch, and the log says that world sizes then no longer agree exactly")
+    find_unused_parameters: bool | str = key("auto",
+        "ddp: DDP's `find_unused_parameters`, for a model whose parameters get no gradient in some steps (experts, "
+        "conditional branches): `auto` turns it on when the model has experts lists (a `ModuleList` named `*experts`) "
+        "or the first batch leaves a trainable parameter without a gradient, and the log says so; `true`, `false`. "
+        "fsdp and hsdp need no key: FSDP2 reduces zeros for such parameters")
 
     def __post_init__(self):
         """The keys' own ranges and choices. The rules of a strategy (which keys it takes, which precision and
@@ -418,6 +429,9 @@ class DistConfig:
                   "e.g. --set 'dist.shard_modules=[\"TransformerBlock\"]'")
         _at_least("dist", self, "shard_size", 0)
         _at_least("dist", self, "tensor_parallel", 1)
+        if isinstance(self.find_unused_parameters, str) and self.find_unused_parameters != "auto":
+            _fail("dist", "find_unused_parameters", self.find_unused_parameters, "must be auto, true or false",
+                  "e.g. --set dist.find_unused_parameters=true")
         self._check_pipeline()
 
     MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zbv", "dualpipev")

@@ -41,10 +41,11 @@ from distrib.models import adapters
 from distrib.models.build import batchnorm_layers, build_model, data_kwargs
 from distrib.training.callbacks import Callbacks, from_config
 from distrib.training.evaluation import MetricFn, Task, evaluate
+from distrib.training.extra_losses import ExtraLosses
 from distrib.training.losses import Loss, LossFn, build_loss
 from distrib.training.notes import task_notes
 from distrib.training.optimizers import check_user_optimizer
-from distrib.training.preflight import dry_batch, task_for
+from distrib.training.preflight import dry_batch, dry_forward, task_for
 from distrib.training.throughput import flops_per_sample, meter_for, tokens_per_sample
 from distrib.training.trainer import Trainer, TrainState, new_state
 
@@ -182,7 +183,8 @@ def _build(config: Config, runtime: Runtime, data: Data, model: ModelArg, notes:
 
     given = with_norms(model) if isinstance(model, nn.Module) else None
     return Build(factory, config.train.seed, config.speed, config.train.precision, given=given,
-                 load_weights=_init_from(config, notes, resuming), log=notes.append)
+                 load_weights=_init_from(config, notes, resuming), log=notes.append,
+                 dry_forward=dry_forward(data.train))
 
 
 def _init_from(config: Config, notes: list[str], resuming: bool = False) -> LoadWeights | None:
@@ -267,7 +269,8 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
     notes += _model_notes(config, placed)
     dry = dry_batch(placed, data.train, data.info, runtime.device, build_loss(config.train, loss_fn))
     loss, task = dry.loss, task_for(dry, config.metrics.eval, metrics)
-    notes += [dry.note] if dry.note else []
+    extra_losses = ExtraLosses.of(dry.outputs, loss, strategy.logs_extra_losses)  # a collective
+    notes += [line for line in (dry.note, extra_losses.note(loss)) if line]
     validation = data.val is not None
     task.check_watched("train.early_stop_metric", config.train.early_stop_metric, validation)
     task.check_watched("checkpoint.best_metric", config.checkpoint.best_metric if config.checkpoint.keep_best else "",
@@ -319,7 +322,8 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
                                   total_steps=total_steps, evaluate=evaluator, validate=validator, recorder=recorder,
                                   meter=meter,
                                   agreement=agreement, checkpointer=checkpointer,
-                                  on_step_end=_after_step(runtime, on_step_end), callbacks=hooks)
+                                  on_step_end=_after_step(runtime, on_step_end), callbacks=hooks,
+                                  extra_losses=extra_losses)
                 metrics = trainer.train(data.train)
         except BaseException as e:  # flush metrics and trackers now: the CLI's os._exit skips finalisers
             recorder.close("preempted" if isinstance(e, Preempted) else "failed")
@@ -375,7 +379,8 @@ def _finish(config: Config, runtime: Runtime, data: Data, state: TrainState, met
     """The weights (weights/, and model.pt where it is cheap), model.json (which says how to rebuild a config's
     model), summary.json, the last log line."""
     run_dir = Path(config.run.dir)
-    written = write_run_weights(unwrap(state.model), state.ema, run_dir, runtime.rank, state.strategy)
+    written = write_run_weights(unwrap(state.model), state.ema, run_dir, runtime.rank, state.strategy,
+                                config.model.init_from, config.model.merged_weights, recorder.info)
     memory = _memory(config, runtime, state, recorder)
     if runtime.is_main:
         for name, whole in written.items():

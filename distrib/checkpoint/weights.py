@@ -217,9 +217,14 @@ def _finish(tmp: Path, folder: Path, files: dict[str, dict], config) -> None:
         (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     if config is not None:
         config.to_json_file(str(tmp / "config.json"))
+    replace_folder(tmp, folder)
+
+
+def replace_folder(tmp: Path, folder: Path) -> None:
+    """Rank 0: the finished temporary folder into place, a run's earlier weights replaced whole, never mixed."""
     old = folder.with_name(f".{folder.name}.old")
     shutil.rmtree(old, ignore_errors=True)
-    if folder.exists():  # a run's earlier weights: replaced whole, never mixed with these
+    if folder.exists():
         os.replace(folder, old)
     os.replace(tmp, folder)
     shutil.rmtree(old, ignore_errors=True)
@@ -232,8 +237,10 @@ def hf_config(model: nn.Module):
         return None
     import copy
 
-    config = copy.deepcopy(config)
-    config.architectures = [type(model).__name__]
+    from torch.distributed.fsdp import FSDPModule
+
+    config = copy.deepcopy(config)  # the model's own class, not FSDP2's subclass of it (FSDPLlamaForCausalLM)
+    config.architectures = [next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule)).__name__]
     return config
 
 
@@ -285,14 +292,29 @@ def model_pt_is_cheap(tensors: dict[str, torch.Tensor], sharded: bool) -> bool:
     return not sharded or sum(t.numel() * t.element_size() for t in tensors.values()) <= MODEL_PT_MAX_BYTES
 
 
-def write_run_weights(model: nn.Module, ema, run_dir: Path, rank: int, strategy: Strategy) -> dict[str, dict]:
+def write_run_weights(model: nn.Module, ema, run_dir: Path, rank: int, strategy: Strategy, init_from: str = "",
+                      merged_weights: bool = True, log=lambda line: None) -> dict[str, dict]:
     """Every rank: the unwrapped model's weights into run_dir/weights/ (and the EMA's into weights_ema/), shard by
-    shard (the strategy's save of trained weights). Returns what rank 0 then writes whole: {"model.pt": ...,
-    "model_ema.pt": ...} where model_pt_is_cheap, else {} (also on the other ranks)."""
+    shard (the strategy's save of trained weights), checked by loading them back; a peft model's as its adapter
+    and weights/merged/ (distrib.checkpoint.adapter_weights). Returns what rank 0 then writes whole: {"model.pt":
+    ..., "model_ema.pt": ...} where model_pt_is_cheap, else {} (also on the other ranks); model.pt holds the whole
+    (wrapped) state, which the config's model takes back."""
+    from distrib.checkpoint import adapter_weights
+    from distrib.checkpoint.export_check import agree_checked, check_folder, check_state_folder
+    from distrib.models.adapters import is_peft
+
     tensors = strategy.complete(model, model_tensors(model))  # under pipeline parallel: every stage's names
-    save_weights(tensors, Path(run_dir) / WEIGHTS_DIR, rank, hf_config(model))
+    folder = Path(run_dir) / WEIGHTS_DIR
+    if is_peft(model):
+        adapter_weights.save_adapter_run(model, tensors, folder, rank, init_from, merged_weights, log)
+    else:
+        save_weights(tensors, folder, rank, hf_config(model))
+        agree_checked(rank, lambda: check_folder(folder, model, tensors))
     if ema is not None:
-        save_weights(strategy.complete(model, ema.state_dict()), Path(run_dir) / f"{WEIGHTS_DIR}_ema", rank)
+        averaged, ema_folder = strategy.complete(model, ema.state_dict()), Path(run_dir) / f"{WEIGHTS_DIR}_ema"
+        save_weights(averaged, ema_folder, rank)
+        shapes = {name: tuple(tensor.shape) for name, tensor in averaged.items()}
+        agree_checked(rank, lambda: check_state_folder(ema_folder, shapes))
     if not model_pt_is_cheap(tensors, strategy.sharded_state):
         return {}
     whole = {"model.pt": strategy.full_model_state(model)}  # every rank: a sharded model is gathered onto rank 0

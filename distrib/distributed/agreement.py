@@ -1,5 +1,6 @@
-"""What the ranks decide together at a step boundary: the global mean loss, whether any rank was asked to stop, and
-whether any gradient went non-finite since the last agreement; one small all-reduce carries all three."""
+"""What the ranks decide together at a step boundary: the global mean loss (and the model's extra losses), whether any
+rank was asked to stop, and whether any gradient went non-finite since the last agreement; one small all-reduce
+carries them all."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ class Agreed:
 
     loss: torch.Tensor  # the loss averaged over the global batch (a device scalar: reading it is a host sync)
     nonfinite_since: int | None  # the first step the non-finite gradients may be from, or None: all finite
+    extras: torch.Tensor | None = None  # the extra losses' global means, in the order they were given
 
 
 class RankAgreement:
@@ -50,16 +52,19 @@ class RankAgreement:
                 torch._amp_foreach_non_finite_check_and_unscale_(same_kind, found, torch.ones((), device=device))
                 self.nonfinite += found.to(self.nonfinite.device)
 
-    def agree(self, local_loss: torch.Tensor, step: int) -> Agreed:
+    def agree(self, local_loss: torch.Tensor, step: int, extras: torch.Tensor | None = None) -> Agreed:
         """SUM, then divide by the ranks that hold a loss: the global mean of equal-sized micro-batches (each
-        tensor-parallel rank holds its group's, so the sum counts it tp times, and so does the divisor). Every rank
-        must call it at the same step."""
+        tensor-parallel rank holds its group's, so the sum counts it tp times, and so does the divisor); the same
+        for this rank's shares of the extra losses (as many on every rank). Every rank must call it at the same
+        step."""
         device = local_loss.device
         votes = torch.stack([local_loss.detach().float(), torch.full((), float(self.stop.requested), device=device),
                              self.nonfinite])
+        if extras is not None:
+            votes = torch.cat([votes, extras])
         dist.all_reduce(votes)
-        stop, nonfinite = votes[1:].tolist()  # the host sync, on sync steps only
+        stop, nonfinite = votes[1:3].tolist()  # the host sync, on sync steps only
         since = self.synced_at + 1 if nonfinite > 0 else None
         self.nonfinite.zero_()
         self.synced_at, self.stop_agreed = step, stop > 0
-        return Agreed(votes[0] / self.loss_ranks, since)
+        return Agreed(votes[0] / self.loss_ranks, since, votes[3:] / self.loss_ranks if extras is not None else None)

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from distrib.config import DistConfig
 from distrib.distributed.mesh import data_parallel_mesh
 from distrib.distributed.runtime import Runtime
+from distrib.distributed.unused import experts_lists, inside_experts
 from distrib.errors import ConfigError
 
 # auto: a child (looking inside ModuleList / ModuleDict / Sequential containers) holding at least this share of the
@@ -35,11 +36,13 @@ def _num_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def _auto_blocks(module: nn.Module, threshold: int) -> list[nn.Module]:
+def _auto_blocks(module: nn.Module, threshold: int, experts: set[int]) -> list[nn.Module]:
     found = []
     for child in module.children():
+        if any(id(member) in experts for member in child.children()):
+            continue  # an experts list: its members stay in their parent's unit
         if isinstance(child, _CONTAINERS):
-            found += _auto_blocks(child, threshold)
+            found += _auto_blocks(child, threshold, experts)
         elif _num_params(child) >= threshold:
             found.append(child)
     return found
@@ -50,17 +53,27 @@ def _named_blocks(model: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:
 
 
 def find_blocks(model: nn.Module, spec: str | tuple[str, ...]) -> list[nn.Module]:
-    """The modules dist.shard_modules names, innermost first (fully_shard goes bottom-up); never the root. auto: the
-    classes a model lists in `_no_split_modules` (the Hugging Face convention; distrib's GPT lists its Block), else
-    the children holding a large share of the parameters."""
+    """The modules dist.shard_modules names, innermost first (fully_shard goes bottom-up); never the root, nor a
+    module inside an experts list (distrib.distributed.unused: a unit whose forward never runs on a rank fires no
+    post-backward there, and the ranks' reductions no longer pair up). auto: the classes a model lists in
+    `_no_split_modules` (the Hugging Face convention; distrib's GPT lists its Block), else the children holding a
+    large share of the parameters."""
+    experts = inside_experts(model)
     if spec == "auto":
         declared = tuple(getattr(model, "_no_split_modules", None) or ())
-        return _named_blocks(model, declared) or _auto_blocks(model, max(1, int(_num_params(model) * AUTO_MIN_SHARE)))
+        named = [block for block in _named_blocks(model, declared) if id(block) not in experts]
+        return named or _auto_blocks(model, max(1, int(_num_params(model) * AUTO_MIN_SHARE)), experts)
     found = _named_blocks(model, (spec,) if isinstance(spec, str) else spec)
     if not found:
         classes = sorted({type(m).__name__ for m in model.modules() if m is not model})
         raise ConfigError(f"dist.shard_modules = {spec!r}: no module of the model has that class; "
                           f"its classes are {', '.join(classes)}; name some of them or use auto")
+    expert = next((block for block in found if id(block) in experts), None)
+    if expert is not None:
+        raise ConfigError(f"dist.shard_modules = {spec!r}: {type(expert).__name__} modules sit in the model's experts "
+                          f"lists ({', '.join(experts_lists(model))}), which run only on the tokens routed to them, "
+                          "so one as a unit of its own would leave the ranks' gradient reductions unpaired; name the "
+                          "class that holds the experts (a decoder layer) or use auto")
     return found
 
 
@@ -70,6 +83,7 @@ def leftover_units(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]
     of their own, as torchtitan makes them. In the root's unit they would stay gathered from the root's forward to its
     backward, every step: most of the 0.5x of the model that a 104M Llama held per rank at world size 4."""
     in_blocks = {id(m) for block in blocks for m in block.modules()}
+    experts = inside_experts(model)
     owners: dict[int, int] = {}
     for module in model.modules():
         for param in module.parameters(recurse=False):
@@ -78,7 +92,8 @@ def leftover_units(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]
     found = []
     for module in model.modules():
         own = list(module.parameters(recurse=False))
-        if module is model or id(module) in in_blocks or any(id(m) in in_blocks for m in module.modules()):
+        if module is model or id(module) in in_blocks or any(id(m) in in_blocks for m in module.modules()) \
+                or id(module) in experts:  # an expert stays in its parent's unit (see find_blocks)
             continue
         if own and sum(p.numel() for p in own) >= threshold and all(owners[id(p)] == 1 for p in own):
             found.append(module)
@@ -128,9 +143,14 @@ def shard(model: nn.Module, runtime: Runtime, config: DistConfig, precision: str
                 # accelerator's streams; in host memory that is one more block resident at the backward's peak
                 # (0.12x of an 8-block GPT's bytes per rank, measured), so each block prefetches only itself: none.
                 unit.set_modules_to_backward_prefetch([unit])
-    for root in roots or []:
+    roots = roots or [model]  # the model's own root takes the rest; pipeline stages are roots of their own
+    for root in roots:
         fully_shard(root, **options)
-    return model if roots else fully_shard(model, **options)
+    # A parameter without a gradient on some ranks (an expert no token reached there) joins its unit's reduce-scatter
+    # as zeros, so that every rank's reduction has the same size (without it the sizes differ and the backend aborts).
+    for root in roots:
+        root.set_reduce_scatter_unused_params(True)  # recursing into its units
+    return model
 
 
 # The optimizer state flattened (state.NAME.exp_avg, param_groups.NAME.lr): every parameter carries its group's
@@ -147,7 +167,9 @@ def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
 
 
 def reshard(model: nn.Module) -> None:
-    """Every FSDP module of the model back on its shards (a no-op for those that are)."""
+    """Every FSDP module of the model back on its shards (a no-op for those that are), with no gradient (the
+    zeros FSDP2 leaves for unused parameters after a counting backward) for its first step to find."""
+    _no_gradients(model)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
@@ -160,8 +182,22 @@ def keyed_by_name(optimizer_state: dict) -> bool:
 
 
 def load_sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    _no_gradients(model)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                    options=_FLAT)
+    _check_loaded(optimizer, any(key.startswith("state.") for key in state["optimizer"]))
+
+
+def _no_gradients(model: nn.Module) -> None:
+    """Gradients cleared before an optimizer state is loaded: torch's set_state_dict takes a gradient as the sign
+    of an optimizer already stepped and then loads no state at all, silently (a backward before the first step
+    leaves zeros: FSDP2 reduce-scatters unused parameters' gradients, even for torch.autograd.grad)."""
+    model.zero_grad(set_to_none=True)
+
+
+def _check_loaded(optimizer: torch.optim.Optimizer, saved: bool) -> None:
+    if saved and not optimizer.state:
+        raise RuntimeError("the checkpoint's optimizer state was not loaded into the optimizer")
 
 
 def by_name(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict) -> dict:
@@ -180,6 +216,7 @@ def by_name(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict) -> 
 
 def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
     """Whole tensors on every rank (a one-file checkpoint) into a sharded model: each rank keeps its own slices."""
+    _no_gradients(model)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=by_name(model, optimizer, state["optimizer"]),
                    options=StateDictOptions(full_state_dict=True))

@@ -99,13 +99,16 @@ class Recorder:
                 self.info(f"warning: {logger.name} failed {where} ({type(e).__name__}: {e}); "
                           f"continuing without it; metrics.jsonl has everything")
 
-    def log_step(self, step: int, epoch: int, loss: float, lr: float, **throughput) -> None:
-        """One log line; throughput holds distrib.throughput's window figures (samples/s, step times, MFU)."""
-        self.last_loss = loss
-        self.write({"step": step, "epoch": epoch, "loss": loss, "lr": lr, **throughput})
+    def log_step(self, step: int, epoch: int, loss: float, lr: float, extra_losses: dict | None = None,
+                 **throughput) -> None:
+        """One log line; extra_losses: the model's own beside the loss ({"aux_loss": ...}, global means);
+        throughput holds distrib.throughput's window figures (samples/s, step times, MFU)."""
+        self.last_loss, extra_losses = loss, extra_losses or {}
+        self.write({"step": step, "epoch": epoch, "loss": loss, **extra_losses, "lr": lr, **throughput})
         speed, tokens = throughput.get("samples_per_second"), throughput.get("tokens_per_second")
         mfu = throughput.get("mfu")
-        self.info(f"step {step} epoch {epoch} loss {loss:.4f} lr {lr:.3g}"
+        extras = "".join(f" {name} {value:.4g}" for name, value in extra_losses.items())
+        self.info(f"step {step} epoch {epoch} loss {loss:.4f}{extras} lr {lr:.3g}"
                   + (f" {speed:,.0f} samples/s" if speed else "") + (f" {tokens:,.0f} tokens/s" if tokens else "")
                   + (f" MFU {100 * mfu:.2f}%" if mfu else ""))
 

@@ -56,4 +56,4 @@ def _board_tag(key: str) -> str:
     if key.startswith(("test_", "val_")):
         split, _, name = key.partition("_")
         return f"{split}/{name}"
-    return f"train/{key}" if key in ("loss", "lr") else f"throughput/{key}"
+    return f"train/{key}" if key in ("loss", "lr") or key.endswith("loss") else f"throughput/{key}"  # aux_loss too

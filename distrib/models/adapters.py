@@ -26,7 +26,7 @@ def _prefix(model: nn.Module) -> str:
 
 def is_adapter_name(model: nn.Module, name: str) -> bool:
     """Whether a state_dict name of the PeftModel is one of the adapter's tensors (not in the base model's weights)."""
-    return _prefix(model) in name or ".modules_to_save." in name
+    return _prefix(model) in name or ".modules_to_save." in name or name.startswith("prompt_encoder.")
 
 
 def base_name(model: nn.Module, name: str) -> str | None:

@@ -89,8 +89,9 @@ def task_of(outputs, targets, loss: Loss, metrics: tuple[Metric, ...] = ()) -> T
         return Task("values", sequence, metrics)
     if targets.dim() == 1:
         return Task("classes", False, metrics, num_classes=logits.shape[1])
-    # A model's own loss may shift its targets (a causal LM's does): its logits are not aligned with them.
-    return Task("values" if loss.name == "model" else "positions", sequence, metrics)
+    # A model that computes its own loss may shift its targets (a causal LM's does): its logits are not aligned with
+    # them, whether its loss is trained or a user's loss function decides.
+    return Task("values" if loss.name == "model" or own_loss(outputs) is not None else "positions", sequence, metrics)
 
 
 def user_metric(spec: str, fn: MetricFn, outputs, targets) -> Metric:

@@ -142,6 +142,10 @@ def _read_weights(path: Path) -> dict:
 
 
 def _read_safetensors(folder: Path) -> dict:
+    if (folder / "adapter_config.json").is_file():  # an adapter run's: the whole wrapped state is model.pt's alone
+        raise UserError(f"{folder}: the adapter alone (peft's format), and this run wrote no model.pt (the whole model "
+                        "is written there under ddp, or up to 256 MiB); load it in Python: PeftModel.from_pretrained("
+                        f"base, '{folder}'), or from_pretrained('{folder / 'merged'}')")
     try:
         return read_weights(folder)
     except Exception as e:  # noqa: BLE001 - a missing shard, a garbled header

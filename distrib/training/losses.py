@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
@@ -17,7 +17,10 @@ from distrib.data import samples
 from distrib.distributed.parallel import unwrap
 from distrib.factory import import_object
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+if TYPE_CHECKING:
+    from distrib.training.extra_losses import ExtraLosses
+
+LossFn = Callable[[object, torch.Tensor], torch.Tensor]  # (the model's outputs, whole; targets) -> the batch mean
 IGNORE_INDEX = -100  # a class target that counts for nothing (PyTorch's default ignore_index, Hugging Face's labels)
 BUILTIN = ("cross_entropy", "mse", "l1", "bce_with_logits")
 
@@ -84,20 +87,27 @@ def _flat(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, to
 class Loss:
     """A training loss. Built-ins have an `elementwise` form (one value per counted target position, 0 where not
     counted) and a `count` of counted positions, so evaluation sums exactly and training weights micro-batches by
-    what they count; a user's function has only its batch mean, weighted by samples; `model` takes outputs.loss."""
+    what they count; a user's function (`whole`) has only its batch mean, weighted by samples, and receives the
+    model's outputs whole; `model` takes outputs.loss."""
 
     def __init__(self, name: str, batch_mean: LossFn, elementwise: LossFn | None = None,
-                 ignore_index: int | None = None, needs: Callable[[torch.Tensor], str] | None = None):
+                 ignore_index: int | None = None, needs: Callable[[torch.Tensor], str] | None = None,
+                 whole: bool = False):
         self.name = name
         self.batch_mean = batch_mean
         self.elementwise = elementwise
         self.ignore_index = ignore_index
         self.needs = needs  # targets -> the outputs this loss needs for them, as words (built-ins)
+        self.whole = whole  # the outputs as the model returned them (a user's function), not their logits
 
     def __call__(self, outputs, targets) -> torch.Tensor:
         """The batch mean (over counted positions for built-ins)."""
         own = own_loss(outputs) if self.name == "model" else None
-        return own if own is not None else self.batch_mean(logits_of(outputs), targets)
+        return own if own is not None else self.batch_mean(self.given(outputs), targets)
+
+    def given(self, outputs):
+        """What the loss function receives: the outputs whole (a user's), or their logits (a built-in's)."""
+        return outputs if self.whole else logits_of(outputs)
 
     def count(self, targets: torch.Tensor) -> torch.Tensor:
         if self.ignore_index is not None:
@@ -123,17 +133,31 @@ class Loss:
         return logits.shape == targets.shape
 
 
-def step_loss(loss: Loss, targets: list, world_size: int) -> Callable[[object, object, int], torch.Tensor]:
+def step_loss(loss: Loss, targets: list, world_size: int, extras: ExtraLosses | None = None
+              ) -> Callable[[object, object, int], torch.Tensor]:
     """The one place a step's loss is normalised: (outputs, targets, pieces) -> the loss to backward for one of
     `pieces` equal pieces of one of the step's micro-batches (`targets`: each micro-batch's), such that the gradients
     summed over micro-batches and pieces, then averaged over the batch mesh by DDP's or FSDP's reduction, are those
     of the mean loss of the global batch. Losses whose counts vary divide each piece's sum by the global count
-    (global_count_scale); the others average equal pieces' means."""
+    (global_count_scale); the others average equal pieces' means. The model's extra losses (extras) are batch means
+    of their own: each piece's value / (micro-steps x pieces), summed for the log, and added where extras.added."""
     scale = global_count_scale(loss, targets, world_size)
-    if scale is not None:
-        return lambda outputs, piece_targets, pieces: loss.total(outputs, piece_targets) * scale
     micro_steps = len(targets)
-    return lambda outputs, piece_targets, pieces: loss(outputs, piece_targets) / (micro_steps * pieces)
+    if scale is not None:
+        def main(outputs, piece_targets, pieces):
+            return loss.total(outputs, piece_targets) * scale
+    else:
+        def main(outputs, piece_targets, pieces):
+            return loss(outputs, piece_targets) / (micro_steps * pieces)
+    if extras is None or not extras.names:
+        return main
+
+    def with_extras(outputs, piece_targets, pieces):
+        value = main(outputs, piece_targets, pieces)
+        added = extras.take(outputs, 1 / (micro_steps * pieces))
+        return value if added is None else value + added
+
+    return with_extras
 
 
 def global_count_scale(loss: Loss, targets: list, world_size: int) -> torch.Tensor | None:
@@ -230,14 +254,19 @@ def model_loss(outputs=None, targets=None) -> Loss:
 def build_loss(config: TrainConfig, loss_fn: LossFn | None = None) -> Loss:
     """train.loss (or, from distrib.fit, a function given in Python, which wins)."""
     if loss_fn is not None:
-        return Loss(getattr(loss_fn, "__name__", type(loss_fn).__name__), loss_fn)
+        return Loss(getattr(loss_fn, "__name__", type(loss_fn).__name__), loss_fn, whole=True)
     if config.loss == "cross_entropy":
         return cross_entropy(config.label_smoothing)
     pointwise = {"mse": F.mse_loss, "l1": F.l1_loss, "bce_with_logits": F.binary_cross_entropy_with_logits}
     if config.loss in pointwise:
         return _pointwise(config.loss, pointwise[config.loss])
-    return Loss(config.loss, import_object("train.loss", config.loss))
+    return Loss(config.loss, import_object("train.loss", config.loss), whole=True)
 
 
 def describe(tree) -> str:
-    return samples.kind(tree, rows=True)
+    """A batch's or a model output's structure in words: 'int64 [2, 16]', '{logits: float32 [2, 16, 32], ...}'."""
+    if isinstance(tree, dict):
+        return "{" + ", ".join(f"{key}: {describe(value)}" for key, value in tree.items()) + "}"
+    if isinstance(tree, (list, tuple)):
+        return "(" + ", ".join(describe(value) for value in tree) + ")"
+    return samples.kind(tree, rows=True) if tree is None or isinstance(tree, torch.Tensor) else type(tree).__name__

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -26,7 +27,7 @@ class DryBatch:
     inputs: samples.Tree
     targets: samples.Tree | None
     outputs: object  # what the model returned
-    loss: Loss  # the loss to train on: the model's own when it returned one, else the configured one
+    loss: Loss  # the loss to train: the model's own if it returned one (unless a user's function), else the configured
     note: str = ""  # the log's line on where a dict sample's labels go, when not to forward
 
 
@@ -73,12 +74,23 @@ def _run(model: nn.Module, inputs, info: DataInfo, device: torch.device):
                            if len(info.input_shape) == 3 else "")) from e
 
 
+def _first_batch(source):
+    """The first samples of the training data (of a stream: its first ones), as (inputs, targets)."""
+    indices = torch.arange(min(DRY_BATCH_SIZE, source.num_samples or DRY_BATCH_SIZE))  # None: a stream
+    return next(iter(source.batches([indices])))
+
+
+def dry_forward(source) -> Callable[[nn.Module], object]:
+    """model -> its outputs on the dry batch's inputs, as training runs it (dist.find_unused_parameters = auto probes
+    with it before DDP wraps the model: distrib.distributed.unused)."""
+    return lambda model: forward(model, _first_batch(source)[0])
+
+
 def dry_batch(model: nn.Module, source, info: DataInfo, device: torch.device, loss: Loss) -> DryBatch:
     """Runs the plain placed model on the first samples of `source` in eval mode without gradients (no dropout draws,
     no BatchNorm statistics, no RNG: the training that follows is bitwise what it would be without this), checks
     that its outputs fit the targets and the loss, and that class targets are in range."""
-    indices = torch.arange(min(DRY_BATCH_SIZE, source.num_samples or DRY_BATCH_SIZE))  # None: a stream
-    inputs, targets = next(iter(source.batches([indices])))
+    inputs, targets = _first_batch(source)
     check_batch({**samples.named(inputs, "inputs"), **samples.named(targets, "targets")}, device)
     model = unwrap(model)
     note = _check_keys(model, inputs)
@@ -88,7 +100,7 @@ def dry_batch(model: nn.Module, source, info: DataInfo, device: torch.device, lo
         outputs = _run(model, inputs, info, device)
     finally:
         model.train(was_training)
-    if own_loss(outputs) is not None:
+    if own_loss(outputs) is not None and not loss.whole:  # a user's loss function decides, given the outputs whole
         return DryBatch(inputs, targets, outputs, model_loss(outputs, targets), note)
     if targets is None:
         raise UserError(f"the data's samples {info.inputs} have no targets (a dict sample keeps them under 'labels'), "
@@ -139,7 +151,7 @@ def _try_loss(loss: Loss, outputs, targets) -> None:
             value = loss(outputs, targets)
     except Exception as e:  # noqa: BLE001 - the user's function
         raise UserError(f"train.loss {loss.name!r}: raised {type(e).__name__}: {str(e).strip()[:160]} on the first "
-                        f"batch (outputs {describe(logits_of(outputs))}, targets {describe(targets)}); fix the "
+                        f"batch (outputs {describe(loss.given(outputs))}, targets {describe(targets)}); fix the "
                         "function") from None
     if not (isinstance(value, torch.Tensor) and value.dim() == 0):
         raise UserError(f"train.loss {loss.name!r}: returned {type(value).__name__} "

@@ -2,8 +2,8 @@
 and fit.
 
 Every rank makes the same collectives in the same order: DDP's bucketed all-reduce in the last micro-step's backward,
-one small all-reduce of (loss, stop votes, finite flag) on sync steps (distrib.agreement), one all-reduce of the
-integer sums per evaluation (distrib.evaluation)."""
+one small all-reduce of (loss, extra losses, stop votes, finite flag) on sync steps (distrib.agreement), one
+all-reduce of the integer sums per evaluation (distrib.evaluation)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from distrib.training.callbacks import Callbacks
 from distrib.training.early_stop import EarlyStopping
 from distrib.training.ema import EMA
 from distrib.training.evaluation import autocast, evaluate
+from distrib.training.extra_losses import ExtraLosses
 from distrib.training.losses import Loss, forward, step_loss
 from distrib.training.optimizers import chunked_steps, param_groups, user_optimizer
 from distrib.training.throughput import Throughput
@@ -167,6 +168,7 @@ class Trainer:
     checkpointer: Checkpointer | None  # None: no checkpoints
     on_step_end: Callable[[int], None] | None = None  # called with the step after each step's bookkeeping
     callbacks: Callbacks = field(default_factory=Callbacks)  # the user's hooks (distrib.training.callbacks)
+    extra_losses: ExtraLosses = field(default_factory=ExtraLosses)  # the model's aux_loss and such: logged
     last_eval: tuple[int, dict] | None = field(default=None, init=False)  # (step, metrics) of the latest evaluation
 
     def step(self, micro_batches: list[Batch]) -> torch.Tensor:
@@ -183,8 +185,10 @@ class Trainer:
 
     def _step_loss(self, micro_batches: list[Batch]) -> StepLoss:
         state, config = self.state, self.config
+        self.extra_losses.start(self.device)
         return StepLoss(
-            loss=step_loss(self.loss, [targets for _, targets in micro_batches], self.agreement.world_size),
+            loss=step_loss(self.loss, [targets for _, targets in micro_batches], self.agreement.world_size,
+                           self.extra_losses),
             forward=forward, autocast=lambda: autocast(config.precision, self.device),
             backward=lambda loss: state.scaler.scale(loss).backward(),
             batch=lambda inputs, targets: {**named(inputs, "inputs"), **named(targets, "targets")},
@@ -219,7 +223,8 @@ class Trainer:
                 or (self.checkpointer is not None and self.checkpointer.due(step)))
 
     def _agree(self, local: torch.Tensor, step: int) -> torch.Tensor:
-        agreed = self.agreement.agree(local, step)
+        agreed = self.agreement.agree(local, step, self.extra_losses.sums)
+        self.extra_losses.agreed = agreed.extras
         if agreed.nonfinite_since is not None:
             first = agreed.nonfinite_since
             where = f"at step {step}" if first >= step else f"between steps {first} and {step}"
@@ -235,7 +240,8 @@ class Trainer:
             loss_value = loss.item()  # host sync: only on log steps, so the step times are honest here
             self.meter.step_done()
             self.recorder.log_step(progress.step, progress.epoch, loss_value,
-                                   self.state.scheduler.get_last_lr()[0], **self.meter.window())
+                                   self.state.scheduler.get_last_lr()[0], self.extra_losses.logged(),
+                                   **self.meter.window())
         else:
             self.meter.step_done()
         if self.agreement.stop_agreed:

@@ -22,6 +22,7 @@ from distrib.distributed.compile import explain_compile_errors
 from distrib.distributed.mesh import ParallelDims
 from distrib.distributed.parallel import clip_grad_norm, explain_device_errors
 from distrib.distributed.runtime import Runtime
+from distrib.distributed.unused import DryForward
 from distrib.errors import ConfigError, UserError
 
 # Loads weights into the built, materialised (possibly sharded) model in place of its initialisation: the hook that
@@ -35,7 +36,9 @@ class Build:
     whatever device torch's default says (a strategy calls it under torch.device("meta") to build without memory);
     `seed` is train.seed, set before the factory and before a self-initialising model's init; `speed` and
     `precision` the [speed] options and train.precision the wrapping applies; `given`: a module that exists already
-    (given to distrib.fit), used as it is; `load_weights` see LoadWeights; `log` takes lines for the run's log."""
+    (given to distrib.fit), used as it is; `load_weights` see LoadWeights; `log` takes lines for the run's log;
+    `dry_forward(model)` runs the model on the first batch's inputs (the probe of dist.find_unused_parameters = auto:
+    distrib.distributed.unused; None: no probe)."""
 
     factory: Callable[[], nn.Module]
     seed: int
@@ -44,6 +47,7 @@ class Build:
     given: nn.Module | None = None
     load_weights: LoadWeights | None = None
     log: Callable[[str], None] = print
+    dry_forward: DryForward | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +64,15 @@ class StepLoss:
     backward: Callable[[torch.Tensor], None]
     batch: Callable[[object, object], dict]
     device: torch.device
+
+
+def zero_missing_grads(model: nn.Module) -> None:
+    """A zero gradient for each trainable parameter that got none in the step (an expert no token reached on any rank):
+    what FSDP2 reduces for them (set_reduce_scatter_unused_params), so that every strategy and world size steps the
+    same parameters, and an optimizer's momentum and weight decay act alike on them."""
+    for param in model.parameters():
+        if param.requires_grad and param.grad is None:
+            param.grad = torch.zeros_like(param)
 
 
 # dist.strategy -> the class that serves it, filled by each subclass's `names` as it is defined.
@@ -92,6 +105,9 @@ class Strategy(ABC):
     sharded_state: ClassVar[bool] = False
     # Whether dist.shard_size sizes this strategy's shard groups (hsdp's); any other refuses it.
     reads_shard_size: ClassVar[bool] = False
+    # Whether the trainer's loss sees each micro-batch's outputs whole, so that the model's extra losses are logged
+    # (not under pipeline parallel, whose last stage sees its microbatches' outputs only).
+    logs_extra_losses: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -157,6 +173,7 @@ class Strategy(ABC):
                     loss = step.loss(step.forward(model, inputs), targets, 1)
                 step.backward(loss)
             losses.append(loss.detach())
+        zero_missing_grads(model)
         return torch.stack(losses).sum()
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:

@@ -11,14 +11,21 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distrib.config import DistConfig, SpeedConfig
-from distrib.distributed import fsdp
+from distrib.distributed import fsdp, unused
 from distrib.distributed.compile import compile_whole
 from distrib.distributed.mesh import ParallelDims, group_split
 from distrib.distributed.parallel import place_model, unwrap
 from distrib.distributed.runtime import Runtime
-from distrib.distributed.strategies.base import Build, Strategy
+from distrib.distributed.strategies.base import Build, StepLoss, Strategy
 from distrib.distributed.strategies.materialise import build_whole
-from distrib.errors import ConfigError
+from distrib.errors import ConfigError, UserError
+
+# torch's words when a step starts while the previous one's gradient reduction waits for a parameter's gradient.
+_UNFINISHED = "Expected to have finished reduction in the prior iteration"
+
+
+def _said(setting: bool | str) -> str:
+    return setting if isinstance(setting, str) else str(setting).lower()
 
 
 def wrap_ddp(model: nn.Module, runtime: Runtime, **options) -> DDP:
@@ -42,12 +49,13 @@ def prepare(model: nn.Module, speed: SpeedConfig, shard_modules) -> None:
 
 
 def wrap(model: nn.Module, runtime: Runtime, speed: SpeedConfig, shard_modules="auto",
-         log: Callable[[str], None] = lambda line: None) -> nn.Module:
+         log: Callable[[str], None] = lambda line: None, find_unused_parameters: bool = False) -> nn.Module:
     """A placed whole model made ready to train or evaluate as ddp: the [speed] options, DDP, torch.compile (over
     DDP: distrib.distributed.compile.compile_whole, whose line goes to `log`). What distrib eval and predict run too."""
     prepare(model, speed, shard_modules)
     wrapped = wrap_ddp(model, runtime, gradient_as_bucket_view=speed.gradient_as_bucket_view,
-                       static_graph=speed.static_graph, bucket_cap_mb=speed.bucket_cap_mb or None)
+                       static_graph=speed.static_graph, bucket_cap_mb=speed.bucket_cap_mb or None,
+                       find_unused_parameters=find_unused_parameters)
     if not speed.compile:
         return wrapped
     wrapped, line = compile_whole(wrapped, speed)
@@ -84,8 +92,23 @@ class DDPStrategy(Strategy):
         model = build.given if build.given is not None else build_whole(build.factory, build.seed)
         if build.load_weights is not None:
             build.load_weights(model)
-        return wrap(place_model(model, runtime.device), runtime, build.speed, self.config.shard_modules,
-                    build.log)
+        model = place_model(model, runtime.device)
+        # Before DDP: its hooks are set per parameter when it wraps, and a parameter without a gradient in a step
+        # leaves its reduction unfinished unless DDP looks for such parameters (a collective under auto).
+        find = unused.find_unused(self.config.find_unused_parameters, model, build.dry_forward, runtime.device,
+                                  build.log)
+        return wrap(model, runtime, build.speed, self.config.shard_modules, build.log, find)
+
+    def forward_backward(self, model: nn.Module, micro_batches: list, step: StepLoss) -> torch.Tensor:
+        try:
+            return super().forward_backward(model, micro_batches, step)
+        except RuntimeError as e:
+            if _UNFINISHED not in str(e):
+                raise
+            # On every rank alike (each finds its own reduction unfinished), and at the step after the one at fault.
+            raise UserError(f"dist.find_unused_parameters = {_said(self.config.find_unused_parameters)}: a trainable "
+                            "parameter got no gradient in the previous step (an expert no token reached, a branch "
+                            "not taken), and DDP waited for it; fix: --set dist.find_unused_parameters=true") from None
 
     def grad_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
         wrapped = getattr(model, "_orig_mod", model)  # torch.compile wraps the DDP module

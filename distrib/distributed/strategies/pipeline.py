@@ -54,6 +54,7 @@ def _stage(stage_of: dict[str, int], name: str) -> int | None:
 class PipelineStrategy(FSDPStrategy):
     names = ()  # chosen by dist.pipeline_parallel > 1, over the data-parallel strategy dist.strategy names
     sharded_state = True
+    logs_extra_losses = False
 
     @classmethod
     def check_keys(cls, config: DistConfig) -> None:
