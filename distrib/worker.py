@@ -46,6 +46,7 @@ from distrib.training.losses import Loss, LossFn, build_loss
 from distrib.training.notes import task_notes
 from distrib.training.optimizers import check_user_optimizer
 from distrib.training.preflight import dry_batch, dry_forward, task_for
+from distrib.training.startup import StartupClock
 from distrib.training.throughput import flops_per_sample, meter_for, tokens_per_sample
 from distrib.training.trainer import Trainer, TrainState, new_state
 
@@ -248,8 +249,9 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
     check_config(config)  # checked before any worker too; here for a Config built in Python
     strategy = make_strategy(config.dist, runtime.world_size, runtime.local_world_size)
     runtime = runtime.with_mesh(strategy.dims)  # the ranks of a tensor-parallel group read the same data
-    start, notes = time.perf_counter(), []
+    start, notes, clock = time.perf_counter(), [], StartupClock()
     data = split_validation(data or load_data(config.data, runtime, config.train.seed), config.data)
+    clock.mark("data")
     if data.val is not None:
         notes.append(f"validation: {data.val.num_samples} samples"
                      + (f" held out of the training set (data.val_fraction = {config.data.val_fraction})"
@@ -266,6 +268,7 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
     resuming = _resuming(config, runtime)
     wrapped = strategy.setup_module(_build(config, runtime, data, model, notes, resuming), runtime)
     placed = unwrap(wrapped)
+    clock.mark("model (build, weights, wrap)")
     notes += _model_notes(config, placed)
     dry = dry_batch(placed, data.train, data.info, runtime.device, build_loss(config.train, loss_fn))
     loss, task = dry.loss, task_for(dry, config.metrics.eval, metrics)
@@ -282,6 +285,7 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
     meter.flops_per_sample = flops_per_sample(placed, dry.inputs, dry.targets, loss)
     meter.tokens_per_sample = tokens_per_sample(dry.inputs)
     strategy.after_forward_only(wrapped)  # the checks above ran forwards only: the optimizer must get the shards
+    clock.mark("checks (dry batch, FLOP count)")
     # Only now, once the user's input passed: rank 0 locks run.dir and checkpoint.dir for the rest of the run (a
     # refused run wrote nothing, not even a lock file); the resume choice below is made under the lock. Under a
     # sharded strategy every rank writes its part of weights/ and of each checkpoint: each checks it sees them.
@@ -309,6 +313,8 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
                       f"{config.train.grad_accum_steps} micro-steps x {plan.micro_batch_size}), "
                       f"{type(data.train).__name__}")
         recorder.start(to_dict(config), resumed_from, runtime.restart_count)  # trackers: fail here, not mid-run
+        clock.mark("state, resume and trackers")
+        recorder.info(clock.line())
         try:
             with stop_on_signals(parse_signals(config.checkpoint.signals)) as stop, \
                     collective_timeouts(config.dist.timeout_s, lambda: f"after step {state.progress.step}",
