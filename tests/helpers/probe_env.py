@@ -17,16 +17,17 @@ KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "G
 
 
 def _network_that(act_on_rank1) -> "torch.nn.Module":
-    """The seed Network, whose rank 1 calls act_on_rank1() in its third forward (the third training step), after
-    touching the file DISTRIB_TEST_ACTED names (if set): when it acted, for a test that times what follows."""
+    """The seed Network, whose rank 1 calls act_on_rank1() in its third training forward (the third training step;
+    the checks before training run in eval mode), after touching the file DISTRIB_TEST_ACTED names (if set): when it
+    acted, for a test that times what follows."""
     from distrib.models.network import Network
 
     class Probe(Network):
         calls = 0
 
         def forward(self, x):
-            Probe.calls += 1
-            if Probe.calls == 3 and dist.get_rank() == 1:
+            Probe.calls += self.training
+            if self.training and Probe.calls == 3 and dist.get_rank() == 1:
                 if os.environ.get("DISTRIB_TEST_ACTED"):
                     Path(os.environ["DISTRIB_TEST_ACTED"]).touch()
                 act_on_rank1()
