@@ -126,7 +126,8 @@ def fit(model: nn.Module | Callable[..., nn.Module], train_data, test_data,
             return train_on(resolved, runtime, data=data, model=model, loss_fn=loss_fn, metrics=tuple(metrics),
                             callbacks=tuple(callbacks))
     except Preempted as e:  # a SystemExit(75): uncaught, the script ends with 75 and no traceback
-        say(e.line())
+        if e.announce:  # rank 0's: one line for the run, not one per rank
+            say(e.line())
         raise
     except Exception as e:
         _record(e)

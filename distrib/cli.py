@@ -56,14 +56,17 @@ def _train(args: argparse.Namespace) -> int:
 
 def _before_workers(config):
     """What the launcher checks once, before any worker starts: the device each worker would get (CUDA present,
-    enough GPUs) and the global batch's split over the world size."""
+    enough GPUs), the layout at this world size (every parallel degree; the heads under tensor parallel) and the
+    global batch's split over its data-parallel ranks."""
     def check(nproc_per_node: int, world_size: int | None) -> None:
         from distrib.config import check_world_size
         from distrib.distributed.runtime import select_device
+        from distrib.plan.layout import check_layout
 
         select_device(config.dist.device, nproc_per_node - 1)  # the last local rank's device: all of them exist
         if world_size is not None:
-            check_world_size(config.train.global_batch_size, config.train.grad_accum_steps, world_size)
+            dims = check_layout(config, world_size, nproc_per_node)
+            check_world_size(config.train.global_batch_size, config.train.grad_accum_steps, dims.data_parallel)
     return check
 
 
@@ -80,7 +83,8 @@ def _worker(config) -> int:
     try:
         run_training(config)
     except Preempted as e:  # a SystemExit(75): entry() ends the process with it, as distrib.fit's scripts end
-        say(e.line())
+        if e.announce:  # rank 0's: one line for the run, not one per rank
+            say(e.line())
         return EXIT_PREEMPTED
     return 0
 

@@ -215,8 +215,9 @@ class ModelConfig:
         "the shape and `model.factory`", choices=("network", "gpt"))
     factory: str = key("",
         "`package.module:function` returning any `nn.Module`, called with `model.kwargs` (`--set 'model.kwargs={width "
-        "= 64}'`) plus from the data what it declares: `num_classes`; `in_channels`, `image_size` for images; "
-        "`in_features` for float vectors; `seq_len` and `vocab_size` for integer sequences; wins over `model.name`")
+        "= 64}'`) plus from the data what it declares by name (a `**kwargs` gets `model.kwargs` alone): `num_classes`; "
+        "`in_channels`, `image_size` for images; `in_features` for float vectors; `seq_len` and `vocab_size` for "
+        "integer sequences; wins over `model.name`")
     kwargs: dict = key({},
         "keyword arguments of `model.factory` or of the built-in model (`--set 'model.kwargs={width = 64}'`)")
     init_from: str = key("",

@@ -50,11 +50,12 @@ class Preempted(SystemExit):
     """A stop signal (checkpoint.signals) ended training: every rank agreed on it at one step boundary and the
     checkpoint is on disk. A SystemExit with code EXIT_PREEMPTED, as Lightning's SIGTERMException is one: uncaught,
     the process ends with 75 and no traceback (`except Exception` does not catch it); a script that must act on it
-    catches distrib.Preempted, then re-raises it (or exits 75 itself) so the job is requeued."""
+    catches distrib.Preempted, then re-raises it (or exits 75 itself) so the job is requeued. announce: whether this
+    process says line() (rank 0 does; the other ranks stop with it quietly, so the log says it once)."""
 
-    def __init__(self, step: int, path):
+    def __init__(self, step: int, path, announce: bool = True):
         super().__init__(EXIT_PREEMPTED)
-        self.step, self.path = step, path
+        self.step, self.path, self.announce = step, path, announce
 
     def __str__(self) -> str:
         return f"preempted at step {self.step}; checkpoint {self.path}"

@@ -36,14 +36,14 @@ def import_object(key: str, spec: str) -> Callable:
 
 
 def accepted(function: Callable, offered: dict[str, Any]) -> dict[str, Any]:
-    """The entries of `offered` that `function` declares as parameters (all of them if it takes **kwargs)."""
+    """The entries of `offered` that `function` declares by name, as the docs promise: a `**kwargs` catches none
+    of them (it gets model.kwargs alone), nor does a positional-only parameter."""
     try:
         params = inspect.signature(function).parameters
     except (TypeError, ValueError):  # builtins without a signature
         return {}
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return dict(offered)
-    return {name: value for name, value in offered.items() if name in params}
+    by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {name: value for name, value in offered.items() if name in params and params[name].kind in by_name}
 
 
 def call_factory(key: str, spec: str, function: Callable, kwargs: dict[str, Any]) -> Any:

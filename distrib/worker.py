@@ -47,7 +47,7 @@ from distrib.training.notes import task_notes
 from distrib.training.optimizers import check_user_optimizer
 from distrib.training.preflight import dry_batch, dry_forward, task_for
 from distrib.training.startup import StartupClock
-from distrib.training.throughput import flops_per_sample, meter_for, tokens_per_sample
+from distrib.training.throughput import flops_per_sample, meter_for, tokens_per_sample, whole_on_meta
 from distrib.training.trainer import Trainer, TrainState, new_state
 
 ModelArg = nn.Module | Callable[..., nn.Module] | None  # distrib.fit's model: a module, a function, or the config's
@@ -266,7 +266,9 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
     # Built, materialised (under sharded strategies: only this rank's shards), given model.init_from's weights,
     # placed and wrapped; the checks below run the plain module under the wrappers.
     resuming = _resuming(config, runtime)
-    wrapped = strategy.setup_module(_build(config, runtime, data, model, notes, resuming), runtime)
+    build = _build(config, runtime, data, model, notes, resuming)
+    whole = whole_on_meta(build.factory, build.given)  # for the FLOP count, taken before a strategy shards
+    wrapped = strategy.setup_module(build, runtime)
     placed = unwrap(wrapped)
     clock.mark("model (build, weights, wrap)")
     notes += _model_notes(config, placed)
@@ -282,7 +284,7 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
     hooks = Callbacks([*from_config(config.train.callbacks), *callbacks])
     notes += task_notes(config.train, loss, task, placed, total_steps)
     meter = meter_for(config, runtime)
-    meter.flops_per_sample = flops_per_sample(placed, dry.inputs, dry.targets, loss)
+    meter.flops_per_sample = flops_per_sample(placed if whole is None else whole, dry.inputs, dry.targets, loss)
     meter.tokens_per_sample = tokens_per_sample(dry.inputs)
     strategy.after_forward_only(wrapped)  # the checks above ran forwards only: the optimizer must get the shards
     clock.mark("checks (dry batch, FLOP count)")

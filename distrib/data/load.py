@@ -4,7 +4,6 @@ data.factory, or datasets handed to distrib.fit(). Every data mistake is one Use
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 from typing import Callable
 
@@ -18,7 +17,7 @@ from distrib.data.factory import as_split_or_dataset, call_data_factory
 from distrib.data.tensors import FASHION_MNIST_STATS, Split
 from distrib.data.text import token_data
 from distrib.distributed.runtime import Runtime
-from distrib.errors import UserError
+from distrib.errors import UserError, say
 
 KNOWN_STATS = {"fashion-mnist": FASHION_MNIST_STATS, "mnist": idx.SETS["mnist"].stats, "cifar10": named.CIFAR_STATS,
                "synthetic": FASHION_MNIST_STATS}  # synthetic keeps the values it was always normalised with
@@ -80,7 +79,7 @@ def _identity(config: DataConfig, loaded: Loaded) -> Callable[[], dict]:
 
 
 def _main_log(runtime: Runtime) -> Callable[[str], None]:
-    return lambda message: print(f"[distrib] {message}", file=sys.stderr) if runtime.is_main else None
+    return lambda message: say(f"[distrib] {message}") if runtime.is_main else None  # as Recorder.info
 
 
 def _on_every_rank(runtime: Runtime, fn):

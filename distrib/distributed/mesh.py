@@ -76,13 +76,24 @@ def data_parallel_size(config: DistConfig, world_size: int, local_world_size: in
     lays these ranks out (replicas, shard groups) is its own: Strategy.replicas_and_shards."""
     pp, tp = config.pipeline_parallel, config.tensor_parallel
     if world_size % pp:
-        raise ConfigError(f"dist.pipeline_parallel = {pp}: does not divide world size {world_size}; use a divisor "
-                          f"of {world_size}")
+        raise ConfigError(f"dist.pipeline_parallel = {pp}: does not divide world size {world_size}; use "
+                          f"{either(divisors(world_size))} (the divisors of {world_size}), or a world size that is a "
+                          f"multiple of {pp}")
     if world_size // pp % tp:
         raise ConfigError(f"dist.tensor_parallel = {tp}: does not divide world size {world_size}"
                           + (f" / pipeline parallel {pp}" if pp > 1 else "")
-                          + f"; use a divisor of {world_size // pp} (ideally of the {local_world_size} ranks per node)")
+                          + f"; use a divisor of {world_size // pp} (ideally of the {local_world_size} ranks per "
+                          f"node), or a world size that is a multiple of {pp * tp}")
     return world_size // (pp * tp)
+
+
+def divisors(number: int) -> list[int]:
+    return [d for d in range(1, number + 1) if number % d == 0]
+
+
+def either(options: list[int]) -> str:
+    """'1, 2 or 4': the degrees a refusal offers."""
+    return ", ".join(map(str, options[:-1])) + f" or {options[-1]}" if len(options) > 1 else str(options[0])
 
 
 def build_mesh(shape: ParallelDims, device_type: str):

@@ -199,6 +199,17 @@ def cpu_threads(environ: Mapping[str, str], num_workers: int, num_gpus: int) -> 
     return str(max(1, len(os.sched_getaffinity(0)) // max(num_workers, 1)))
 
 
+def oversubscribed(num_workers: int, num_gpus: int, num_cores: int | None = None) -> str | None:
+    """A warning when a CPU run starts more workers on this node than there are cores this process may run on: they
+    take turns on the cores, and every step waits for the slowest of them. None when they fit, or on GPUs."""
+    num_cores = num_cores or len(os.sched_getaffinity(0))
+    if num_gpus or num_workers <= num_cores:
+        return None
+    return (f"distrib launch: warning: --nproc-per-node {num_workers} starts {num_workers} CPU workers (no GPU is "
+            f"visible) on {num_cores} cores: they take turns on the cores and each step waits for the slowest; "
+            f"--nproc-per-node {num_cores} or fewer gives each worker a core of its own")
+
+
 def private_sockets(environ: Mapping[str, str], max_nodes: int) -> dict[str, str]:
     """On one node, the workers' gloo and NCCL connections on the loopback interface, so that no process of the
     run listens on an address another machine can reach (the stores: distrib.launch.rendezvous); a user's own
@@ -392,8 +403,11 @@ def main(argv: Sequence[str], check: Callable[[int, int | None], None] | None = 
         check_program(args)
         if check is not None:
             check(local_world_size(args.nproc_per_node), fixed_world_size(args))
-        num_gpus = visible_gpu_count()
-        threads = cpu_threads(os.environ, local_world_size(args.nproc_per_node), num_gpus)
+        num_gpus, num_workers = visible_gpu_count(), local_world_size(args.nproc_per_node)
+        warning = oversubscribed(num_workers, num_gpus)
+        if warning:
+            say(warning)
+        threads = cpu_threads(os.environ, num_workers, num_gpus)
         if threads is not None:
             # Set here, in the one writer of the launch environment; torch's agent passes it on to every worker.
             os.environ["OMP_NUM_THREADS"] = threads

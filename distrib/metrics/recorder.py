@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from distrib.errors import UserError
+from distrib.errors import UserError, say
 from distrib.metrics.jsonl import JsonlLogger
 
 # The optional loggers: the module and class of each, imported only when named, and the package every rank looks
@@ -75,8 +75,8 @@ class Recorder:
         if self.enabled:
             if self.show_progress:
                 tqdm.write(f"[distrib] {message}", file=sys.stderr)  # above the bar, not through it
-            else:
-                print(f"[distrib] {message}", file=sys.stderr, flush=True)
+            else:  # one write to the stream's file, not print: Ray Train's print both writes and logs (twice)
+                say(f"[distrib] {message}")
 
     def progress_bar(self, total: int, initial: int = 0) -> tqdm:
         return tqdm(total=total, initial=initial, disable=not self.show_progress, unit="step", dynamic_ncols=True,

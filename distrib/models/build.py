@@ -20,6 +20,10 @@ def _shape(shape) -> str:
     return "x".join(str(s) for s in shape)
 
 
+# Every argument data_kwargs may offer a factory.
+DATA_KEYS = ("num_classes", "in_channels", "image_size", "in_features", "seq_len", "vocab_size")
+
+
 def data_kwargs(info: DataInfo) -> dict:
     """What the data tells a factory that asks: num_classes; in_channels and image_size (an int for square images)
     for images; in_features for vectors of features; seq_len and vocab_size (= num_classes) for sequences of integer
@@ -37,10 +41,15 @@ def data_kwargs(info: DataInfo) -> dict:
     return offered
 
 
+def _named(config: ModelConfig) -> tuple[str, str]:
+    """(the config key, 'package.module:function') of the model: model.factory, or model.name's built-in."""
+    return ("model.factory", config.factory) if config.factory else ("model.name", _BUILTIN[config.name])
+
+
 def factory_call(config: ModelConfig, info: DataInfo) -> tuple[str, dict]:
     """The factory as 'package.module:function' (built-ins too) and the exact keyword arguments it is called with:
     the data's num_classes / in_channels / image_size where it declares them, then model.kwargs (which win)."""
-    key, spec = ("model.factory", config.factory) if config.factory else ("model.name", _BUILTIN[config.name])
+    key, spec = _named(config)
     if config.name == "network" and not config.factory and tuple(info.input_shape) != NETWORK_INPUT:
         raise UserError(f"model.name = {config.name!r}: the seed Network takes {_shape(NETWORK_INPUT)} inputs, but "
                         f"the data's are {_shape(info.input_shape)}; set model.factory to a model for "
@@ -56,8 +65,23 @@ def factory_call(config: ModelConfig, info: DataInfo) -> tuple[str, dict]:
 def build_model(config: ModelConfig, info: DataInfo) -> nn.Module:
     """A fresh model on whatever device its constructor chose (normally the CPU); placement comes later."""
     spec, kwargs = factory_call(config, info)
-    key = "model.factory" if config.factory else "model.name"
-    model = call_factory(key, spec, import_object(key, spec), kwargs)
+    key, _ = _named(config)
+    return _checked(key, spec, call_factory(key, spec, import_object(key, spec), kwargs))
+
+
+def build_without_data(config: ModelConfig) -> nn.Module | None:
+    """The model as build_model makes it, before any data is loaded (the launcher's checks build it on the meta
+    device): a built-in with its defaults for the data's arguments (they shape its embeddings and classifier, which
+    no tensor-parallel plan splits), a factory where model.kwargs gives every data argument it declares; None for a
+    factory that needs the data."""
+    key, spec = _named(config)
+    function = import_object(key, spec)
+    if config.factory and any(name not in config.kwargs for name in accepted(function, dict.fromkeys(DATA_KEYS))):
+        return None
+    return _checked(key, spec, call_factory(key, spec, function, dict(config.kwargs)))
+
+
+def _checked(key: str, spec: str, model) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise UserError(f"{key} = {spec!r}: returned {type(model).__name__}, not an nn.Module; "
                         "return the model from the factory")

@@ -1,5 +1,6 @@
-"""The log lines a run opens with about its task: where the loss comes from, which metrics it reports, and what would
-keep runs at other world sizes from agreeing (dropout) or the schedule from reaching train.lr (a long warm-up)."""
+"""The log lines a run opens with about its task: where the loss comes from, which metrics it reports, how it steps
+(optimizer, schedule, warm-up), and what would keep runs at other world sizes from agreeing (dropout) or the schedule
+from reaching train.lr (a long warm-up)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,24 @@ def dropout_layers(model: nn.Module) -> list[str]:
     return found
 
 
+def optimizer_note(config: TrainConfig, total_steps: int | None) -> str:
+    """How the run steps, in one line: the defaults (sgd, momentum 0.9, cosine, 100 warm-up steps) are not what a
+    script being ported may have used, and each takes an override to change."""
+    builtin = {"sgd": [f"momentum {config.momentum:g}"], "adam": [f"betas {config.betas[0]:g}, {config.betas[1]:g}"]}
+    builtin["adamw"] = builtin["adam"]
+    settings = builtin.get(config.optimizer, ["your function: its learning rate is the peak"])
+    if config.weight_decay:
+        settings.append(f"weight decay {config.weight_decay:g}")
+    lr = f"lr {config.lr:g}, " if config.optimizer in builtin else ""
+    warmup = f"after {config.warmup_steps} warm-up steps" if config.warmup_steps else "without warm-up"
+    length = config.schedule_steps or total_steps  # as build_scheduler spans it; None: a stream's, unknown
+    schedule = (f"constant {warmup}" if config.schedule == "constant"
+                else f"cosine to 0 over {max(0, length - config.warmup_steps)} steps {warmup}" if length
+                else f"cosine to 0 at the end {warmup}")
+    clip = f", gradient norm clipped at {config.grad_clip:g}" if config.grad_clip else ""
+    return f"optimizer {config.optimizer} ({', '.join(settings)}), {lr}{schedule}{clip}"
+
+
 def task_notes(config: TrainConfig, loss: Loss, task: Task, model: nn.Module, total_steps: int | None
                ) -> list[str]:
     source = ("the model's own outputs.loss (train.loss is not used)" if loss.name == "model"
@@ -29,7 +48,7 @@ def task_notes(config: TrainConfig, loss: Loss, task: Task, model: nn.Module, to
     if getattr(loss, "shift", None) is not None:  # a CountedModelLoss
         source += (", a mean over the labels' counted positions" + (" shifted by one" if loss.shift else "")
                    + ": each step divides by the global batch's count")
-    notes = [f"loss: {source}; metrics: {', '.join(task.reported())}"]
+    notes = [f"loss: {source}; metrics: {', '.join(task.reported())}", optimizer_note(config, total_steps)]
     dropout = dropout_layers(model)
     if dropout:
         notes.append(f"the model has {len(dropout)} dropout layers ({dropout[0]}, ...): their random masks differ "

@@ -4,9 +4,11 @@ Taking a mark never syncs with the device; the marks are exact wherever the step
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from array import array
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -54,8 +56,10 @@ def tokens_per_sample(inputs) -> int | None:
 
 
 def flops_per_sample(model: nn.Module, inputs, targets, loss=None) -> float | None:
-    """A model that counts its own FLOPs per token (the built-in GPT: the decoder-transformer count torchtitan and
-    PaLM use), times the tokens of a sample; the FLOP counter's measurement for any other model."""
+    """FLOPs of one sample of the whole model (whole_on_meta's, not a shard or a stage of it): a model that counts
+    its own per token (the built-in GPT: the decoder-transformer count torchtitan and PaLM use, within 4% of the
+    counter's, which adds the scores a fused attention's backward recomputes: tests/unit/test_flops.py) times the
+    tokens of a sample; the FLOP counter's measurement for any other model."""
     per_token = getattr(model, "flops_per_token", None)
     tokens = tokens_per_sample(inputs)
     if callable(per_token) and tokens:
@@ -63,26 +67,86 @@ def flops_per_sample(model: nn.Module, inputs, targets, loss=None) -> float | No
     return count_flops_per_sample(model, inputs, targets, loss)
 
 
+def whole_on_meta(factory: Callable[[], nn.Module], given: nn.Module | None = None) -> nn.Module | None:
+    """The whole model on the meta device (no memory), what the FLOP count runs, the same under every strategy: built
+    by the factory, or copied from a module given to distrib.fit (call this before a strategy shards it in place).
+    None when the factory cannot build on meta (it reads weights itself: only ddp runs that, and holds the model
+    whole). The factory's RNG draws, if any, are undone."""
+    with torch.random.fork_rng(devices=[]):
+        try:
+            if given is not None:
+                return _copy_with(given, _on_meta)
+            with torch.device("meta"):
+                return factory()
+        except Exception:  # noqa: BLE001 - the user's factory: the strategy's own build says what is wrong with it
+            return None
+
+
+def _copy_with(model: nn.Module, make: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
+    """A deep copy of the module with each parameter and buffer replaced by make(tensor) (a tied one made once)."""
+    memo = {id(tensor): make(tensor) for tensor in (*model.parameters(), *model.buffers())}
+    return copy.deepcopy(model, memo)
+
+
+def _on_meta(tensor: torch.Tensor) -> torch.Tensor:
+    meta = tensor.detach().to("meta")
+    return nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+
+
+def _one_value(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A zero of the tensor's shape and dtype held in one element (expanded): a matmul materialises it for its own
+    time only. A trainable one drops each gradient as it is made (for another one-element tensor)."""
+    value = torch.zeros((), dtype=tensor.dtype, device=device).expand(tensor.shape)
+    if not isinstance(tensor, nn.Parameter):
+        return value
+    param = nn.Parameter(value, requires_grad=tensor.requires_grad)
+    if param.requires_grad:
+        param.register_hook(lambda grad: torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape))
+    return param
+
+
+def _cpu_attention() -> dict:
+    """The CPU's fused attention, forward and backward, counted as the GPUs' is (torch's table lacks it)."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    def forward_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
+        return sdpa_flop_count(query, key, value)
+
+    def backward_flops(grad, query, key, value, *args, out_shape=None, **kwargs) -> int:
+        return sdpa_backward_flop_count(grad, query, key, value)
+
+    aten = torch.ops.aten
+    return {aten._scaled_dot_product_flash_attention_for_cpu: forward_flops,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: backward_flops}
+
+
 def count_flops_per_sample(model: nn.Module, inputs, targets, loss=None) -> float | None:
-    """Forward and backward FLOPs of one training sample, counted once on a real micro-batch of the plain module.
-    Side-effect free: eval mode (no dropout draws, no batch-norm statistics), torch.autograd.grad (no .grad writes,
-    no DDP hooks); None when the counter cannot run this model."""
+    """Forward and backward FLOPs of one training sample, by torch's FlopCounterMode, counted once on a copy of the
+    model (which may be on the meta device) whose weights hold one zero each, run on the real micro-batch. Counted
+    by shape, and what reads values runs (an MoE's routing sends each token to its top-k experts whatever the
+    weights; a Hugging Face model checks its attention mask, which a meta tensor cannot): the copy holds nothing
+    but the activations and, for one op at a time, a weight its matmul makes whole. Gradients of the trainable
+    parameters only: a frozen weight counts no weight-gradient matmul. Side-effect free: eval mode (no dropout, no
+    batch-norm statistics), the RNG states kept, the model untouched (no .grad write, no DDP or FSDP hook); None
+    when the counter cannot run this model."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    params = [p for p in model.parameters() if p.requires_grad]
-    was_training = model.training
-    model.eval()
-    try:  # eager (compiled blocks too): the counter sees every op, and no graph is compiled for eval mode with grad
-        with torch.compiler.set_stance("force_eager"), FlopCounterMode(display=False) as counter:
-            outputs = forward(model, inputs)
+    device = next(iter(samples.named(inputs, "inputs").values())).device
+    try:
+        copied = _copy_with(model, lambda tensor: _one_value(tensor, device))
+        copied.eval()
+        params = [p for p in copied.parameters() if p.requires_grad]
+        rng = torch.random.fork_rng(devices=[] if device.type == "cpu" else [device], device_type=device.type)
+        counter = FlopCounterMode(display=False, custom_mapping=_cpu_attention())
+        # eager (compiled blocks too): the counter sees every op, and no graph is compiled for eval mode with grad
+        with rng, torch.compiler.set_stance("force_eager"), counter:
+            outputs = forward(copied, inputs)
             value = loss(outputs, targets) if loss is not None else F.cross_entropy(outputs.float(), targets)
             if params and value.requires_grad:
                 torch.autograd.grad(value, params, allow_unused=True)
         total = counter.get_total_flops()
-    except (RuntimeError, NotImplementedError, TypeError):  # an op the counter cannot dispatch: no MFU, still train
-        return None
-    finally:
-        model.train(was_training)
+    except (RuntimeError, NotImplementedError, TypeError, ValueError, IndexError):  # an op the counter cannot run
+        return None  # no MFU; the run still trains
     return total / samples.num_samples(targets, inputs) if total else None
 
 

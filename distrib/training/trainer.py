@@ -246,7 +246,7 @@ class Trainer:
             self.meter.step_done()
         if self.agreement.stop_agreed:
             path = self.checkpointer.save(progress.step) if self.checkpointer else None
-            raise Preempted(progress.step, path)
+            raise Preempted(progress.step, path, announce=self.recorder.enabled)  # rank 0's recorder says it once
         if self.checkpointer and self.checkpointer.due(progress.step):
             self.checkpointer.save(progress.step)
             self.meter.restart_clock()

@@ -133,8 +133,8 @@ def worker_pid(marker: str, local_rank: int) -> int | None:
 EVENT_S = 420.0
 
 
-def wait_for(predicate, timeout: float, what: str, procs: Sequence[subprocess.Popen] = ()):
-    """predicate()'s first truthy value, polled every 50 ms. Fails the test after timeout seconds, or as soon as one
+def wait_for(predicate, timeout: float, what: str, procs: Sequence[subprocess.Popen] = (), poll_s: float = 0.05):
+    """predicate()'s first truthy value, polled every poll_s. Fails the test after timeout seconds, or as soon as one
     of procs has ended: then the event will not come, and waiting out the deadline would only hide why."""
     deadline = time.monotonic() + timeout
     while True:
@@ -145,7 +145,7 @@ def wait_for(predicate, timeout: float, what: str, procs: Sequence[subprocess.Po
         if ended or time.monotonic() > deadline:
             why = f"it ended first: {'; '.join(ended)}" if ended else f"timed out after {timeout:.0f}s"
             raise AssertionError(f"no {what}: {why}")
-        time.sleep(0.05)
+        time.sleep(poll_s)
 
 
 @dataclass

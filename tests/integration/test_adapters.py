@@ -79,6 +79,9 @@ def test_lora_trains_alike_under_ddp_fsdp_and_hsdp_and_leaves_the_base_bitwise(r
         assert len(frozen) == len(saved) and all(torch.equal(tensor, saved[base_name(model, name)])
                                                  for name, tensor in frozen.items()), layout
     assert "the adapter's 8 tensors" in said["fsdp"] and "keep the adapter's own initialisation" in said["fsdp"]
+    flops = {layout: json.loads((folder / layout / "summary.json").read_text())["flops_per_sample"]
+             for layout in ("one", "fsdp", "hsdp")}
+    assert flops["one"] > 0 and len(set(flops.values())) == 1, flops  # the whole model's, frozen base included
 
 
 @pytest.mark.timeout(EVENT_S)

@@ -42,6 +42,9 @@ def test_a_moe_with_a_dead_expert_agrees_at_world_sizes_1_and_2_under_ddp_and_fs
     said = split_runs(result.stderr, list(RUNS))
 
     one = tmp_path / "one"
+    flops = {name: json.loads((tmp_path / name / "summary.json").read_text())["flops_per_sample"]
+             for name in ("one", "ddp", "fsdp")}
+    assert flops["one"] > 0 and len(set(flops.values())) == 1, flops  # the whole model's top-1, not fsdp's shard
     for name in ("ddp", "fsdp"):
         assert max_relative_diff(_weights(tmp_path / name), _weights(one)) < 1e-5, name
         aux = _aux_losses(tmp_path / name)

@@ -67,3 +67,24 @@ def test_a_fit_config_mistake_is_one_line_under_distrib_launch_and_torchrun(tmp_
     said = {rank: "".join(path.read_text() for path in sorted(tmp_path.glob(f"logs/*/attempt_0/{rank}/std*.log")))
             for rank in (0, 1)}
     assert said == {0: f"distrib: error: {mistake.removeprefix('ConfigError: ')}\n", 1: ""}, said
+
+
+@pytest.mark.timeout(900)
+def test_a_layout_the_world_cannot_hold_is_one_line_before_any_worker_starts(tmp_path):
+    """`dist.pipeline_parallel = 2` on 3 workers, and 2 heads under `dist.tensor_parallel = 4`: the launcher's own
+    check refuses them, so its line is the whole output (a started worker would add its [distrib] lines), exit 2."""
+    gpt_tp = ["--set", "dist.strategy=fsdp", "--set", "model.name=gpt", "--set", "model.kwargs={n_heads = 2, dim = 16}",
+              "--set", "data.name=text", "--set", "dist.tensor_parallel=4"]
+    with Launches(tmp_path) as launches:
+        launches.start(distrib_cmd("train", "--nproc-per-node", "3", "--set", "dist.pipeline_parallel=2",
+                                   "--set", f"run.dir={tmp_path}/pipeline"))
+        launches.start(distrib_cmd("train", "--nproc-per-node", "4", *gpt_tp, "--set", f"run.dir={tmp_path}/heads"))
+        pipeline, heads = launches.wait(EVENT_S)
+    said = [(pipeline, "distrib: error: dist.pipeline_parallel = 2: does not divide world size 3; use 1 or 3 (the "
+                       "divisors of 3), or a world size that is a multiple of 2"),
+            (heads, "distrib: error: dist.tensor_parallel = 4: GPT's 2 attention heads (model.kwargs n_heads) cannot "
+                    "be split 4 ways (each rank computes whole heads); use dist.tensor_parallel = 1 or 2 (e.g. --set "
+                    "dist.tensor_parallel=2), or set model.kwargs n_heads to a multiple of 4")]
+    for done, line in said:
+        assert (done.returncode, done.stdout, done.stderr.splitlines()) == (2, "", [line]), done.text()
+    assert not (tmp_path / "pipeline").exists() and not (tmp_path / "heads").exists()

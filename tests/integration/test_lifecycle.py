@@ -20,7 +20,7 @@ import pytest
 from distrib.errors import EXIT_HUNG, EXIT_PREEMPTED
 from distrib.launch.lifeline import Status, read_statuses, write_status
 from tests.helpers.launch_support import CLUSTER_CONFIG, PROBE, REPO, SMALL, Launches, clean_env, distrib_cmd, run_one
-from tests.helpers.processes import EVENT_S, descendants
+from tests.helpers.processes import EVENT_S, descendants, wait_for
 
 LONG = [*SMALL, "--set", "train.max_steps=100000", "--set", "train.log_every=1"]  # runs until stopped
 
@@ -194,25 +194,65 @@ def test_a_stop_signal_before_the_workers_exist_is_a_preemption(tmp_path, signum
         os.kill(_proc(launches).pid, signum)
         [done] = launches.wait(timeout=EVENT_S)
     assert done.returncode == EXIT_PREEMPTED, done.text()
-    assert f"stopped by {signum.name} before any worker started; exit 75" in done.stderr, done.text()
+    # The launcher's line, or the entry point's where the signal came while the CLI was still being imported.
+    said = re.findall(rf"stopped by {signum.name} (?:before any worker started; exit 75|outside the training steps "
+                      r".*exit code 75)", done.stderr)
+    assert len(said) == 1, done.text()
+
+
+def _torch_loaded(pid: int) -> bool:
+    """Whether torch's C++ library is mapped into the process: it has begun to import torch."""
+    with contextlib.suppress(OSError):
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    return False
+
+
+def _stop_when(launches: Launches, ready, what: str) -> bool:
+    """SIGTERM to the launcher as soon as ready() (polled every 5 ms: the moment is the test); the launcher is frozen
+    (SIGSTOP) while the signal is sent, so what the test saw is the state the signal lands in. Returns whether the
+    launcher had begun to import torch then."""
+    proc = _proc(launches)
+    wait_for(ready, EVENT_S, what, [proc], poll_s=0.005)
+    os.kill(proc.pid, signal.SIGSTOP)
+    loaded = _torch_loaded(proc.pid)
+    os.kill(proc.pid, signal.SIGTERM)
+    os.kill(proc.pid, signal.SIGCONT)
+    return loaded
 
 
 @pytest.mark.timeout(900)
-def test_a_stop_signal_while_the_trainers_start_is_a_preemption(tmp_path):
-    """SIGTERM once the workers exist but before they train (importing torch, joining the process group)."""
-    cmd = distrib_cmd("train", "--nproc-per-node", "2", "--config", CLUSTER_CONFIG, *LONG,
-                      "--set", f"run.dir={tmp_path}/run")
+def test_a_stop_signal_from_the_first_statement_is_a_preemption_and_the_rerun_trains(tmp_path):
+    """SIGTERM to `distrib train --nproc-per-node 2` as soon as it catches SIGTERM (SigCgt: its first statement,
+    before it imports anything), then as soon as both workers catch it and import torch: 75 each time, nothing
+    written, and the same command again trains. (A SLURM preemption in a job's first 2 s ended it with 143.)"""
+    run = tmp_path / "run"
+    cmd = distrib_cmd("train", "--nproc-per-node", "2", "--config", CLUSTER_CONFIG, *SMALL,
+                      "--set", "train.max_steps=4", "--set", f"run.dir={run}")
+
+    def workers_import_torch() -> bool:
+        workers = _workers(_proc(launches).pid)
+        return len(workers) == 2 and all(_catches(pid, signal.SIGTERM) and _torch_loaded(pid)
+                                         for pid in workers.values())
     with Launches(tmp_path) as launches:
         launches.start(cmd)
-        _wait_until(lambda: len(_workers(_proc(launches).pid)) == 2, EVENT_S, "2 workers", launches)
-        os.kill(_proc(launches).pid, signal.SIGTERM)
+        torch_loaded = _stop_when(launches, lambda: _catches(_proc(launches).pid, signal.SIGTERM), "handler")
+        [done] = launches.wait(timeout=EVENT_S)
+    # The handler came about 1 s before torch (on 2 busy cores); the one line is the entry point's.
+    assert not torch_loaded, "SIGTERM was caught only once torch was importing: not from the first statement"
+    assert done.returncode == EXIT_PREEMPTED, done.text()
+    assert "distrib: stopped by SIGTERM outside the training steps" in done.stderr, done.text()
+    (tmp_path / "workers").mkdir()
+    with Launches(tmp_path / "workers") as launches:
+        launches.start(cmd)
+        _stop_when(launches, workers_import_torch, "2 workers importing torch")
         [done] = launches.wait(timeout=EVENT_S)
     assert done.returncode == EXIT_PREEMPTED, done.text()
-    # The launcher says it once; its workers, whose stop it reports, stay quiet (errors_reported()).
+    # The launcher says it once; its workers, whose stop it reports, stay quiet.
     assert "every worker ended with 75" in done.stderr and "outside the training steps" not in done.stderr, \
         done.text()
-    assert not (tmp_path / "run" / "summary.json").exists()
-    print(json.dumps(done.stderr.splitlines()[-3:]))
+    assert not (run / "summary.json").exists()
+    done = run_one(cmd, tmp_path / "workers", timeout=EVENT_S)
+    assert done.returncode == 0 and json.loads((run / "summary.json").read_text())["steps"] == 4, done.text()
 
 
 # A stop signal that lands where every exception is swallowed, as C code inside an import does (torch imports parts

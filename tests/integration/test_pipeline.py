@@ -98,7 +98,7 @@ def test_each_pipeline_layout_trains_and_evaluates_like_one_process(runs, name):
     assert run["test_count"] == one["test_count"] > 0  # every test window once, not once per stage
     assert run["test_loss"] == pytest.approx(one["test_loss"], rel=1e-6)
     assert run["train_loss"] == pytest.approx(one["train_loss"], rel=1e-5)
-    assert run["flops_per_sample"] == one["flops_per_sample"]  # the whole model's, not one stage's
+    assert run["flops_per_sample"] == one["flops_per_sample"] == _summary(tmp / "fsdp_from_pp")["flops_per_sample"]
     assert "no rank held the model whole" in logs[name]
 
 
@@ -150,6 +150,7 @@ def test_a_split_sequential_trains_like_one_process_with_validation_ema_and_earl
         if key in one:
             assert run[key] == pytest.approx(one[key], rel=1e-6), key
     assert max_relative_diff(load_weights(tmp / "seq_pp"), load_weights(tmp / "seq_one")) < 1e-5
+    assert run["flops_per_sample"] == one["flops_per_sample"] > 0  # counted on the whole model, not one stage
     ema = torch.load(tmp / "seq_pp" / "model_ema.pt", weights_only=True)
     assert max_relative_diff(ema, torch.load(tmp / "seq_one" / "model_ema.pt", weights_only=True)) < 1e-5
 

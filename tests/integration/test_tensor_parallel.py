@@ -81,6 +81,8 @@ def test_init_from_under_tensor_parallel_and_hsdp_trains_like_one_process_and_a_
     assert one["resumed_from_step"] is None and one["steps"] == 12
     resumed = json.loads((folder / "hsdp_init" / "summary.json").read_text())
     assert resumed["resumed_from_step"] == 6 and resumed["steps"] == 12 and resumed["world_size"] == 4
+    tp = json.loads((folder / "tp_init" / "summary.json").read_text())
+    assert resumed["flops_per_sample"] == tp["flops_per_sample"] == one["flops_per_sample"] > 0
     reference = load_weights(tmp_path / "one")
     assert max_relative_diff(reference, load_weights(folder / "tp2_dp2")) > 1e-2  # not the seed's own weights
     for name in ("tp_init", "hsdp_init"):

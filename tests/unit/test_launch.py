@@ -100,6 +100,16 @@ def test_cpu_workers_share_the_cores_unless_the_user_chose():
     assert launcher.cpu_threads({}, 2, num_gpus=2) is None  # GPU workers: torchrun's default
 
 
+def test_more_cpu_workers_than_cores_is_a_warning():
+    line = launcher.oversubscribed(16, num_gpus=0, num_cores=2)
+    assert line == ("distrib launch: warning: --nproc-per-node 16 starts 16 CPU workers (no GPU is visible) on 2 "
+                    "cores: they take turns on the cores and each step waits for the slowest; --nproc-per-node 2 or "
+                    "fewer gives each worker a core of its own")
+    assert launcher.oversubscribed(2, num_gpus=0, num_cores=2) is None
+    assert launcher.oversubscribed(16, num_gpus=8, num_cores=2) is None  # GPU workers: the cores only feed them
+    assert launcher.oversubscribed(len(os.sched_getaffinity(0)), num_gpus=0) is None
+
+
 def _resident_bytes() -> int:
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 

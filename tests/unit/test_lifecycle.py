@@ -8,10 +8,14 @@ import os
 import signal
 import socket
 import time
+from pathlib import Path
+
+import pytest
 
 from distrib.distributed.peers import SILENT_AFTER_S, PeerWatch
 from distrib.errors import EXIT_HUNG, EXIT_PREEMPTED
 from distrib.launch import launcher
+from tests.helpers.processes import REPO
 
 # ---------------------------------------------------------------- lifelines and exit codes, no launch
 
@@ -46,3 +50,59 @@ def test_the_diagnosis_names_who_did_not_arrive_and_whether_it_still_beats():
     assert SILENT_AFTER_S <= time.monotonic() - started < watches[0].grace_s()
     assert text == f"rank 1 (host {socket.gethostname()}, pid {os.getpid()}, before training; no heartbeat since: " \
                    "stopped, killed, or its host is gone)"
+
+
+# ---------------------------------------------------------------- the entry point's stop handlers
+
+
+def test_the_entry_point_takes_the_stop_signals_before_it_imports_anything():
+    """`distrib` (console script and python -m) installs its handlers first: its module imports os and signal only,
+    and entry() sets the handlers before it imports the CLI (which imports the launcher, the config, then torch)."""
+    import ast
+    import tomllib
+
+    import distrib.__main__ as main
+    from distrib.launch.reporting import REPORTS_VAR
+
+    tree = ast.parse(Path(main.__file__).read_text())
+    imports = [alias.name for node in tree.body if isinstance(node, ast.Import) for alias in node.names]
+    assert imports == ["os", "signal"] and not any(isinstance(node, ast.ImportFrom) for node in tree.body)
+    entry = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "entry")
+    kinds = [type(node).__name__ for node in entry.body[1:]]  # after the docstring
+    assert kinds[:2] == ["For", "ImportFrom"], kinds  # the handlers, then the CLI
+    assert (main._EXIT_PREEMPTED, main._REPORTS_VAR, main.STOP_SIGNALS) == \
+        (EXIT_PREEMPTED, REPORTS_VAR, launcher.STOP_SIGNALS)  # the copies agree
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"distrib": "distrib.__main__:entry"}
+
+
+def test_a_stop_before_the_later_handlers_ends_with_75_and_one_line(monkeypatch):
+    """Said by the process itself; a worker of distrib launch stays quiet (the launcher says how its workers ended)."""
+    import distrib.__main__ as main
+
+    written = []
+    monkeypatch.setattr(os, "write", lambda fd, data: written.append((fd, data.decode())))
+    monkeypatch.setattr(os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    for reports in ("", "1"):
+        monkeypatch.setenv(main._REPORTS_VAR, reports)
+        with pytest.raises(SystemExit) as ended:
+            main._stopped(signal.SIGTERM, None)
+        assert ended.value.code == EXIT_PREEMPTED
+    [(fd, line)] = written
+    assert fd == 2 and line.startswith("distrib: stopped by SIGTERM outside the training steps") and \
+        line.count("\n") == 1 and "exit code 75" in line
+
+
+def test_a_preemption_is_said_once_by_rank_0(monkeypatch, capfd):
+    """Every rank ends with 75; only the one whose recorder writes (rank 0) says the line."""
+    import distrib.worker
+    from distrib import cli
+    from distrib.errors import Preempted
+
+    for announce in (True, False):
+        def stopped(config, announce=announce):
+            raise Preempted(7, "ckpt/step_7.pt", announce=announce)
+        monkeypatch.setattr(distrib.worker, "run_training", stopped)
+        assert cli._worker(None) == EXIT_PREEMPTED
+        said = capfd.readouterr().err
+        assert said.count("distrib: preempted at step 7; checkpoint ckpt/step_7.pt") == (1 if announce else 0), said

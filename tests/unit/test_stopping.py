@@ -26,6 +26,21 @@ def test_progress_bar_only_on_a_terminal_when_auto(tmp_path, monkeypatch, settin
     assert ("\r" in stream.getvalue()) is shown and "[distrib] a line\n" in stream.getvalue()
 
 
+def test_a_log_line_is_one_write_where_print_is_patched(tmp_path, monkeypatch, capfd):
+    """Ray Train's workers patch print to write the line and log it too (each distrib line came twice): the
+    recorder's lines and the data's are one write to stderr each, never print."""
+    import builtins
+    from types import SimpleNamespace
+
+    from distrib.data.load import _main_log
+
+    monkeypatch.setattr(builtins, "print", lambda *args, **kwargs: pytest.fail(f"print{args}"))
+    Recorder(tmp_path, True, False).info("a line")
+    _main_log(SimpleNamespace(is_main=True))("data line")
+    _main_log(SimpleNamespace(is_main=False))("another rank's")
+    assert capfd.readouterr().err == "[distrib] a line\n[distrib] data line\n"
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["train.early_stop_metric=loss"], "train.early_stop_metric = 'loss': must be one of test_loss, test_accuracy"),
     (["train.early_stop_metric=test_loss", "train.eval_every_epochs=0"], "needs evaluations during training"),

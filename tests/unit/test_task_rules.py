@@ -13,7 +13,7 @@ from distrib.data.factory import as_split_or_dataset
 from distrib.errors import UserError
 from distrib.training.evaluation import task_of, user_metric
 from distrib.training.losses import build_loss, class_dim, global_count_scale, model_loss
-from distrib.training.notes import task_notes
+from distrib.training.notes import optimizer_note, task_notes
 from distrib.training.trainer import build_optimizer
 
 
@@ -123,8 +123,23 @@ def test_the_task_decides_the_metrics_and_the_log_says_which():
     assert task_of(torch.zeros(4), torch.zeros(4), build_loss(_train("train.loss=mse"))).kind == "values"
     notes = task_notes(_train("train.warmup_steps=20"), loss, dense, _Net(), total_steps=12)
     assert notes[0] == "loss: train.loss = cross_entropy; metrics: test_loss, test_token_accuracy, test_perplexity"
-    assert "1 dropout layers (drop, ...)" in notes[1] and "differ between world sizes" in notes[1]
-    assert notes[2].startswith("train.warmup_steps = 20 is longer than this run's 12 steps")
+    assert notes[1] == "optimizer sgd (momentum 0.9), lr 0.05, cosine to 0 over 0 steps after 20 warm-up steps"
+    assert "1 dropout layers (drop, ...)" in notes[2] and "differ between world sizes" in notes[2]
+    assert notes[3].startswith("train.warmup_steps = 20 is longer than this run's 12 steps")
+
+
+def test_the_log_names_the_optimizer_schedule_and_warm_up():
+    def said(*overrides: str, total_steps: int | None = 500) -> str:
+        return optimizer_note(_train(*overrides), total_steps)
+    assert said() == "optimizer sgd (momentum 0.9), lr 0.05, cosine to 0 over 400 steps after 100 warm-up steps"
+    assert said("train.optimizer=adamw", "train.betas=[0.9,0.95]", "train.weight_decay=0.1", "train.lr=3e-4",
+                "train.schedule=constant", "train.warmup_steps=0", "train.grad_clip=1") == \
+        "optimizer adamw (betas 0.9, 0.95, weight decay 0.1), lr 0.0003, constant without warm-up, gradient norm " \
+        "clipped at 1"
+    assert said("train.schedule_steps=1000").endswith("cosine to 0 over 900 steps after 100 warm-up steps")
+    assert said(total_steps=None).endswith("cosine to 0 at the end after 100 warm-up steps")  # a stream's passes
+    assert said("train.optimizer=myopt:lion_like") == "optimizer myopt:lion_like (your function: its learning rate " \
+        "is the peak), cosine to 0 over 400 steps after 100 warm-up steps"
 
 
 def test_the_log_promises_top5_accuracy_only_where_the_summary_has_it():

@@ -49,3 +49,27 @@ def test_mismatches_are_one_line_and_leave_run_dir_untouched(user_root, tmp_path
     for text in expected:
         assert text in last, last
     assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == EARLIER  # byte-identical, nothing added
+
+
+def test_a_factory_gets_from_the_data_only_the_arguments_it_declares_by_name():
+    """As the docs say (model.factory): a `**kwargs` catches none of the data's (Hugging Face's config classes take
+    any keyword, so a num_classes would pass silently into the model's config); nor does a positional-only one."""
+    from distrib.config import ModelConfig
+    from distrib.data import DataInfo
+    from distrib.factory import accepted
+    from distrib.models.build import data_kwargs, factory_call
+
+    offered = data_kwargs(DataInfo("tokens", (16,), 256, (), (), (), "int64 [16]"))
+    assert offered == {"num_classes": 256, "seq_len": 16, "vocab_size": 256}
+
+    def named(vocab_size, *, seq_len=8, **rest): ...
+
+    def catch_all(**kwargs): ...
+
+    def positional_only(vocab_size, /): ...
+
+    assert accepted(named, offered) == {"vocab_size": 256, "seq_len": 16}
+    assert accepted(catch_all, offered) == {} and accepted(positional_only, offered) == {}
+    config = ModelConfig(factory="tests.helpers.pretrained:llama", kwargs={"num_hidden_layers": 1})
+    assert factory_call(config, DataInfo("tokens", (16,), 256, (), (), (), "int64 [16]")) == (
+        "tests.helpers.pretrained:llama", {"num_hidden_layers": 1})

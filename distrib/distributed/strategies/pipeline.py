@@ -130,8 +130,6 @@ class PipelineStrategy(FSDPStrategy):
         if build.load_weights is not None:
             build.load_weights(model)
         pipeline, config = model._pipeline, self.config
-        if hasattr(whole, "flops_per_token"):  # the whole model's FLOPs, for throughput and MFU
-            model.__dict__["flops_per_token"] = whole.flops_per_token
         build.log(f"pipeline parallel: {self.dims.pipeline} ranks x {config.stages_per_rank} stage(s) each, schedule "
                   f"{config.pipeline_schedule}, {self.microbatches} microbatches per micro-step; this rank holds "
                   f"{pipeline.describe()}: no rank held the model whole")
