@@ -59,6 +59,21 @@ def _positive(section: str, obj, key: str, example) -> None:
         _fail(section, key, value, "must be a finite number > 0", f"e.g. --set {section}.{key}={example}")
 
 
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30, "tib": 2**40}
+
+
+def file_size(size: int | str) -> int:
+    """Bytes of a size as save_pretrained's max_shard_size takes it: an int, or "5GB", "500MB", "2GiB"."""
+    found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", str(size).lower())
+    if isinstance(size, bool) or not found or found.group(2) not in _UNITS:
+        raise ValueError("must be bytes, or a number with a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+    nbytes = int(float(found.group(1)) * _UNITS[found.group(2)])
+    if nbytes <= 0:
+        raise ValueError("must be more than 0 bytes")
+    return nbytes
+
+
 LOSSES = ("cross_entropy", "mse", "l1", "bce_with_logits")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 
@@ -229,8 +244,22 @@ class ModelConfig:
         "a peft (LoRA) model: besides the adapter in `weights/`, the merged model (each LoRA delta added to its base "
         "weight, under the base model's names) in `weights/merged/`, which `from_pretrained` loads alone; `false` "
         "skips it (it is as large as the base model)")
+    max_shard_size: int | str = key("5GiB",
+        "the largest safetensors file of `weights/` (and `weights_ema/`, `weights/merged/`), as `save_pretrained`'s "
+        "`max_shard_size`: `\"500MB\"`, `\"2GiB\"` or bytes; a larger model's files come with "
+        "`model.safetensors.index.json`. Under a sharded strategy (fsdp, hsdp, tensor or pipeline parallel) "
+        "`model.pt` is gathered whole on rank 0, so it is written only for a model of at most this size and 256 MiB: "
+        "rank 0's end-of-run save holds at most one such file more than the other ranks")
+
+    @property
+    def max_shard_bytes(self) -> int:
+        return file_size(self.max_shard_size)
 
     def __post_init__(self):
+        try:
+            file_size(self.max_shard_size)
+        except ValueError as e:
+            _fail("model", "max_shard_size", self.max_shard_size, str(e), "e.g. --set model.max_shard_size=2GB")
         if self.factory:
             if not _FACTORY.match(self.factory):
                 _fail("model", "factory", self.factory, "must look like package.module:function",

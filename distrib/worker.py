@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distrib.checkpoint import BestCheckpoints, Checkpointer, CheckpointError, committing, make_checkpointer
-from distrib.checkpoint.format import save_atomic, set_rng_state
+from distrib.checkpoint.format import set_rng_state
 from distrib.checkpoint.init_from import check_weights, clear_weights, load_weights, open_source
 from distrib.checkpoint.policy import resumable
 from distrib.checkpoint.weights import WEIGHTS_DIR, write_run_weights
@@ -388,11 +388,10 @@ def _finish(config: Config, runtime: Runtime, data: Data, state: TrainState, met
     model), summary.json, the last log line."""
     run_dir = Path(config.run.dir)
     written = write_run_weights(unwrap(state.model), state.ema, run_dir, runtime.rank, state.strategy,
-                                config.model.init_from, config.model.merged_weights, recorder.info)
+                                config.model.init_from, config.model.merged_weights, recorder.info,
+                                config.model.max_shard_bytes)
     memory = _memory(config, runtime, state, recorder)
     if runtime.is_main:
-        for name, whole in written.items():
-            save_atomic(whole, run_dir / name)
         if from_config:  # a model given to distrib.fit in Python has no factory that model.json could name
             from distrib.training.inference import write_model_card
 

@@ -23,7 +23,7 @@ from distrib.checkpoint.export_check import (
     check_folder,
     check_pretrained_folder,
 )
-from distrib.checkpoint.weights import WEIGHTS_DIR, block_slices, local_block, local_part
+from distrib.checkpoint.weights import MAX_FILE_BYTES, WEIGHTS_DIR, block_slices, local_block, local_part
 from distrib.models.adapters import base_name, is_adapter_name
 
 ADAPTER_FILE, ADAPTER_CONFIG, MERGED_DIR = "adapter_model.safetensors", "adapter_config.json", "merged"
@@ -193,9 +193,10 @@ def trained_base(model: nn.Module) -> str | None:
 
 
 def save_adapter_run(model: nn.Module, tensors: dict[str, torch.Tensor], folder: Path, rank: int, init_from: str,
-                     merged: bool, log) -> None:
+                     merged: bool, log, max_file_bytes: int = MAX_FILE_BYTES) -> None:
     """Every rank: `folder` as an adapter run's weights/ (the adapter, and merged/ unless model.merged_weights =
-    false), built in a temporary folder that rank 0 moves into place whole, then checked by loading it back."""
+    false, in files of at most max_file_bytes), built in a temporary folder that rank 0 moves into place whole, then
+    checked by loading it back."""
     from distrib.checkpoint.weights import _agree, _fault, hf_config, replace_folder, save_weights
     from distrib.models.adapters import base_model
 
@@ -213,7 +214,7 @@ def save_adapter_run(model: nn.Module, tensors: dict[str, torch.Tensor], folder:
     _agree(error)
     merged_state, why = merged_tensors(model, tensors, whole) if merged else ({}, "model.merged_weights = false")
     if merged_state:
-        save_weights(merged_state, tmp / MERGED_DIR, rank, hf_config(base_model(model)))
+        save_weights(merged_state, tmp / MERGED_DIR, rank, hf_config(base_model(model)), max_file_bytes)
     if rank == 0:
         try:
             replace_folder(tmp, folder)

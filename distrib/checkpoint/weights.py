@@ -4,7 +4,7 @@ block of a (DTensor) tensor a rank holds; and reading such a folder back whole (
 
     run.dir/weights/
         model.safetensors                       every tensor of the unwrapped state_dict (tied ones once), or, over
-        model-00001-of-00003.safetensors ...    MAX_FILE_BYTES, several files and model.safetensors.index.json
+        model-00001-of-00003.safetensors ...    model.max_shard_size, several files and model.safetensors.index.json
         config.json                             a Hugging Face model's config, so from_pretrained(folder) works
 """
 
@@ -26,8 +26,9 @@ from distrib.distributed.strategies import Strategy
 from distrib.errors import EnvironmentFault, UserError
 
 WEIGHTS_DIR, SINGLE, INDEX = "weights", "model.safetensors", "model.safetensors.index.json"
-MAX_FILE_BYTES = 5 * 2**30  # save_pretrained's default shard size
-# model.pt under fsdp, hsdp and tensor parallel is gathered whole into rank 0's host memory: only up to this size.
+MAX_FILE_BYTES = 5 * 2**30  # model.max_shard_size's default (save_pretrained's max_shard_size)
+# model.pt under a sharded strategy is gathered whole into rank 0's host memory: only up to this size, and up to one
+# file of weights/, so that rank 0's save holds at most one file more than the other ranks.
 MODEL_PT_MAX_BYTES = 256 * 2**20
 DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -286,19 +287,25 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     return {name: tensor for file in files for name, tensor in load_file(folder / file).items()}
 
 
-def model_pt_is_cheap(tensors: dict[str, torch.Tensor], sharded: bool) -> bool:
+def model_pt_written(nbytes: int, sharded: bool, max_file_bytes: int = MAX_FILE_BYTES) -> bool:
     """model.pt costs nothing to gather under ddp (rank 0 holds the whole model); under the sharded strategies it
-    is gathered into rank 0's host memory, so only for models of at most MODEL_PT_MAX_BYTES."""
-    return not sharded or sum(t.numel() * t.element_size() for t in tensors.values()) <= MODEL_PT_MAX_BYTES
+    is gathered into rank 0's host memory, so only for models of at most MODEL_PT_MAX_BYTES and one weights file."""
+    return not sharded or nbytes <= min(MODEL_PT_MAX_BYTES, max_file_bytes)
+
+
+def model_pt_is_cheap(tensors: dict[str, torch.Tensor], sharded: bool, max_file_bytes: int = MAX_FILE_BYTES) -> bool:
+    """model_pt_written for these tensors (model_tensors: a tied one once)."""
+    return model_pt_written(sum(t.numel() * t.element_size() for t in tensors.values()), sharded, max_file_bytes)
 
 
 def write_run_weights(model: nn.Module, ema, run_dir: Path, rank: int, strategy: Strategy, init_from: str = "",
-                      merged_weights: bool = True, log=lambda line: None) -> dict[str, dict]:
+                      merged_weights: bool = True, log=lambda line: None, max_file_bytes: int = MAX_FILE_BYTES
+                      ) -> list[str]:
     """Every rank: the unwrapped model's weights into run_dir/weights/ (and the EMA's into weights_ema/), shard by
-    shard (the strategy's save of trained weights), checked by loading them back; a peft model's as its adapter
-    and weights/merged/ (distrib.checkpoint.adapter_weights). Returns what rank 0 then writes whole: {"model.pt":
-    ..., "model_ema.pt": ...} where model_pt_is_cheap, else {} (also on the other ranks); model.pt holds the whole
-    (wrapped) state, which the config's model takes back."""
+    shard in files of at most max_file_bytes (the strategy's save of trained weights), checked by loading them back;
+    a peft model's as its adapter and weights/merged/ (distrib.checkpoint.adapter_weights). Then, where
+    model_pt_is_cheap, model.pt and model_ema.pt (the whole wrapped state, which the config's model takes back),
+    written by rank 0 one at a time. Returns the names of those written (the same on every rank)."""
     from distrib.checkpoint import adapter_weights
     from distrib.checkpoint.export_check import agree_checked, check_folder, check_state_folder
     from distrib.models.adapters import is_peft
@@ -306,18 +313,35 @@ def write_run_weights(model: nn.Module, ema, run_dir: Path, rank: int, strategy:
     tensors = strategy.complete(model, model_tensors(model))  # under pipeline parallel: every stage's names
     folder = Path(run_dir) / WEIGHTS_DIR
     if is_peft(model):
-        adapter_weights.save_adapter_run(model, tensors, folder, rank, init_from, merged_weights, log)
+        adapter_weights.save_adapter_run(model, tensors, folder, rank, init_from, merged_weights, log, max_file_bytes)
     else:
-        save_weights(tensors, folder, rank, hf_config(model))
+        save_weights(tensors, folder, rank, hf_config(model), max_file_bytes)
         agree_checked(rank, lambda: check_folder(folder, model, tensors))
     if ema is not None:
         averaged, ema_folder = strategy.complete(model, ema.state_dict()), Path(run_dir) / f"{WEIGHTS_DIR}_ema"
-        save_weights(averaged, ema_folder, rank)
+        save_weights(averaged, ema_folder, rank, max_file_bytes=max_file_bytes)
         shapes = {name: tuple(tensor.shape) for name, tensor in averaged.items()}
         agree_checked(rank, lambda: check_state_folder(ema_folder, shapes))
-    if not model_pt_is_cheap(tensors, strategy.sharded_state):
-        return {}
-    whole = {"model.pt": strategy.full_model_state(model)}  # every rank: a sharded model is gathered onto rank 0
+    if not model_pt_is_cheap(tensors, strategy.sharded_state, max_file_bytes):
+        return []
+    whole = {"model.pt": lambda: strategy.full_model_state(model)}  # a sharded model is gathered onto rank 0
     if ema is not None:
-        whole["model_ema.pt"] = strategy.whole_on_rank0(ema.full_state_dict())  # every rank: a gather under fsdp
-    return whole if rank == 0 else {}
+        whole["model_ema.pt"] = lambda: strategy.whole_on_rank0(ema.full_state_dict())  # a gather under fsdp
+    for name, gather in whole.items():
+        _save_whole(gather, Path(run_dir) / name, rank)
+    return list(whole)
+
+
+def _save_whole(gather, path: Path, rank: int) -> None:
+    """Every rank: gather() (a collective), and rank 0 writes what it returns to `path`, then lets it go before the
+    next file is gathered: rank 0 never holds more than one whole file above the other ranks."""
+    from distrib.checkpoint.format import save_atomic
+
+    state, error = gather(), None
+    if rank == 0:
+        try:
+            save_atomic(state, path)
+        except EnvironmentFault as e:
+            error = str(e)
+    del state
+    _agree(error)  # no rank goes on to the next gather while rank 0's write failed

@@ -27,6 +27,15 @@ from distrib.distributed.strategies import Strategy, make_strategy
 from distrib.distributed.strategies.materialise import initialises_itself
 from distrib.distributed.tensor_parallel import layers_split
 from distrib.models.build import build_model
+from distrib.plan.fixes import Run, Step, fixes
+from distrib.plan.host import (  # noqa: F401 - distrib.plan's names too
+    KEPT_SLACK,
+    SHARDED_KEPT_SLACK,
+    allocator_slack,
+    described_allocator,
+    host_allocator,
+    returns_freed_memory,
+)
 from distrib.training.trainer import build_optimizer
 
 GIB, GB = 2**30, 1e9
@@ -37,14 +46,6 @@ GIB, GB = 2**30, 1e9
 # distrib.distributed.fsdp.shard). The root unit (what no block holds: embeddings, the output layer, the final norm)
 # stays gathered from its forward to its backward.
 BLOCKS_IN_FLIGHT = {"cpu": 2, "accelerator": 3}
-# The host allocator's slack over the transient bytes (activations and gathers) of a CPU run: freed blocks it keeps but
-# cannot reuse for the next ones, cut otherwise. None where a sharded model of 64 MiB or more returns its freed memory
-# (distrib.distributed.host_heap.return_freed_memory: tcmalloc's decommit, or glibc's 64 KiB mmap threshold): the
-# 104M GPT's peak measured 1.19-1.20x its bytes either way, plan's state + transient 1.22. About the transient bytes
-# again where freed memory is kept (tcmalloc as it comes, scripts/bench_allocator.py: 0.8x of them for the 104M GPT,
-# 0.6-1.1x for the 25M one; jemalloc 0.55x; glibc's defaults far more); 0 on an accelerator, whose caching allocator's
-# own slack is not modelled.
-KEPT_SLACK = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,56 +217,56 @@ def _memory_figures(config: Config, strategy: Strategy, machine: Machine, info, 
     state = sum(parts.values())
     # In steady state the host holds each rank's all (a CPU run) or its offloaded state shards.
     steady_host = machine.nproc_per_node * (needed if device.type == "cpu" else state if strategy.state_on_host else 0)
-    host = max(startup_host, steady_host)
+    save = end_of_run_save(config, strategy, whole)  # into host memory, beside each rank's state there
+    save_host = save + (machine.nproc_per_node * state if params_on_host else 0)
+    host = max(startup_host, steady_host, save_host)
     return {"startup_bytes_per_rank": startup, "startup_host_bytes_per_node": startup_host,
-            "host_bytes_per_node": steady_host, "host_memory_bytes": machine.host_memory,
+            "host_bytes_per_node": steady_host, "save_bytes_rank0": save, "save_host_bytes_per_node": save_host,
+            "host_memory_bytes": machine.host_memory,
             "whole_model_bytes": whole, "self_initialising": self_init, "loads_weights": loads,
             "fits": needed <= machine.device_memory and (device.type == "cpu" or startup <= machine.device_memory),
             "fits_host": host <= machine.host_memory}
 
 
-def _host_allocator(returns_freed: bool) -> str:
-    """The allocator a CPU run's workers get from distrib's launcher on this host (distrib.launch.allocator), and
-    whether it returns what a step frees."""
-    import os
+def end_of_run_save(config: Config, strategy: Strategy, whole_bytes: int) -> int:
+    """What rank 0 holds above the other ranks at the run's end (distrib.checkpoint.weights.write_run_weights): every
+    rank writes its own blocks of weights/, but under a sharded strategy model.pt, where it is written (at most one
+    weights file: model.max_shard_size), is gathered whole on rank 0, then model_ema.pt, one at a time."""
+    from distrib.checkpoint.weights import model_pt_written
 
-    from distrib.launch.allocator import chosen, find_library
-
-    choice = chosen(os.environ)
-    name = choice if choice != "glibc" and find_library(choice) and not os.environ.get("LD_PRELOAD") else "glibc"
-    return f"{name}, {'returning' if returns_freed else 'keeping'} freed memory"
+    sharded = strategy.sharded_state
+    return whole_bytes if sharded and model_pt_written(whole_bytes, sharded, config.model.max_shard_bytes) else 0
 
 
-def returns_freed_memory(strategy: Strategy, model: nn.Module) -> bool:
-    """Whether a CPU run's workers give freed host memory back (distrib.distributed.strategies.fsdp's rule)."""
-    from distrib.distributed.strategies.fsdp import RETURN_FREED_MEMORY_FROM_BYTES
-
-    # the parameters in fp32, as the strategy builds them (plan's model is in the compute dtype)
-    return strategy.sharded_state and sum(4 * p.numel() for p in model.parameters()) \
-        + sum(map(_nbytes, model.buffers())) >= RETURN_FREED_MEMORY_FROM_BYTES
+def gathered_bytes(config: Config, model: nn.Module, device: torch.device, tensor_parallel: int = 1) -> int:
+    """The parameters a sharded strategy gathers in flight per rank: the root unit and BLOCKS_IN_FLIGHT of the
+    largest block, in the compute dtype, a tensor-parallel rank's slice."""
+    blocks = fsdp.find_blocks(model, config.dist.shard_modules)
+    others = fsdp.leftover_units(model, blocks)  # units of their own too: an untied embedding, output layer
+    in_units = {id(p) for unit in [*blocks, *others] for p in unit.parameters()}
+    root = sum(_nbytes(p) for p in model.parameters() if id(p) not in in_units)
+    largest = max((sum(_nbytes(p) for p in block.parameters()) for block in blocks), default=0)
+    in_flight = BLOCKS_IN_FLIGHT["cpu" if device.type == "cpu" else "accelerator"]
+    # such a unit counted once: a Llama-shaped 106M GPT (the embedding and the output layer each 0.23x of it)
+    # measured 0.97-1.10x above a tiny run, plan 1.23x so, 1.47x counting two of it as two blocks
+    other = max((sum(_nbytes(p) for p in unit.parameters()) for unit in others), default=0)
+    return (root + max(in_flight * largest, other)) // tensor_parallel
 
 
 def peak_terms(config: Config, strategy: Strategy, model: nn.Module, activations: int, local_params: int,
-               device: torch.device) -> dict:
+               device: torch.device, gradient_bytes: int = 0) -> dict:
     """What a step holds beyond its state and its activations, per rank: parameters gathered in flight (sharded
-    strategies: the root unit and BLOCKS_IN_FLIGHT of the largest block, in the compute dtype, a tensor-parallel
-    rank's slice), the optimizer's temporaries (one chunk: distrib.training.optimizers) and the allocator's slack."""
-    gathered = 0
-    if strategy.sharded_state:
-        blocks = fsdp.find_blocks(model, config.dist.shard_modules)
-        others = fsdp.leftover_units(model, blocks)  # units of their own too: an untied embedding, output layer
-        in_units = {id(p) for unit in [*blocks, *others] for p in unit.parameters()}
-        root = sum(_nbytes(p) for p in model.parameters() if id(p) not in in_units)
-        largest = max((sum(_nbytes(p) for p in block.parameters()) for block in blocks), default=0)
-        in_flight = BLOCKS_IN_FLIGHT["cpu" if device.type == "cpu" else "accelerator"]
-        # such a unit counted once: a Llama-shaped 106M GPT (the embedding and the output layer each 0.23x of it)
-        # measured 0.97-1.10x above a tiny run, plan 1.23x so, 1.47x counting two of it as two blocks
-        other = max((sum(_nbytes(p) for p in unit.parameters()) for unit in others), default=0)
-        gathered = (root + max(in_flight * largest, other)) // strategy.dims.tensor_parallel
-    slack = 0.0 if device.type != "cpu" or returns_freed_memory(strategy, model) else KEPT_SLACK
+    strategies: gathered_bytes), the optimizer's temporaries (one chunk: distrib.training.optimizers), DDP's
+    gradient buckets (a copy of the gradients, unless speed.gradient_as_bucket_view makes the gradients views of
+    them) and the allocator's slack."""
+    tp = strategy.dims.tensor_parallel
+    gathered = gathered_bytes(config, model, device, tp) if strategy.sharded_state else 0
+    buckets = 0 if strategy.sharded_state or config.speed.gradient_as_bucket_view else gradient_bytes
     return {"gathered_bytes_per_rank": gathered,
             "optimizer_temporary_bytes_per_rank": optimizer_temporaries(config, local_params),
-            "allocator_slack_bytes_per_rank": round(slack * (activations + gathered))}
+            "ddp_bucket_bytes_per_rank": buckets,
+            "allocator_slack_bytes_per_rank": allocator_slack(model, device, strategy.sharded_state,
+                                                              activations + gathered, tp)}
 
 
 def optimizer_temporaries(config: Config, local_params: int) -> int:
@@ -277,14 +278,11 @@ def optimizer_temporaries(config: Config, local_params: int) -> int:
     return min(4 * max(MIN_CHUNK_ELEMENTS, -(-local_params // MAX_CHUNKS)), 4 * local_params)
 
 
-def step_peak(parts: dict, activations: int, terms: dict, grad_accum_steps: int) -> int:
-    """A step's peak per rank: the parameters and the optimizer state throughout; in the backward, the blocks in
-    flight and the larger of the activations not yet freed and the gradients already reduced (both, where earlier
-    micro-steps left gradients); at the optimizer's step, the gradients and its temporaries; the allocator's slack."""
-    grads = parts["gradients"]
-    held = activations + grads if grad_accum_steps > 1 else max(activations, grads)
-    return parts["parameters"] + parts["optimizer"] + terms["allocator_slack_bytes_per_rank"] + max(
-        terms["gathered_bytes_per_rank"] + held, grads + terms["optimizer_temporary_bytes_per_rank"])
+def planned_step(parts: dict, activations: int, terms: dict, grad_accum_steps: int) -> Step:
+    """The step's terms per rank; its peak (memory_bytes_per_rank) is Step.peak: what a step holds, term by term."""
+    return Step(parts["parameters"], parts["gradients"], parts["optimizer"], activations,
+                terms["gathered_bytes_per_rank"], terms["optimizer_temporary_bytes_per_rank"],
+                terms["ddp_bucket_bytes_per_rank"], terms["allocator_slack_bytes_per_rank"], grad_accum_steps)
 
 
 def plan_run(config: Config, machine: Machine) -> dict:
@@ -314,11 +312,14 @@ def plan_run(config: Config, machine: Machine) -> dict:
                                          _tp_activations(model, shape, inputs) * compute_bytes)
     state = sum(parts.values())
     activations = recomputed if config.speed.activation_checkpointing == "blocks" else whole
-    peak = peak_terms(config, strategy, model, activations, local_params, device)
-    needed = step_peak(parts, activations, peak, config.train.grad_accum_steps)
+    peak = peak_terms(config, strategy, model, activations, local_params, device, parts["gradients"])
+    step = planned_step(parts, activations, peak, config.train.grad_accum_steps)
+    needed = step.peak
     staged = pipeline["figures"] if pipeline else no_pipeline(config, activations)
     if pipeline:  # the highest pipeline rank's peak; the activations sent between stages on top of the collectives
-        peak, needed = pipeline["peak"], pipeline["memory_bytes_per_rank"]
+        peak, needed = {**pipeline["peak"], "ddp_bucket_bytes_per_rank": 0}, pipeline["memory_bytes_per_rank"]
+    memory = _memory_figures(config, strategy, machine, data.info, parts, needed, device)
+    fixed = [] if memory["fits"] or pipeline else _fixes(config, strategy, machine, model, step, recomputed, device)
     intra += staged["pipeline_bytes_per_step_intra_node"]
     inter += staged["pipeline_bytes_per_step_inter_node"]
     return {"world_size": machine.world_size, "nnodes": machine.nnodes, "nproc_per_node": machine.nproc_per_node,
@@ -331,10 +332,25 @@ def plan_run(config: Config, machine: Machine) -> dict:
             "grad_accum_steps": batches.grad_accum_steps, "data_parallel_size": shape.data_parallel,
             "collective_bytes_per_step_intra_node": intra, "collective_bytes_per_step_inter_node": inter,
             "device_memory_bytes": machine.device_memory, "memory_bytes_per_rank": needed, **peak,
-            "host_allocator": _host_allocator(returns_freed_memory(strategy, model)) if device.type == "cpu" else "",
-            **_memory_figures(config, strategy, machine, data.info, parts, needed, device), **staged,
+            "host_allocator": described_allocator(strategy, model) if device.type == "cpu" else "",
+            **memory, **staged, "fixes": fixed,
             "step_seconds_lower_bound": max(intra / machine.intra_node_bandwidth,
                                             inter / machine.inter_node_bandwidth)}
+
+
+def _fixes(config: Config, strategy: Strategy, machine: Machine, model: nn.Module, step: Step, checkpointed: int,
+           device: torch.device) -> list[dict]:
+    """What would make a run that does not fit the device fit (distrib.plan.fixes), each with its peak."""
+    shape = strategy.dims
+
+    def slack(activations: int, gathered: int, sharded: bool) -> int:
+        return allocator_slack(model, device, sharded, activations + gathered, shape.tensor_parallel)
+
+    run = Run(step, checkpointed, config.speed.activation_checkpointing == "blocks", config.dist.strategy,
+              config.train.global_batch_size, shape.data_parallel, shape.shard if strategy.sharded_state else 1,
+              machine.nnodes, device.type != "cpu", strategy.state_on_host,
+              gathered_bytes(config, model, device, shape.tensor_parallel), slack)
+    return fixes(run, machine.device_memory)
 
 
 def _size(nbytes: float) -> str:
@@ -373,20 +389,43 @@ def table(figures: dict, machine: Machine) -> str:
             f"{_size(f['unsharded_gradient_bytes_per_rank'])}, receive buffers "
             f"{_size(f['pipeline_buffer_bytes_per_rank'])}")),
         ("optimizer temporaries", _size(f["optimizer_temporary_bytes_per_rank"])),
+        *([("DDP gradient buckets", f"{_size(f['ddp_bucket_bytes_per_rank'])} (a copy of the gradients; "
+                                    "speed.gradient_as_bucket_view = true shares them)")]
+          if f["ddp_bucket_bytes_per_rank"] else []),
         ("allocator slack", f"{_size(f['allocator_slack_bytes_per_rank'])}"
                             + (f" ({f['host_allocator']} on the host)" if f["host_allocator"] else "")),
         ("device memory", f"{'fits' if f['fits'] else 'DOES NOT FIT'}: {_size(f['memory_bytes_per_rank'])} of "
                           f"{_size(f['device_memory_bytes'])} (the step's peak: parameters, optimizer, gathered, "
                           "the larger of activations and gradients, slack)"),
+        *_fix_rows(f),
+        ("end-of-run save", f"rank 0 holds {_size(f['save_bytes_rank0'])} more than the others" + (
+            " (model.pt gathered whole, one file of at most model.max_shard_size)" if f["save_bytes_rank0"] else
+            " (every rank writes its own blocks of weights/)")),
         ("host memory / node", f"{'fits' if f['fits_host'] else 'DOES NOT FIT'}: "
                                f"{_size(f['startup_host_bytes_per_node'])} at start-up, "
-                               f"{_size(f['host_bytes_per_node'])} in steady state, of "
+                               f"{_size(f['host_bytes_per_node'])} in steady state, "
+                               f"{_size(f['save_host_bytes_per_node'])} at the end-of-run save, of "
                                f"{_size(f['host_memory_bytes'])}"),
         ("step time >=", f"{f['step_seconds_lower_bound'] * 1e3:.1f} ms from communication at "
                          f"{machine.intra_node_bandwidth / GB:g} GB/s intra-node, "
                          f"{machine.inter_node_bandwidth / GB:g} GB/s inter-node"),
     ]
     return "\n".join(f"{name:<26} {value}" for name, value in rows)
+
+
+def _fix_rows(f: dict) -> list[tuple[str, str]]:
+    """Under DOES NOT FIT: each fix with the peak it gives (distrib.plan.fixes), those that fit first."""
+    if f["fits"]:
+        return []
+    if f["pipeline_parallel"] > 1:
+        return [("fixes", "--set speed.activation_checkpointing=blocks, more train.grad_accum_steps or "
+                          "dist.pipeline_microbatches, more data-parallel ranks or dist.pipeline_parallel; plan each")]
+    ordered = sorted(f["fixes"], key=lambda fix: not fix["fits"])
+    if not ordered:
+        return [("fixes", "none that plan knows lowers the peak: a device with more memory (--device-memory)")]
+    return [("fixes" if i == 0 else "", f"{fix['fix']}: {_size(fix['memory_bytes_per_rank'])}, "
+                                        f"{'fits' if fix['fits'] else 'does not fit'}")
+            for i, fix in enumerate(ordered)]
 
 
 def _pipeline_rows(f: dict) -> list[tuple[str, str]]:

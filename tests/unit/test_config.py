@@ -37,6 +37,7 @@ def test_resolved_config_reads_back_unchanged(tmp_path):
     ("train.epochs=ten", ["train.epochs", "ten", "int"]),
     ("model.name=resnet", ["model.name", "resnet", "network"]),
     ("model.factory=no-colon", ["model.factory", "no-colon", "package.module:function"]),
+    ("model.max_shard_size=5XB", ["model.max_shard_size", "5XB", "GiB", "--set model.max_shard_size=2GB"]),
     ("train.precision=fp8", ["train.precision", "fp8"]),
     ("train.momentum=1.5", ["train.momentum", "1.5"]),
     ("checkpoint.keep_last=0", ["checkpoint.keep_last", "0"]),

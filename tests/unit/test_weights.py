@@ -280,3 +280,24 @@ def test_eval_predict_and_generate_read_weights_when_there_is_no_model_pt(tmp_pa
     assert _equal(rebuilt_model(trained, info).state_dict(), model.state_dict())
     big = {"w": torch.empty(MODEL_PT_MAX_BYTES // 4 + 1, device="meta")}
     assert model_pt_is_cheap(big, sharded=False) and not model_pt_is_cheap(big, sharded=True)
+
+
+def test_a_runs_weights_come_in_files_of_model_max_shard_size_and_model_pt_in_one(tmp_path):
+    """write_run_weights splits weights/ at max_file_bytes (model.max_shard_size) with its index, as save_pretrained
+    does, and rank 0 writes model.pt itself; under a sharded strategy model.pt (gathered whole on rank 0) only for a
+    model of at most one such file, so rank 0's save never holds more than one file above the other ranks."""
+    from distrib.checkpoint.weights import model_pt_is_cheap, write_run_weights
+    from distrib.distributed.strategies import DDPStrategy
+    from distrib.models.network import Network
+
+    torch.manual_seed(0)
+    model = Network()
+    tensors = model_tensors(model)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert write_run_weights(model, None, tmp_path, 0, DDPStrategy(), max_file_bytes=nbytes // 3) == ["model.pt"]
+    assert (tmp_path / "weights" / INDEX).is_file() and len(list((tmp_path / "weights").glob("*.safetensors"))) > 2
+    assert _equal(read_weights(tmp_path / "weights"), model.state_dict())
+    assert _equal(torch.load(tmp_path / "model.pt", weights_only=True), model.state_dict())
+    assert model_pt_is_cheap(tensors, sharded=True, max_file_bytes=nbytes)
+    assert not model_pt_is_cheap(tensors, sharded=True, max_file_bytes=nbytes - 1)
+    assert model_pt_is_cheap(tensors, sharded=False, max_file_bytes=1)  # ddp's rank 0 holds it anyway

@@ -173,14 +173,33 @@ class PipelineStrategy(FSDPStrategy):
         return self.whole_on_rank0(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))
 
     def whole_on_rank0(self, state: dict) -> dict:
+        """Each stage's first rank sends its whole tensors to rank 0, one at a time, point to point: rank 0 holds the
+        whole state and one tensor in flight (gather_object held every rank's part pickled, padded to the largest:
+        4x the model at world size 4 under pp 2)."""
         rank = dist.get_rank()
         first_of_stage = self.dims.data_rank(rank) == 0 and rank % self.dims.tensor_parallel == 0
-        mine = {name: tensor.detach().cpu() for name, tensor in state.items()} if first_of_stage else {}
-        parts = [None] * dist.get_world_size() if rank == 0 else None
-        dist.gather_object(mine, parts, dst=0)
+        sends = first_of_stage and rank != 0
+        # what each rank sends (name, shape, dtype; a value that is no tensor travels here), so rank 0 can receive it
+        said = [(name, tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else (name, None, t)
+                for name, t in state.items()] if sends else []
+        listed = [None] * dist.get_world_size()
+        dist.all_gather_object(listed, said)
+        on = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")  # where the group sends from
+        if sends:
+            for tensor in state.values():
+                if isinstance(tensor, torch.Tensor):
+                    dist.send(tensor.detach().to(on).contiguous(), dst=0)
         if rank != 0:
             return {}
-        merged = {name: tensor for part in parts for name, tensor in part.items()}
+        merged = {name: t.detach().cpu() if isinstance(t, torch.Tensor) else t for name, t in state.items()}
+        for src, entries in enumerate(listed):
+            for name, shape, kind in entries:  # kind: the dtype, or the value itself of what is no tensor
+                if shape is None:
+                    merged[name] = kind
+                    continue
+                received = torch.empty(shape, dtype=kind, device=on)
+                dist.recv(received, src=src)
+                merged[name] = received.cpu()
         return {name: merged[name] for name in self._names if name in merged}
 
     def complete(self, model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
