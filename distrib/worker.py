@@ -26,6 +26,7 @@ from distrib.data import Data, load_data, make_plan
 from distrib.data.batching import load_source_state, source_state
 from distrib.data.split import split_validation
 from distrib.distributed.agreement import RankAgreement
+from distrib.distributed.mesh import ParallelDims
 from distrib.distributed.parallel import memory_report, sync_batchnorm, unwrap
 from distrib.distributed.runtime import LaunchEnv, Runtime, collective_timeouts, open_runtime
 from distrib.distributed.strategies import Build, LoadWeights, check_config, make_strategy
@@ -248,7 +249,7 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
     callbacks (after train.callbacks') get the hooks of distrib.training.callbacks."""
     check_config(config)  # checked before any worker too; here for a Config built in Python
     strategy = make_strategy(config.dist, runtime.world_size, runtime.local_world_size)
-    runtime = runtime.with_mesh(strategy.dims)  # the ranks of a tensor-parallel group read the same data
+    dims = strategy.dims  # the run's one mesh: every rank's coordinates, the data slices and the loss count
     start, notes, clock = time.perf_counter(), [], StartupClock()
     data = split_validation(data or load_data(config.data, runtime, config.train.seed), config.data)
     clock.mark("data")
@@ -257,7 +258,7 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
                      + (f" held out of the training set (data.val_fraction = {config.data.val_fraction})"
                         if config.data.val_fraction else "") + ", evaluated during training (val_*); the test set "
                      "at the end")
-    plan = make_plan(data.train.num_samples, config.train, runtime)
+    plan = make_plan(data.train.num_samples, config.train, runtime, dims)
     strategy.check_micro_batch(plan.micro_batch_size)
     total_steps = _total_steps(config, plan.steps_per_epoch)
     if total_steps is None and config.train.schedule == "cosine":  # its length given by train.schedule_steps
@@ -309,8 +310,8 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
                       + (f", host allocator {allocator.running()}" if runtime.device.type == "cpu" else ""))
         for note in notes:
             recorder.info(note)
-        ranks = (f"{runtime.world_size} ranks" if runtime.data_world_size == runtime.world_size else
-                 f"{runtime.data_world_size} data-parallel ranks of {runtime.world_size}")
+        ranks = (f"{runtime.world_size} ranks" if dims.data_parallel == runtime.world_size else
+                 f"{dims.data_parallel} data-parallel ranks of {runtime.world_size}")
         recorder.info(f"{_steps_said(config, total_steps)} of {plan.global_batch_size} samples ({ranks} x "
                       f"{config.train.grad_accum_steps} micro-steps x {plan.micro_batch_size}), "
                       f"{type(data.train).__name__}")
@@ -323,9 +324,9 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
                                         runtime.peers), \
                     committing(checkpointer):
                 agreement = RankAgreement(stop, runtime.device, runtime.world_size, synced_at=state.progress.step,
-                                          loss_ranks=strategy.loss_ranks)
-                evaluator = _evaluator(config, runtime, data, loss, task)
-                validator = _evaluator(config, runtime, data, loss, task, "val") if validation else None
+                                          loss_ranks=dims.loss_ranks)
+                evaluator = _evaluator(config, runtime, dims, data, loss, task)
+                validator = _evaluator(config, runtime, dims, data, loss, task, "val") if validation else None
                 trainer = Trainer(state=state, loss=loss, config=config.train, device=runtime.device, plan=plan,
                                   total_steps=total_steps, evaluate=evaluator, validate=validator, recorder=recorder,
                                   meter=meter,
@@ -357,14 +358,14 @@ def _after_step(runtime: Runtime, on_step_end: Callable[[int], None] | None) -> 
     return after_step
 
 
-def _evaluator(config: Config, runtime: Runtime, data: Data, loss: Loss, task: Task, split: str = "test"
-               ) -> Callable[[nn.Module], dict]:
+def _evaluator(config: Config, runtime: Runtime, dims: ParallelDims, data: Data, loss: Loss, task: Task,
+               split: str = "test") -> Callable[[nn.Module], dict]:
     """Exact metrics of the test set, or of the validation set (split "val": the same metrics named val_*)."""
     source = data.val if split == "val" else data.test
 
     def evaluate_model(model: nn.Module) -> dict:
         metrics = evaluate(model, source, data.info.num_classes, config.data.eval_batch_size, runtime, loss,
-                           config.train.precision, data.info.class_names, task)
+                           config.train.precision, data.info.class_names, task, dims)
         return {f"{split}_{key.removeprefix('test_')}" if key.startswith("test_") else key: value
                 for key, value in metrics.items()}
 
@@ -374,8 +375,8 @@ def _evaluator(config: Config, runtime: Runtime, data: Data, loss: Loss, task: T
 def _memory(config: Config, runtime: Runtime, state: TrainState, recorder: Recorder) -> dict:
     """state_bytes_per_rank (and peak_memory_bytes on CUDA), the fullest rank's, into the log. A collective."""
     memory = memory_report(state.model, state.optimizer, runtime)
-    peak, mesh = memory["peak_memory_bytes"], runtime.mesh
-    layout = f": {mesh.describe()}" if mesh and mesh.pipeline * mesh.tensor_parallel > 1 else ""
+    peak, dims = memory["peak_memory_bytes"], state.strategy.dims
+    layout = f": {dims.describe()}" if dims.pipeline * dims.tensor_parallel > 1 else ""
     recorder.info(f"parameters + gradients + optimizer state: {memory['state_bytes_per_rank'] / 2**20:.1f} MiB on "
                   f"the fullest rank ({config.dist.strategy}{layout})"
                   + (f"; peak device memory {peak / 2**20:.1f} MiB" if peak else ""))

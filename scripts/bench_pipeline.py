@@ -45,7 +45,7 @@ class StageClock:
 
     def on_step_end(self, step: int, loss) -> None:
         if step == 1:  # instance attributes: only this run's schedule is timed, torch's classes are untouched
-            schedule = self.model._pipeline.schedule
+            schedule = self.model.pipeline.schedule
             for stage in getattr(schedule, "_stages", None) or [schedule._stage]:
                 stage.forward_one_chunk = self._timed(stage.forward_one_chunk, "busy")
                 stage.backward_one_chunk = self._timed(stage.backward_one_chunk, "busy")

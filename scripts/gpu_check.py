@@ -54,7 +54,7 @@ def check_equivalence(runtime, steps: int) -> dict:
     import torch.nn.functional as F
 
     from distrib.distributed.parallel import place_model
-    from distrib.distributed.strategies.ddp import wrap_ddp
+    from distrib.distributed.parallelize import wrap_ddp
     from distrib.models.network import Network
 
     saved = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark

@@ -15,7 +15,7 @@ from distrib.data import samples
 from distrib.data.augment import Augment
 from distrib.data.batching import BatchSource, DeviceBatches, Failed, Finish, LoaderBatches, collate, init_worker
 from distrib.data.collate import Collate, probe, with_mask
-from distrib.data.stream import StreamBatches, describe, is_stream
+from distrib.data.stream import StreamBatches, is_sharded, is_stream
 from distrib.data.stream_read import as_split, rows_of
 from distrib.data.tensors import DataInfo, Normalizer, Split, channel_stats, stats_indices
 from distrib.distributed.runtime import Runtime
@@ -130,7 +130,7 @@ def build_stream(loaded: Loaded, config: DataConfig, runtime: Runtime, seed: int
     source = StreamBatches(loaded.train, runtime, config, Finish(normalizer, augment), log,
                            collate_fn.expecting(rows["train"]))
     log(_normalize_line(config, loaded, info, len(sample)))
-    how = describe(loaded.train, runtime.data_world_size)
+    how = "sharded" if is_sharded(loaded.train) else "plain"  # how the ranks read it: said at the first pass
     log(f"data {info.name}: a {how} train stream / {len(test)} test samples of {info.inputs} -> {info.targets}, "
         f"{info.num_classes or 'no'} classes, DataLoader ({config.num_workers} workers)")
     return Data(info, source, DeviceBatches(test, runtime, normalizer),

@@ -15,6 +15,7 @@ from distrib.data import samples
 from distrib.data.augment import Augment
 from distrib.data.samples import Tree
 from distrib.data.tensors import Normalizer, Split
+from distrib.distributed.mesh import ParallelDims
 from distrib.distributed.runtime import Runtime
 from distrib.errors import ConfigError, UserError
 from distrib.launch.preempt import ignore_stop_signals
@@ -111,10 +112,13 @@ class BatchPlan:
         return list(order[start:start + per_rank].split(self.micro_batch_size))
 
 
-def make_plan(num_samples: int | None, train: TrainConfig, runtime: Runtime) -> BatchPlan:
-    # data_rank, data_world_size: the ranks of one tensor-parallel group read the same micro-batches
-    return BatchPlan(num_samples, train.global_batch_size, train.grad_accum_steps, runtime.data_rank,
-                     runtime.data_world_size, train.seed)
+def make_plan(num_samples: int | None, train: TrainConfig, runtime: Runtime,
+              dims: ParallelDims | None = None) -> BatchPlan:
+    """This rank's share of every global batch: its index on the batch mesh (the ranks of one tensor-parallel group,
+    and a pipeline's stages, read the same micro-batches); without dims every rank a replica."""
+    dims = dims or ParallelDims.replicas(runtime.world_size)
+    return BatchPlan(num_samples, train.global_batch_size, train.grad_accum_steps, dims.batch_rank(runtime.rank),
+                     dims.data_parallel, train.seed)
 
 
 def eval_batches(num_samples: int, batch_size: int, rank: int, world_size: int) -> list[torch.Tensor]:

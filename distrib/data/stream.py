@@ -120,6 +120,7 @@ class StreamBatches:
         self.resume: dict | None = None  # a checkpoint's position, for the pass it was taken in
         self.origin: tuple[str, int] | None = None  # plain streams: the pass's first sample's fingerprint, its worker
         self.epoch, self.step_in_epoch = 0, 0
+        self.said = False  # how the ranks read the stream: said once, when the batch plan gives their number
 
     # ------------------------------------------------------------ the dry batch: the stream's first samples
 
@@ -138,6 +139,9 @@ class StreamBatches:
         rank (sharded: one small all-reduce per step says whether every rank has a whole step)."""
         layout = Layout(self.sharded, plan.rank, plan.world_size, plan.global_batch_size, plan.grad_accum_steps,
                         max(1, self.config.num_workers))
+        if not self.said:
+            self.log(f"train stream: {describe(self.source, plan.world_size)}")
+            self.said = True
         start = self._start(layout, epoch, start_step)
         source = rank_part(self.source, layout.rank, layout.world_size) if self.sharded else self.source
         if hasattr(source, "set_epoch"):

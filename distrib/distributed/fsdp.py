@@ -21,7 +21,6 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.utils.checkpoint import checkpoint
 
 from distrib.config import DistConfig
-from distrib.distributed.mesh import data_parallel_mesh
 from distrib.distributed.runtime import Runtime
 from distrib.distributed.unused import experts_lists, inside_experts
 from distrib.errors import ConfigError
@@ -116,8 +115,8 @@ def checkpoint_activations(model: nn.Module, spec: str | tuple[str, ...]) -> int
 
 def shard(model: nn.Module, runtime: Runtime, config: DistConfig, precision: str, mesh: DeviceMesh,
           roots: list[nn.Module] | None = None) -> FSDPModule:
-    """fully_shard on each block, then on the root (which takes the rest), over the data-parallel dimensions of the
-    mesh: one dimension (fsdp) shards, two (hsdp) replicate over the first and shard over the second. On a model on
+    """fully_shard on each block, then on the root (which takes the rest), over the data-parallel mesh: one dimension
+    shards, two replicate over the first and shard over the second. On a model on
     the meta device (as the strategy builds it) nothing is allocated: the shards are materialised afterwards. roots:
     the modules that run in place of the model (pipeline stages, views of it), each a root of its own.
 
@@ -127,7 +126,7 @@ def shard(model: nn.Module, runtime: Runtime, config: DistConfig, precision: str
     mixed = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16"
              else MixedPrecisionPolicy())
     offload = CPUOffloadPolicy(pin_memory=runtime.pin_memory) if config.cpu_offload else OffloadPolicy()
-    options = dict(mesh=data_parallel_mesh(mesh), reshard_after_forward=config.reshard_after_forward, mp_policy=mixed,
+    options = dict(mesh=mesh, reshard_after_forward=config.reshard_after_forward, mp_policy=mixed,
                    offload_policy=offload)
     norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m is not model] \
         if precision == "bf16" else []

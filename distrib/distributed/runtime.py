@@ -6,7 +6,6 @@ cuda is named only to count GPUs (doctor, launcher) or as a dist.device value (c
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import itertools
 import os
@@ -21,7 +20,6 @@ import torch.distributed as dist
 
 from distrib.config import DistConfig
 from distrib.distributed.host_heap import keep_freed_memory, return_freed_memory
-from distrib.distributed.mesh import ParallelDims
 from distrib.distributed.peers import PeerWatch
 from distrib.errors import CollectiveTimeoutError, PeerLostError, Preempted, UserError
 from distrib.launch.lifeline import die_with_parent
@@ -94,29 +92,10 @@ class Runtime:
     backend: str
     restart_count: int = 0
     peers: PeerWatch | None = None  # the other ranks' heartbeats; None in one process
-    mesh: ParallelDims | None = None  # the run's parallel degrees (its strategy's); None: every rank a ddp replica
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-    def with_mesh(self, mesh: ParallelDims) -> "Runtime":
-        """This runtime inside a run of this mesh: the data rank and shares follow it."""
-        return dataclasses.replace(self, mesh=mesh)
-
-    @property
-    def _mesh(self) -> ParallelDims:
-        return self.mesh or ParallelDims("ddp", self.world_size, 1)
-
-    @property
-    def data_rank(self) -> int:
-        """Which share of each global batch and of the test set this rank reads (its tensor-parallel group's)."""
-        return self._mesh.data_rank(self.rank)
-
-    @property
-    def data_world_size(self) -> int:
-        """How many shares the data is cut into: the data-parallel ranks."""
-        return self._mesh.data_parallel
 
     @property
     def ddp_device_ids(self) -> list[int] | None:

@@ -1,9 +1,9 @@
 """`distrib plan`: what each rank of a run of this config would hold and send, at any world size, before booking it.
 
-The model is built on the meta device (nothing allocated) and sharded by the run's own calls (Strategy.plan_module) over
-torch's fake process group of the asked world size, so per-rank bytes are the real plan's DTensor shards; the
+The model is built on the meta device (nothing allocated) and laid out by the run's own calls (Strategy.plan_module)
+over torch's fake process group of the asked world size, so per-rank bytes are the real plan's DTensor shards; the
 optimizer steps once on meta to create its state. Activations come from one meta forward that counts the tensors
-autograd saves; collective bytes from the mesh (ring collectives, hierarchical across nodes)."""
+autograd saves; collective bytes from the mesh (distrib.plan.cost)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from distrib.distributed.strategies import Strategy, make_strategy
 from distrib.distributed.strategies.materialise import initialises_itself
 from distrib.distributed.tensor_parallel import layers_split
 from distrib.models.build import build_model
+from distrib.plan.cost import startup_memory, step_traffic
 from distrib.plan.fixes import Run, Step, fixes
 from distrib.plan.host import (  # noqa: F401 - distrib.plan's names too
     KEPT_SLACK,
@@ -212,8 +213,8 @@ def _memory_figures(config: Config, strategy: Strategy, machine: Machine, info, 
     whole, largest, self_init = _whole_model(config, info)
     loads = bool(config.model.init_from)  # the shards are read from the file: no whole copy either, a block at a time
     params_on_host = device.type == "cpu" or strategy.state_on_host
-    startup, startup_host = strategy.startup_memory(parts["parameters"], whole, largest, self_init or loads,
-                                                    machine.nproc_per_node, params_on_host)
+    startup, startup_host = startup_memory(strategy.dims, parts["parameters"], whole, largest, self_init or loads,
+                                           machine.nproc_per_node, params_on_host)
     state = sum(parts.values())
     # In steady state the host holds each rank's all (a CPU run) or its offloaded state shards.
     steady_host = machine.nproc_per_node * (needed if device.type == "cpu" else state if strategy.state_on_host else 0)
@@ -307,9 +308,8 @@ def plan_run(config: Config, machine: Machine) -> dict:
     inputs, targets = meta_batch(tuple(data.info.input_shape), data.info.num_classes, batches.micro_batch_size)
     whole, recomputed = activation_bytes(model, inputs, targets, fsdp.find_blocks(model, config.dist.shard_modules))
     compute_bytes = 2 if config.train.precision == "bf16" else 4
-    intra, inter = strategy.step_traffic(machine.nproc_per_node, local_params, compute_bytes,
-                                         config.train.grad_accum_steps, config.dist.reshard_after_forward,
-                                         _tp_activations(model, shape, inputs) * compute_bytes)
+    intra, inter = step_traffic(shape, config.dist, machine.nproc_per_node, local_params, compute_bytes,
+                                config.train.grad_accum_steps, _tp_activations(model, shape, inputs) * compute_bytes)
     state = sum(parts.values())
     activations = recomputed if config.speed.activation_checkpointing == "blocks" else whole
     peak = peak_terms(config, strategy, model, activations, local_params, device, parts["gradients"])
@@ -346,7 +346,7 @@ def _fixes(config: Config, strategy: Strategy, machine: Machine, model: nn.Modul
     def slack(activations: int, gathered: int, sharded: bool) -> int:
         return allocator_slack(model, device, sharded, activations + gathered, shape.tensor_parallel)
 
-    run = Run(step, checkpointed, config.speed.activation_checkpointing == "blocks", config.dist.strategy,
+    run = Run(step, checkpointed, config.speed.activation_checkpointing == "blocks", strategy.sharded_state,
               config.train.global_batch_size, shape.data_parallel, shape.shard if strategy.sharded_state else 1,
               machine.nnodes, device.type != "cpu", strategy.state_on_host,
               gathered_bytes(config, model, device, shape.tensor_parallel), slack)

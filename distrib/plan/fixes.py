@@ -50,7 +50,7 @@ class Run:
     step: Step
     checkpointed: int  # activations per micro-batch with speed.activation_checkpointing = blocks
     checkpointing: bool  # already on
-    strategy: str
+    sharded: bool  # the state in shards (fsdp, hsdp); else whole on every rank (ddp)
     global_batch_size: int
     data_parallel: int
     shard_group: int  # the ranks each state is sharded over: 1 under ddp, dist.shard_size under hsdp
@@ -83,7 +83,7 @@ def _with(run: Run, step: Step, activations: int, sharded: bool) -> Step:
 def _checkpointing(run: Run):
     if run.checkpointing:
         return
-    step = _with(run, run.step, run.checkpointed, run.strategy != "ddp")
+    step = _with(run, run.step, run.checkpointed, run.sharded)
     yield "checkpointing", [("--set speed.activation_checkpointing=blocks", step)]
 
 
@@ -94,7 +94,7 @@ def _accumulation(run: Run):
     for accum in range(step.grad_accum_steps + 1, per_rank + 1):
         if per_rank % accum == 0:
             activations = step.activations * step.grad_accum_steps // accum
-            smaller = dataclasses.replace(_with(run, step, activations, run.strategy != "ddp"), grad_accum_steps=accum)
+            smaller = dataclasses.replace(_with(run, step, activations, run.sharded), grad_accum_steps=accum)
             tries.append((f"--set train.grad_accum_steps={accum} (micro-batch {per_rank // accum})", smaller))
     yield "accumulation", tries
 
@@ -103,7 +103,7 @@ def _shards(run: Run):
     """ddp: fsdp over its data-parallel ranks; hsdp: fsdp, one shard group of all of them; fsdp: more nodes (the
     same global batch, so each rank's micro-batch shrinks too)."""
     step = run.step
-    if run.strategy == "ddp":
+    if not run.sharded:
         sharded = dataclasses.replace(step.sharded(run.data_parallel), buckets=0, gathered=run.sharded_gathered)
         yield "shards", [("--set dist.strategy=fsdp", _with(run, sharded, step.activations, True))]
     elif run.shard_group < run.data_parallel:  # hsdp
@@ -123,8 +123,8 @@ def _offload(run: Run):
     """On an accelerator: the shards of parameters, gradients and optimizer state in host memory."""
     if not run.on_accelerator or run.offloaded:
         return
-    gathered = run.step.gathered if run.strategy != "ddp" else run.sharded_gathered
+    gathered = run.step.gathered if run.sharded else run.sharded_gathered
     on_device = Step(0, 0, 0, run.step.activations, gathered, 0, 0, 0, run.step.grad_accum_steps)
-    fix = "--set dist.cpu_offload=true" if run.strategy != "ddp" else \
+    fix = "--set dist.cpu_offload=true" if run.sharded else \
         "--set dist.strategy=fsdp --set dist.cpu_offload=true"
     yield "offload", [(fix, on_device)]

@@ -14,7 +14,8 @@ import torch.nn as nn
 
 from distrib.config import Config
 from distrib.data.batching import BatchPlan
-from distrib.distributed import fsdp
+from distrib.distributed import fsdp, pipeline
+from distrib.distributed.mesh import ParallelDims
 from distrib.distributed.pipeline import owner_of, split_stages, stages_of, view
 from distrib.distributed.strategies import Strategy
 from distrib.plan import (
@@ -78,14 +79,14 @@ def stage_passes(model: nn.Module, split, blocks: list[nn.Module], inputs: torch
     return passes
 
 
-def _sent(pipeline_rank: int, mine: list[int], passes: list[dict], config: Config, machine: Machine,
-          batches: BatchPlan, microbatches: int) -> tuple[float, float]:
+def _sent(dims: ParallelDims, pipeline_rank: int, mine: list[int], passes: list[dict], config: Config,
+          machine: Machine, batches: BatchPlan, microbatches: int) -> tuple[float, float]:
     """(intra-node, inter-node) bytes one rank of this pipeline rank sends per step: each stage's output to the next
     stage's rank and the gradient of its input back to the one before, per microbatch, every micro-step. Ranks are
-    numbered node by node and pp is the outermost dimension: peers are world_size / pp ranks apart per hop."""
+    numbered node by node: a stage's peer is the rank at the same coordinate of the peer's pipeline rank."""
     pp, schedule = config.dist.pipeline_parallel, config.dist.pipeline_schedule
-    apart, last = machine.world_size // pp, len(passes) - 1
-    node = pipeline_rank * apart // machine.nproc_per_node
+    last = len(passes) - 1
+    node = dims.rank_at(pp=pipeline_rank) // machine.nproc_per_node
     intra = inter = 0.0
     for stage in mine:
         sends = ([(stage + 1, passes[stage]["sent"])] if stage < last else []) + \
@@ -95,7 +96,7 @@ def _sent(pipeline_rank: int, mine: list[int], passes: list[dict], config: Confi
             if peer == pipeline_rank:
                 continue
             total = nbytes * microbatches * batches.grad_accum_steps
-            if peer * apart // machine.nproc_per_node == node:
+            if dims.rank_at(pp=peer) // machine.nproc_per_node == node:
                 intra += total
             else:
                 inter += total
@@ -139,7 +140,7 @@ def plan_pipeline(config: Config, strategy: Strategy, info, machine: Machine, de
     `parts` and `local_parameters` of the rank with the most state, and the peak terms of the rank with the highest
     peak."""
     dist_config, pp = config.dist, config.dist.pipeline_parallel
-    per_rank, microbatches = dist_config.stages_per_rank, strategy.microbatches
+    per_rank, microbatches = dist_config.stages_per_rank, pipeline.microbatches(dist_config)
     model = meta_model(config, info)
     split = split_stages(model, pp * per_rank, dist_config.pipeline_split, pp)
     inputs, targets = meta_batch(tuple(info.input_shape), info.num_classes,
@@ -149,7 +150,7 @@ def plan_pipeline(config: Config, strategy: Strategy, info, machine: Machine, de
     slack_share = 0.0 if device.type != "cpu" or returns_freed_memory(strategy, model) else KEPT_SLACK
     ranks = []
     for pipeline_rank in range(pp):
-        first_rank = pipeline_rank * machine.world_size // pp  # its data-parallel rank 0's: the fullest shards
+        first_rank = strategy.dims.rank_at(pp=pipeline_rank)  # its data-parallel rank 0's: the fullest shards
         held, optimizer = planned_rank(config, strategy, info, machine, device, first_rank)
         mine = stages_of(pipeline_rank, pp, per_rank, dist_config.pipeline_schedule)
         counts = in_flight(dist_config.pipeline_schedule, pp, per_rank, microbatches, pipeline_rank)
@@ -169,9 +170,9 @@ def plan_pipeline(config: Config, strategy: Strategy, info, machine: Machine, de
         figures["memory_bytes"] = rank_peak(parts, activations, figures["buffer_bytes"], gathered,
                                             figures["unsharded_gradient_bytes"], figures["optimizer_temporary_bytes"],
                                             figures["allocator_slack_bytes"], batches.grad_accum_steps)
-        intra, inter = _sent(pipeline_rank, mine, passes, config, machine, batches, microbatches)
+        intra, inter = _sent(strategy.dims, pipeline_rank, mine, passes, config, machine, batches, microbatches)
         stages = [{"stage": s, "units": list(split.stage_units(s)),
-                   "state_bytes": _stage_state(held._pipeline.stages[s], optimizer, strategy, device),
+                   "state_bytes": _stage_state(held.pipeline.stages[s], optimizer, strategy, device),
                    "activation_bytes_per_microbatch": passes[s][key], "microbatches_in_flight": count}
                   for s, count in zip(mine, counts)]
         ranks.append({"pipeline_rank": pipeline_rank, **figures, "sent_bytes_per_step_intra_node": intra,

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distrib.data import eval_batches, samples
+from distrib.distributed.mesh import ParallelDims
 from distrib.distributed.parallel import unwrap
 from distrib.distributed.runtime import Runtime
 from distrib.errors import UserError
@@ -159,7 +160,8 @@ def _batch_stats(inputs, outputs, targets, loss: Loss, num_classes: int, task: T
 
 
 def evaluate(model: nn.Module, source, num_classes: int, batch_size: int, runtime: Runtime, loss: Loss | None = None,
-             precision: str = "fp32", class_names: tuple[str, ...] = (), task: Task = Task()) -> dict:
+             precision: str = "fp32", class_names: tuple[str, ...] = (), task: Task = Task(),
+             dims: ParallelDims | None = None) -> dict:
     """Exact metrics over the whole test set: every sample counted once, one all-reduce. Runs the unwrapped
     module, so no DDP hooks fire; every rank makes as many forward calls as the busiest (an FSDP module all-gathers in
     every forward), the extra ones not counted."""
@@ -169,12 +171,13 @@ def evaluate(model: nn.Module, source, num_classes: int, batch_size: int, runtim
                         device=runtime.device)
     modes = [(module, module.training) for module in model.modules()]
     model.eval()
-    batches = eval_batches(source.num_samples, batch_size, runtime.data_rank, runtime.data_world_size)
+    dims = dims or ParallelDims.replicas(runtime.world_size)  # the batch mesh: a tensor-parallel group reads alike
+    batches = eval_batches(source.num_samples, batch_size, dims.batch_rank(runtime.rank), dims.data_parallel)
     num_counted = len(batches)
     # Every rank makes as many forward calls as the busiest (one-sample batches, not counted): a sharded model's
     # forward is a collective. Under ddp the unwrapped module makes none, and the few extra samples cost nothing.
-    busiest = max(len(eval_batches(source.num_samples, batch_size, r, runtime.data_world_size))
-                  for r in range(runtime.data_world_size))
+    busiest = max(len(eval_batches(source.num_samples, batch_size, r, dims.data_parallel))
+                  for r in range(dims.data_parallel))
     batches = batches + [torch.arange(1)] * (busiest - num_counted)
     with torch.no_grad(), autocast(precision, runtime.device):
         for batch_index, (inputs, targets) in enumerate(source.batches(batches)):
@@ -184,7 +187,7 @@ def evaluate(model: nn.Module, source, num_classes: int, batch_size: int, runtim
     for module, training in modes:  # each module's own mode back, not model.train(), which would recurse: a layer
         module.training = training  # that a callback put in eval mode (frozen BatchNorm) stays in it
     dist.all_reduce(stats)
-    stats //= runtime.world_size // runtime.data_world_size  # a tensor-parallel group's ranks counted the same batches
+    stats //= dims.world_size // dims.data_parallel  # a tensor-parallel group, a pipeline: their ranks counted alike
     return _metrics(stats.tolist(), classes, class_names, task)
 
 

@@ -10,13 +10,15 @@ import torch.nn as nn
 
 from distrib.checkpoint import Checkpoints, ShardedStorage
 from distrib.config import DistConfig
+from distrib.distributed.parallelize import parallelize
 from distrib.distributed.runtime import open_runtime
 from distrib.distributed.strategies import make_strategy
 
 if __name__ == "__main__":
     with open_runtime(DistConfig(device="cpu")) as runtime:
         strategy = make_strategy(DistConfig(strategy="fsdp"), runtime.world_size, runtime.local_world_size)
-        model = strategy.shard(nn.Linear(2048, 2048), runtime, "fp32", "cpu")
+        strategy.dims.build_mesh("cpu")
+        model = parallelize(nn.Linear(2048, 2048), strategy.dims, strategy.config, runtime)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         progress = {"step": 0}
         checkpointer = Checkpoints(ShardedStorage(runtime, async_save=True), sys.argv[1], runtime,

@@ -44,7 +44,6 @@ if __name__ == "__main__":
     config = load_config(None, overrides)
     with open_runtime(config.dist) as runtime:
         strategy = make_strategy(config.dist, runtime.world_size, runtime.local_world_size)
-        runtime = runtime.with_mesh(strategy.dims)
         data = load_data(config.data, runtime, config.train.seed, log=lambda message: None)
         lines = []
         model = strategy.setup_module(Build(lambda: build_model(config.model, data.info), config.train.seed,

@@ -11,8 +11,8 @@ from distrib.cli import hard_exit
 from distrib.config import load_config
 from distrib.data import load_data
 from distrib.distributed.parallel import place_model
+from distrib.distributed.parallelize import wrap_ddp
 from distrib.distributed.runtime import open_runtime
-from distrib.distributed.strategies.ddp import wrap_ddp
 from distrib.models.network import Network
 from distrib.training.evaluation import evaluate
 

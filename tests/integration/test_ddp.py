@@ -11,8 +11,8 @@ from distrib.config import DistConfig, load_config
 from distrib.data import BatchPlan, DeviceBatches, load_splits, normalize
 from distrib.distributed.agreement import RankAgreement
 from distrib.distributed.parallel import place_model
+from distrib.distributed.parallelize import wrap_ddp
 from distrib.distributed.runtime import open_runtime
-from distrib.distributed.strategies.ddp import wrap_ddp
 from distrib.launch.preempt import StopFlag
 from distrib.metrics import Recorder
 from distrib.models.network import Network

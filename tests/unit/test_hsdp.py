@@ -12,13 +12,13 @@ from distrib.errors import ConfigError
 
 
 def test_mesh_shapes_tile_the_world():
-    assert parallel_dims(DistConfig(strategy="hsdp"), 16, 8) == ParallelDims("hsdp", 2, 8)  # one node per shard group
+    assert parallel_dims(DistConfig(strategy="hsdp"), 16, 8) == ParallelDims(2, 8)  # one node per shard group
     assert parallel_dims(DistConfig(strategy="hsdp", shard_size=4), 16, 8).dims() == (("replicate", 4), ("shard", 4))
     assert parallel_dims(DistConfig(strategy="fsdp"), 8, 8).dims() == (("shard", 8),)
-    assert parallel_dims(DistConfig(strategy="ddp"), 8, 8) == ParallelDims("ddp", 8, 1)
+    assert parallel_dims(DistConfig(strategy="ddp"), 8, 8) == ParallelDims(8, 1, fully_shard=False)
     tp = parallel_dims(DistConfig(strategy="hsdp", tensor_parallel=2), 32, 8)
     assert tp.dims() == (("replicate", 4), ("shard", 4), ("tp", 2)) and tp.data_parallel == 16
-    assert [tp.data_rank(rank) for rank in range(4)] == [0, 0, 1, 1]  # one tensor-parallel group, one micro-batch
+    assert [tp.batch_rank(rank) for rank in range(4)] == [0, 0, 1, 1]  # one tensor-parallel group, one micro-batch
 
 
 @pytest.mark.parametrize("config, world, message", [

@@ -8,9 +8,10 @@ import torch
 import torch.nn as nn
 
 from distrib.config import Config, DistConfig
+from distrib.distributed import pipeline as pipeline_degree
 from distrib.distributed.mesh import ParallelDims
 from distrib.distributed.pipeline import split_stages, stages_of, view
-from distrib.distributed.strategies import PipelineStrategy, check_config, make_strategy, parallel_dims
+from distrib.distributed.strategies import FSDPStrategy, check_config, make_strategy, parallel_dims
 from distrib.distributed.strategies.materialise import _WholeThenSlice, build_on_meta, build_whole
 from distrib.errors import ConfigError
 from distrib.models.gpt import GPT
@@ -22,14 +23,14 @@ def _gpt(n_layers: int = 4, tie_weights: bool = False) -> GPT:
 
 def test_pipeline_is_the_outermost_dimension_and_its_stages_read_the_same_data():
     dims = parallel_dims(DistConfig(strategy="fsdp", pipeline_parallel=2, tensor_parallel=2), 8, 8)
-    assert dims == ParallelDims("fsdp", 1, 2, 2, 2) and dims.dims() == (("pp", 2), ("shard", 2), ("tp", 2))
+    assert dims == ParallelDims(1, 2, 2, 2) and dims.dims() == (("pp", 2), ("shard", 2), ("tp", 2))
     assert dims.data_parallel == 2 and dims.loss_ranks == 4
     # ranks 0-3 hold stage 0, 4-7 stage 1; within each, tp pairs read the same micro-batches
-    assert [dims.data_rank(rank) for rank in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [dims.batch_rank(rank) for rank in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
     assert [dims.pipeline_rank(rank) for rank in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     ddp = parallel_dims(DistConfig(pipeline_parallel=2), 4, 4)  # ddp's replicas as FSDP2 over (replicate, shard 1)
     assert ddp.dims() == (("pp", 2), ("replicate", 2), ("shard", 1)) and ddp.data_parallel == 2
-    assert isinstance(make_strategy(DistConfig(pipeline_parallel=2), 4, 4), PipelineStrategy)
+    assert isinstance(make_strategy(DistConfig(pipeline_parallel=2), 4, 4), FSDPStrategy)  # stages are FSDP2's
     with pytest.raises(ConfigError, match="dist.pipeline_parallel = 3: does not divide world size 4"):
         parallel_dims(DistConfig(strategy="fsdp", pipeline_parallel=3), 4, 4)
 
@@ -95,15 +96,13 @@ def test_a_stage_initialises_its_tensors_as_one_process_draws_them():
 
 
 def test_tied_weights_across_stages_are_one_line():
-    strategy = make_strategy(DistConfig(strategy="fsdp", pipeline_parallel=2), 2, 2)
-    from distrib.distributed.strategies.pipeline import _refuse_ties
+    from distrib.distributed.pipeline.split import refuse_ties
 
     model = build_on_meta(lambda: _gpt(tie_weights=True), 0)
-    split = split_stages(model, strategy.stages, (), 2)
-    stage_of = {unit: s for s in range(2) for unit in split.stage_units(s)}
+    split = split_stages(model, 2, (), 2)
     with pytest.raises(ConfigError, match=r"GPT ties output.weight to tok_embeddings.weight, which fall in different "
                                           r"stages; untie them"):
-        _refuse_ties(model, stage_of, 2)
+        refuse_ties(model, split, 2)
 
 
 @pytest.mark.parametrize("overrides, says", [
@@ -117,7 +116,7 @@ def test_tied_weights_across_stages_are_one_line():
     (dict(pipeline_parallel=2, strategy="fsdp", cpu_offload=True), "not supported with dist.pipeline_parallel > 1")])
 def test_pipeline_keys_that_do_not_fit_are_one_line(overrides, says):
     with pytest.raises(ConfigError, match=None) as error:
-        check_config(Config(dist=DistConfig(**overrides)))  # the keys' own checks, then PipelineStrategy's rules
+        check_config(Config(dist=DistConfig(**overrides)))  # the keys' own checks, then the pipeline's rules
     assert says in str(error.value) and "\n" not in str(error.value)
 
 
@@ -125,16 +124,17 @@ def test_microbatches_must_divide_the_micro_batch():
     strategy = make_strategy(DistConfig(strategy="fsdp", pipeline_parallel=2, pipeline_microbatches=3), 4, 4)
     with pytest.raises(ConfigError, match="dist.pipeline_microbatches = 3: does not divide the micro-batch of 8"):
         strategy.check_micro_batch(8)
-    assert make_strategy(DistConfig(strategy="fsdp", pipeline_parallel=2), 4, 4).microbatches == 2
+    assert pipeline_degree.microbatches(DistConfig(strategy="fsdp", pipeline_parallel=2)) == 2
 
 
 def test_a_device_mismatch_inside_a_stage_names_the_stage():
     from distrib.distributed.parallel import explain_device_errors
-    from distrib.distributed.pipeline import Pipeline, _naming_stage
+    from distrib.distributed.pipeline.stages import Pipeline, _naming_stage
     from distrib.errors import DeviceMismatchError
 
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU())
-    pipeline = Pipeline(split_stages(model, 2, ("2",), 2), {}, None, 2, "1f1b", 2, torch.device("cpu"), model)
+    pipeline = Pipeline(split_stages(model, 2, ("2",), 2), {}, None, ParallelDims(1, 1, pipeline=2), "1f1b", 2,
+                        torch.device("cpu"), model)
     with pytest.raises(DeviceMismatchError) as error:
         with explain_device_errors(model, torch.device("cpu"), {}), _naming_stage(1, pipeline):
             torch.zeros(2, 10) + torch.zeros(10, device="meta")  # a tensor made in forward, elsewhere

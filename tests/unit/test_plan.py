@@ -6,12 +6,13 @@ import pytest
 from distrib.cli import main
 from distrib.config import DistConfig
 from distrib.distributed.mesh import ParallelDims
-from distrib.distributed.mesh import group_split as _group_split
-from distrib.distributed.strategies import FSDPStrategy
+from distrib.plan.cost import group_split as _group_split
+from distrib.plan.cost import step_traffic
 
 
-def collective_bytes(shape: ParallelDims, *args):
-    return FSDPStrategy(DistConfig(strategy=shape.strategy), shape).step_traffic(*args)
+def collective_bytes(shape: ParallelDims, per_node, local_params, compute_bytes, grad_accum, reshard):
+    return step_traffic(shape, DistConfig(reshard_after_forward=reshard), per_node, local_params, compute_bytes,
+                        grad_accum)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -33,9 +34,9 @@ def test_collective_bytes_split_by_the_mesh():
     assert _group_split(8, 1, 8, 800, 1) == (700, 0)
     assert _group_split(32, 1, 8, 800, 1) == (700, 75)
     assert _group_split(4, 8, 8, 800, 2) == (0, 1200)  # hsdp's replicas: one rank per node, all-reduce
-    intra, inter = collective_bytes(ParallelDims("hsdp", 4, 8), 8, 100, 2, 1, True)
+    intra, inter = collective_bytes(ParallelDims(4, 8), 8, 100, 2, 1, True)
     assert intra == 2 * 7 / 8 * 800 * 2 + 7 / 8 * 800 * 4 and inter == 2 * 3 / 4 * 400
-    assert collective_bytes(ParallelDims("fsdp", 1, 8), 8, 100, 4, 1, True)[1] == 0  # one node: nothing crosses
+    assert collective_bytes(ParallelDims(1, 8), 8, 100, 4, 1, True)[1] == 0  # one node: nothing crosses
 
 
 def test_offloaded_shards_are_not_on_the_device():

@@ -14,7 +14,6 @@ from distrib.distributed.strategies import (
     Build,
     DDPStrategy,
     FSDPStrategy,
-    HSDPStrategy,
     make_strategy,
     materialise,
     registered,
@@ -33,14 +32,14 @@ from tests.helpers.support import fake_rank
 def test_every_strategy_is_one_object_over_its_mesh():
     assert isinstance(make_strategy(DistConfig(), 4, 4), DDPStrategy)
     fsdp = make_strategy(DistConfig(strategy="fsdp", tensor_parallel=2), 8, 8)
-    assert isinstance(fsdp, FSDPStrategy) and fsdp.dims == ParallelDims("fsdp", 1, 4, 2) and fsdp.sharded_state
+    assert isinstance(fsdp, FSDPStrategy) and fsdp.dims == ParallelDims(1, 4, 2) and fsdp.sharded_state
     hsdp = make_strategy(DistConfig(strategy="hsdp"), 16, 8)
-    assert isinstance(hsdp, HSDPStrategy) and hsdp.dims.layout() == {"replicate": 2, "shard": 8}
+    assert isinstance(hsdp, FSDPStrategy) and hsdp.dims.layout() == {"replicate": 2, "shard": 8}
 
 
 def test_each_strategy_registers_its_names_and_the_config_lists_the_same():
     assert {name: cls.__name__ for name, cls in registered().items()} == {
-        "ddp": "DDPStrategy", "fsdp": "FSDPStrategy", "hsdp": "HSDPStrategy"}
+        "ddp": "DDPStrategy", "fsdp": "FSDPStrategy", "hsdp": "FSDPStrategy"}  # hsdp: fsdp with a replicate degree
     # config.py imports no strategy (no torch): its choices are the docs' list and load_config's check
     assert choices(DistConfig, "strategy") == tuple(registered())
     with pytest.raises(ConfigError) as caught:
@@ -133,7 +132,7 @@ def test_weights_to_load_fill_the_shards_of_a_model_never_built_whole(tmp_path, 
 
     with fake_rank(1, 2):
         strategy = make_strategy(DistConfig(strategy="fsdp"), 2, 2)
-        runtime = Runtime(1, 1, 2, 2, torch.device("cpu"), "fake").with_mesh(strategy.dims)
+        runtime = Runtime(1, 1, 2, 2, torch.device("cpu"), "fake")
         load = lambda model: load_weights(model, check_weights(model, open_source(str(folder))))  # noqa: E731
         model = strategy.setup_module(Build(factory, 3, load_weights=load, log=lines.append), runtime)
         for name, tensor in reference.state_dict().items():

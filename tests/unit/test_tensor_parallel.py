@@ -33,8 +33,8 @@ def test_a_plan_that_does_not_divide_is_refused():
 
 def test_the_ranks_of_one_tensor_parallel_group_read_the_same_micro_batches():
     train = TrainConfig(global_batch_size=16, grad_accum_steps=2)
-    mesh = ParallelDims("fsdp", 1, 2, 2)
-    plans = [make_plan(64, train, Runtime(rank, rank, 4, 4, torch.device("cpu"), "gloo", mesh=mesh))
+    mesh = ParallelDims(1, 2, 2)
+    plans = [make_plan(64, train, Runtime(rank, rank, 4, 4, torch.device("cpu"), "gloo"), mesh)
              for rank in range(4)]
     order = plans[0].order(0)
     batches = [torch.cat(plan.micro_batches(order, 1)) for plan in plans]

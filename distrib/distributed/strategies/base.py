@@ -1,11 +1,10 @@
-"""The contract every strategy keeps: how the model is built, materialised, placed and wrapped, how a step's
-forward and backward run and its gradients sync and clip, how the training state is gathered, loaded and saved, and
-what `distrib plan` reports for it.
+"""The contract every strategy keeps: how the model is built, materialised and laid out, how a step's forward and
+backward run and its gradients sync and clip, how the training state is gathered, loaded and saved.
 
-A strategy holds the run's ParallelDims (every parallel degree; the Runtime reads its data rank from the same object).
-The worker, trainer, checkpoint package, evaluation and plan talk to this interface only, never to a strategy's name.
-Each subclass registers the dist.strategy names it serves (`names`) and checks the config's rules about itself
-(`check`, before any worker starts)."""
+A strategy holds the run's one ParallelDims (every parallel degree, and the mesh built from them: the data slices,
+losses and rank agreement read their coordinates and counts from it). The worker, trainer, checkpoint package,
+evaluation and plan talk to this interface only, never to a strategy's name. Each subclass registers the
+dist.strategy names it serves (`names`) and checks the config's rules about itself (`check_keys`, `check`)."""
 
 from __future__ import annotations
 
@@ -93,21 +92,16 @@ def strategy_named(name: str) -> type[Strategy]:
 
 
 class Strategy(ABC):
-    """One data- (and tensor-) parallel strategy. Subclasses: distrib.distributed.strategies.ddp, .fsdp, .hsdp and
-    .pipeline."""
+    """How a layout's state is held: whole on every data-parallel rank (distrib.distributed.strategies.ddp) or in
+    shards (.fsdp: fsdp and hsdp, and every pipeline). The degrees themselves are the mesh's (ParallelDims) and are
+    applied by the one parallelize (distrib.distributed.parallelize); a strategy differs only where its state does."""
 
-    # The dist.strategy values this class serves, registered when the class is defined (each name once). Empty: a
-    # strategy chosen otherwise (pipeline parallel, by dist.pipeline_parallel). config.py lists the same names as
-    # dist.strategy's choices, for its docs; tests/unit/test_strategies.py keeps the two equal.
+    # The dist.strategy values this class serves, registered when the class is defined (each name once). config.py
+    # lists the same names as dist.strategy's choices, for its docs; tests/unit/test_strategies.py keeps the two equal.
     names: ClassVar[tuple[str, ...]] = ()
     # Whether the training state is DTensor shards (each rank saves its own: DCP checkpoints) or whole on every rank
     # (one file, written by rank 0).
     sharded_state: ClassVar[bool] = False
-    # Whether dist.shard_size sizes this strategy's shard groups (hsdp's); any other refuses it.
-    reads_shard_size: ClassVar[bool] = False
-    # Whether the trainer's loss sees each micro-batch's outputs whole, so that the model's extra losses are logged
-    # (not under pipeline parallel, whose last stage sees its microbatches' outputs only).
-    logs_extra_losses: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -122,9 +116,8 @@ class Strategy(ABC):
 
     @classmethod
     def check(cls, config: Config) -> None:
-        """A one-line ConfigError (key, value, fix) for a config this strategy cannot run: its dist keys
-        (check_keys), then what its state allows. Called before any worker starts (distrib train, plan, fit)."""
-        cls.check_keys(config.dist)
+        """A one-line ConfigError (key, value, fix) for what this strategy's state cannot hold (its dist keys:
+        check_keys). Called before any worker starts (distrib train, plan, fit: strategies.check_config)."""
         if cls.sharded_state and config.train.precision == "fp16":  # GradScaler would skip per shard
             raise ConfigError(f"train.precision = 'fp16': not supported with {cls.described(config.dist)} (a "
                               "GradScaler's skip decision would differ between shards); use --set train.precision=bf16")
@@ -135,14 +128,11 @@ class Strategy(ABC):
     @classmethod
     def check_keys(cls, config: DistConfig) -> None:
         """A one-line ConfigError for a dist key this strategy does not take or a value it cannot run."""
-        if config.shard_size and not cls.reads_shard_size:
-            raise ConfigError(f"dist.shard_size = {config.shard_size}: sizes hsdp's shard groups, and dist.strategy "
-                              f"is {config.strategy}; set --set dist.strategy=hsdp or --set dist.shard_size=0")
 
     @classmethod
     def described(cls, config: DistConfig) -> str:
-        """The config's words for this strategy in a refusal."""
-        return f"dist.strategy = '{config.strategy}'"
+        """The config's words for this layout in a refusal."""
+        return "dist.pipeline_parallel > 1" if config.pipeline_parallel > 1 else f"dist.strategy = '{config.strategy}'"
 
     @classmethod
     @abstractmethod
@@ -196,6 +186,12 @@ class Strategy(ABC):
         into microbatches)."""
 
     @property
+    def logs_extra_losses(self) -> bool:
+        """Whether the trainer's loss sees each micro-batch's outputs whole, so that the model's extra losses are
+        logged (not under pipeline parallel, whose last stage sees its microbatches' outputs only)."""
+        return self.dims.pipeline == 1
+
+    @property
     def loss_ranks(self) -> int:
         """How many ranks hold the loss of a step (the rank agreement's sum is divided by it)."""
         return self.dims.loss_ranks
@@ -235,16 +231,3 @@ class Strategy(ABC):
     def state_on_host(self) -> bool:
         """Whether the parameter, gradient and optimizer state lives in host memory (dist.cpu_offload)."""
         return False
-
-    @abstractmethod
-    def step_traffic(self, per_node: int, local_params: int, compute_bytes: int, grad_accum: int,
-                     reshard_after_forward: bool, tp_activation_bytes: float = 0) -> tuple[float, float]:
-        """(intra-node, inter-node) bytes each rank sends per optimizer step for gradients and parameters."""
-
-    @abstractmethod
-    def startup_memory(self, parameter_bytes_per_rank: int, whole_bytes: int, largest_tensor_bytes: int,
-                       self_initialising: bool, nproc_per_node: int, params_on_host: bool) -> tuple[int, int]:
-        """(bytes the fullest rank holds while building and loading, before the first step; host bytes of the fullest
-        node meanwhile). whole_bytes: the model's parameters and buffers; self_initialising: no whole copy is needed
-        (the model initialises its own shards, or they are read from model.init_from); params_on_host: the device is
-        the CPU, or dist.cpu_offload keeps the shards there."""

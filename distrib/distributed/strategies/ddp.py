@@ -1,10 +1,10 @@
 """The ddp strategy: every rank builds and holds the whole model (on the host, then on its device), DDP all-reduces
-the gradients in buckets during the last micro-step's backward, and rank 0 alone writes the whole state to one file."""
+the gradients in buckets during the last micro-step's backward (the one parallelize wraps it), and rank 0 alone
+writes the whole state to one file."""
 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -12,9 +12,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distrib.config import DistConfig, SpeedConfig
 from distrib.distributed import fsdp, unused
-from distrib.distributed.compile import compile_whole
-from distrib.distributed.mesh import ParallelDims, group_split
+from distrib.distributed.mesh import ParallelDims
 from distrib.distributed.parallel import place_model, unwrap
+from distrib.distributed.parallelize import parallelize
 from distrib.distributed.runtime import Runtime
 from distrib.distributed.strategies.base import Build, StepLoss, Strategy
 from distrib.distributed.strategies.materialise import build_whole
@@ -28,54 +28,21 @@ def _said(setting: bool | str) -> str:
     return setting if isinstance(setting, str) else str(setting).lower()
 
 
-def wrap_ddp(model: nn.Module, runtime: Runtime, **options) -> DDP:
-    """DDP over a model already on the worker's device; rank 0's initial weights are broadcast to all ranks."""
-    return DDP(model, device_ids=runtime.ddp_device_ids, **options)
-
-
-def _inputs_channels_last(module: nn.Module, args: tuple) -> tuple:
-    return tuple(a.contiguous(memory_format=torch.channels_last) if isinstance(a, torch.Tensor) and a.dim() == 4
-                 else a for a in args)
-
-
-def prepare(model: nn.Module, speed: SpeedConfig, shard_modules) -> None:
-    """The [speed] options that change the module itself, before any wrapping: channels_last and activation
-    checkpointing (both also work on a model still on the meta device)."""
-    if speed.channels_last:
-        model.to(memory_format=torch.channels_last)
-        model.register_forward_pre_hook(_inputs_channels_last)  # inputs follow, whoever feeds the model
-    if speed.activation_checkpointing == "blocks":
-        fsdp.checkpoint_activations(model, shard_modules)
-
-
-def wrap(model: nn.Module, runtime: Runtime, speed: SpeedConfig, shard_modules="auto",
-         log: Callable[[str], None] = lambda line: None, find_unused_parameters: bool = False) -> nn.Module:
-    """A placed whole model made ready to train or evaluate as ddp: the [speed] options, DDP, torch.compile (over
-    DDP: distrib.distributed.compile.compile_whole, whose line goes to `log`). What distrib eval and predict run too."""
-    prepare(model, speed, shard_modules)
-    wrapped = wrap_ddp(model, runtime, gradient_as_bucket_view=speed.gradient_as_bucket_view,
-                       static_graph=speed.static_graph, bucket_cap_mb=speed.bucket_cap_mb or None,
-                       find_unused_parameters=find_unused_parameters)
-    if not speed.compile:
-        return wrapped
-    wrapped, line = compile_whole(wrapped, speed)
-    log(line)
-    return wrapped
-
-
 class DDPStrategy(Strategy):
     names = ("ddp",)
     sharded_state = False
 
-    def __init__(self, config: DistConfig = DistConfig(), dims: ParallelDims = ParallelDims("ddp", 1, 1)):
-        super().__init__(config, dims)
+    def __init__(self, config: DistConfig = DistConfig(), dims: ParallelDims | None = None):
+        super().__init__(config, dims or ParallelDims.replicas(1))
 
     @classmethod
     def check_keys(cls, config: DistConfig) -> None:
         if config.cpu_offload:
             raise ConfigError(f"dist.cpu_offload = {config.cpu_offload}: offloads FSDP shards, and dist.strategy is "
                               "ddp; set --set dist.strategy=fsdp or --set dist.cpu_offload=false")
-        super().check_keys(config)
+        if config.shard_size:
+            raise ConfigError(f"dist.shard_size = {config.shard_size}: sizes hsdp's shard groups, and dist.strategy "
+                              f"is {config.strategy}; set --set dist.strategy=hsdp or --set dist.shard_size=0")
         if config.tensor_parallel > 1:
             raise ConfigError(f"dist.tensor_parallel = {config.tensor_parallel}: composes with fsdp or hsdp on the "
                               "data-parallel ranks, and dist.strategy is ddp; set --set dist.strategy=fsdp (or hsdp)")
@@ -86,7 +53,7 @@ class DDPStrategy(Strategy):
         return data_parallel, 1  # every data-parallel rank a whole replica
 
     def setup_trained(self, model: nn.Module, runtime: Runtime, speed: SpeedConfig) -> nn.Module:
-        return wrap(place_model(model, runtime.device), runtime, speed, self.config.shard_modules)
+        return parallelize(place_model(model, runtime.device), self.dims, self.config, runtime, speed=speed)
 
     def setup_module(self, build: Build, runtime: Runtime) -> nn.Module:
         model = build.given if build.given is not None else build_whole(build.factory, build.seed)
@@ -97,7 +64,8 @@ class DDPStrategy(Strategy):
         # leaves its reduction unfinished unless DDP looks for such parameters (a collective under auto).
         find = unused.find_unused(self.config.find_unused_parameters, model, build.dry_forward, runtime.device,
                                   build.log)
-        return wrap(model, runtime, build.speed, self.config.shard_modules, build.log, find)
+        return parallelize(model, self.dims, self.config, runtime, speed=build.speed, precision=build.precision,
+                           log=build.log, find_unused_parameters=find)
 
     def forward_backward(self, model: nn.Module, micro_batches: list, step: StepLoss) -> torch.Tensor:
         try:
@@ -129,13 +97,3 @@ class DDPStrategy(Strategy):
 
     def full_model_state(self, model: nn.Module) -> dict:
         return unwrap(model).state_dict()
-
-    def step_traffic(self, per_node: int, local_params: int, compute_bytes: int, grad_accum: int,
-                     reshard_after_forward: bool, tp_activation_bytes: float = 0) -> tuple[float, float]:
-        # one all-reduce of the fp32 gradients per step
-        return group_split(self.dims.replicate, 1, per_node, local_params * 4, 2)
-
-    def startup_memory(self, parameter_bytes_per_rank: int, whole_bytes: int, largest_tensor_bytes: int,
-                       self_initialising: bool, nproc_per_node: int, params_on_host: bool) -> tuple[int, int]:
-        # Every rank builds the whole model on its host, then moves it to its device tensor by tensor.
-        return whole_bytes, nproc_per_node * whole_bytes

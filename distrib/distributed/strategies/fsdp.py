@@ -1,12 +1,13 @@
-"""The sharded strategies: fsdp (FSDP2 over one shard group of every data-parallel rank), hsdp (replicas of shard
-groups, a 2-D mesh: its subclass in .hsdp) and either composed with tensor parallel (dist.tensor_parallel, the
-innermost mesh dimension). They differ only by the mesh (ParallelDims); this class owns their model's life.
+"""The sharded state: fsdp (FSDP2 over one shard group of every data-parallel rank) and hsdp (the same with a
+replicate degree: replicas of shard groups), under any tensor-parallel degree, and every pipeline (its stages are
+FSDP2 modules whatever dist.strategy says). They differ only by the mesh (ParallelDims); this class owns their
+model's life.
 
-Start-up: the model is built on the meta device, split by tensor parallel, its blocks compiled in place
-(speed.compile: distrib.distributed.compile), sharded by fully_shard, and only this rank's shards are materialised on
-its device (distrib.distributed.strategies.materialise), then filled by the weights to load (model.init_from), the
-model's own initialisation, or rank 0's whole copy. Steady state: each rank holds its shards of parameters, gradients
-and optimizer state, all-gathers a block's parameters for its forward and backward, reduce-scatters its gradients, and
+Start-up: the model is built on the meta device, laid out by the one parallelize (a pipeline rank's stages cut first:
+distrib.distributed.pipeline), and only this rank's shards are materialised on its device
+(distrib.distributed.strategies.materialise), then filled by the weights to load (model.init_from), the model's own
+initialisation, or rank 0's whole copy. Steady state: each rank holds its shards of parameters, gradients and
+optimizer state, all-gathers a block's parameters for its forward and backward, reduce-scatters its gradients, and
 saves its own shards (DCP)."""
 
 from __future__ import annotations
@@ -16,17 +17,17 @@ from typing import Iterator
 
 import torch
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from distrib.config import DistConfig
-from distrib.distributed import fsdp
-from distrib.distributed.compile import compile_blocks
-from distrib.distributed.mesh import build_mesh, group_split
-from distrib.distributed.parallel import mismatch_error, place_model, unwrap
+from distrib.config import DistConfig, SpeedConfig
+from distrib.distributed import fsdp, pipeline
+from distrib.distributed.parallel import clip_grad_norm, explain_device_errors, mismatch_error, place_model, unwrap
+from distrib.distributed.parallelize import parallelize
+from distrib.distributed.pipeline import Pipeline
 from distrib.distributed.runtime import Runtime
 from distrib.distributed.strategies import materialise
-from distrib.distributed.strategies.base import Build, Strategy
-from distrib.distributed.strategies.ddp import prepare
-from distrib.distributed.tensor_parallel import apply_tensor_parallel
+from distrib.distributed.strategies.base import Build, StepLoss, Strategy
+from distrib.errors import ConfigError, UserError
 
 # On the CPU, glibc keeps the whole parameters a sharded model gathers and frees block by block in its heap (the fsdp
 # workers of a 203M-parameter GPT peaked at 1.8-2.1x its bytes instead of 0.92x) unless the runtime fixes its mmap
@@ -53,60 +54,89 @@ def _requires_gradient_sync(module, enabled: bool) -> Iterator[None]:
         module.set_requires_gradient_sync(True)
 
 
+
+
 class FSDPStrategy(Strategy):
-    names = ("fsdp",)
+    names = ("fsdp", "hsdp")
     sharded_state = True
+
+    def __init__(self, config: DistConfig, dims):
+        super().__init__(config, dims)
+        self.pipeline: Pipeline | None = None  # this rank's stages, under dist.pipeline_parallel > 1 (lay_out)
+
+    @classmethod
+    def check_keys(cls, config: DistConfig) -> None:
+        if config.shard_size and config.strategy == "fsdp":
+            raise ConfigError(f"dist.shard_size = {config.shard_size}: sizes hsdp's shard groups, and dist.strategy "
+                              f"is {config.strategy}; set --set dist.strategy=hsdp or --set dist.shard_size=0")
 
     @classmethod
     def replicas_and_shards(cls, config: DistConfig, data_parallel: int, world_size: int,
                             local_world_size: int) -> tuple[int, int]:
-        return 1, data_parallel  # one shard group of every data-parallel rank
+        """fsdp: one shard group of every data-parallel rank; hsdp: groups of dist.shard_size ranks (one node's, by
+        default), replicated across the groups."""
+        if config.strategy == "fsdp":
+            return 1, data_parallel
+        tp, pp = config.tensor_parallel, config.pipeline_parallel
+        shard = config.shard_size or max(1, min(data_parallel, local_world_size // tp))
+        if data_parallel % shard:
+            key = "dist.shard_size" if config.shard_size else \
+                "LOCAL_WORLD_SIZE / dist.tensor_parallel (dist.shard_size)"
+            raise ConfigError(f"{key} = {shard}: does not divide the {data_parallel} data-parallel ranks (world size "
+                              f"{world_size} / tensor parallel {tp}" + (f" / pipeline parallel {pp}" if pp > 1 else "")
+                              + f"); set --set dist.shard_size to a divisor of {data_parallel}, e.g. the ranks of one "
+                              "node")
+        return data_parallel // shard, shard
 
-    def shard(self, model: nn.Module, runtime: Runtime, precision: str, device_type: str,
-              build: Build | None = None) -> nn.Module:
-        """The run's mesh (device_type explicit: a CPU run on a GPU host, or distrib plan's fake group), tensor
-        parallel on its innermost dimension, speed.compile of each block, then FSDP2 over the others. distrib plan
-        calls this too (no build: nothing compiled)."""
-        mesh = build_mesh(self.dims, device_type)
-        if self.dims.tensor_parallel > 1:  # first, so that FSDP shards the tensor-parallel slices over the others
-            apply_tensor_parallel(model, mesh["tp"])
-        if build is not None and build.speed.compile:  # torchtitan's order: tensor parallel, compile, FSDP
-            build.log(compile_blocks(model, fsdp.find_blocks(model, self.config.shard_modules), build.speed))
-        return fsdp.shard(model, runtime, self.config, precision, mesh)
+    # ---------------------------------------------------------------- the model's life
 
     def setup_module(self, build: Build, runtime: Runtime) -> nn.Module:
-        if build.given is not None:  # a module given to distrib.fit: whole on every rank already, each keeps slices
+        self.dims.build_mesh(runtime.device.type)
+        given, buffers = build.given is not None, {}
+        if given:  # a module given to distrib.fit: whole on every rank already, each keeps its slices
             _return_freed_memory_if_large(build.given, runtime)
-            model = place_model(build.given, runtime.device)
-            prepare(model, build.speed, self.config.shard_modules)
-            model = self.shard(model, runtime, build.precision, runtime.device.type, build)
-            if build.load_weights is not None:
-                build.load_weights(model)
-            return model
-        buffers = {}
-        if build.load_weights is not None:  # no initialisation to run: the weights come from the file
-            model, buffers = materialise.build_for_loading(build.factory, build.seed)
+            whole = place_model(build.given, runtime.device)
+        elif build.load_weights is not None:  # no initialisation to run: the weights come from the file
+            whole, buffers = materialise.build_for_loading(build.factory, build.seed)
         else:
-            model = materialise.build_on_meta(build.factory, build.seed)
-        _return_freed_memory_if_large(model, runtime)  # before any shard is materialised
-        self_init = build.load_weights is None and materialise.initialises_itself(model)
-        prepare(model, build.speed, self.config.shard_modules)
-        model = self.shard(model, runtime, build.precision, runtime.device.type, build)
-        self._materialise(model, runtime)
-        self._fill(model, build, runtime, self_init, buffers)
+            whole = materialise.build_on_meta(build.factory, build.seed)
+        if not given:
+            _return_freed_memory_if_large(whole, runtime)  # before any shard is materialised
+        self_init = not given and build.load_weights is None and materialise.initialises_itself(whole)
+        model = self._lay_out(whole, runtime, build.speed, build.precision, build.log)
+        if not given:
+            self._materialise(model, runtime)
+            self._fill(model, whole, build, runtime, self_init, buffers)
+        elif build.load_weights is not None:
+            build.load_weights(model)
+        if self.pipeline is not None:
+            config = self.config
+            build.log(f"pipeline parallel: {self.dims.pipeline} ranks x {config.stages_per_rank} stage(s) each, "
+                      f"schedule {config.pipeline_schedule}, {self.pipeline.microbatches} microbatches per "
+                      f"micro-step; this rank holds {self.pipeline.describe()}: no rank held the model whole")
         return model
 
-    def _fill(self, model: nn.Module, build: Build, runtime: Runtime, self_init: bool,
+    def _lay_out(self, whole: nn.Module, runtime: Runtime, speed: SpeedConfig, precision: str, log) -> nn.Module:
+        """The whole model laid out by the one parallelize, or under pipeline parallel runtime.rank's stages of it,
+        which this strategy then holds."""
+        if self.dims.pipeline == 1:
+            return parallelize(whole, self.dims, self.config, runtime, speed=speed, precision=precision, log=log)
+        held = pipeline.lay_out(whole, self.dims, self.config, runtime, speed=speed, precision=precision, log=log)
+        self.pipeline = held.pipeline
+        return held
+
+    def _fill(self, model: nn.Module, whole: nn.Module, build: Build, runtime: Runtime, self_init: bool,
               buffers: dict[str, torch.Tensor]) -> None:
         """The materialised shards' values: the loaded weights (and the constructor's non-persistent buffers), the
-        model's own initialisation, or rank 0's whole copy."""
+        whole model's own initialisation (each rank's tensors drawn as one process draws them), or rank 0's whole
+        copy."""
         if build.load_weights is not None:
             materialise.restore_buffers(model, buffers)
             build.load_weights(model)
             build.log("the model was built on the meta device and each rank materialised only its shards, filled by "
                       "the weights loaded (model.init_from, or the checkpoint resumed): no rank held the model whole")
         elif self_init:
-            materialise.init_shards(model, build.seed)
+            materialise.init_shards(whole, build.seed)
         else:
             materialise.load_from_rank0(model, build.factory, build.seed, runtime, build.log)
 
@@ -127,14 +157,40 @@ class FSDPStrategy(Strategy):
                                  "so that model.to(device) moves them, and do not pin them to a device")
 
     def grad_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        if self.pipeline is not None:  # the schedule's stages reduce their gradients after their last backward
+            return contextlib.nullcontext()
         # FSDP reduce-scatters in the backward unless told not to (it then keeps unsharded gradients until the last).
         return _requires_gradient_sync(model, enabled)
+
+    def forward_backward(self, model: nn.Module, micro_batches: list, step: StepLoss) -> torch.Tensor:
+        if self.pipeline is None:
+            return super().forward_backward(model, micro_batches, step)
+        total = torch.zeros((), device=step.device)
+        pieces = self.pipeline.microbatches
+        for inputs, targets in micro_batches:
+            if not isinstance(inputs, torch.Tensor):
+                raise UserError("dist.pipeline_parallel > 1: the samples' inputs are not one tensor, and a pipeline "
+                                "cuts one tensor into microbatches; use --set dist.pipeline_parallel=1")
+            with explain_device_errors(model, step.device, step.batch(inputs, targets)), step.autocast():
+                loss = self.pipeline.train_step(inputs, targets, lambda out, tgt: step.loss(out, tgt, pieces))
+            if loss is not None:
+                total = total + loss
+        return total
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        across = self.pipeline.group if self.pipeline is not None else None  # every stage's part of the norm
+        return clip_grad_norm(model.parameters(), max_norm, across=across)
+
+    def check_micro_batch(self, micro_batch_size: int) -> None:
+        if self.dims.pipeline > 1:
+            pipeline.check_micro_batch(self.config, micro_batch_size)
 
     def after_forward_only(self, model: nn.Module) -> None:
         # With dist.reshard_after_forward = false (and for the root module always) a forward leaves the parameters
         # gathered until a backward reshards them; an optimizer built then, or a checkpoint taken after an
         # evaluation, would see the gathered tensors, not the shards (torch's state_dict helpers then crashed).
-        fsdp.reshard(unwrap(model))
+        for root in self.pipeline.stages.values() if self.pipeline is not None else [unwrap(model)]:
+            fsdp.reshard(root)
 
     def training_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, named: bool = False) -> dict:
         return fsdp.sharded_state(unwrap(model), optimizer)
@@ -142,39 +198,31 @@ class FSDPStrategy(Strategy):
     def load_training_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
         if fsdp.keyed_by_name(state["optimizer"]):  # DCP shards, resharded to this mesh
             fsdp.load_sharded_state(unwrap(model), optimizer, state)
+        elif self.pipeline is not None:
+            raise UserError("a one-file (ddp) checkpoint cannot be resumed under dist.pipeline_parallel > 1 (its "
+                            "optimizer state is keyed by the whole model's parameter order); resume it under ddp or "
+                            "fsdp once, then under pipeline parallel from that run's (sharded) checkpoint")
         else:  # a one-file checkpoint: each rank keeps its slices of the whole
             fsdp.load_full_state(unwrap(model), optimizer, state)
 
     def full_model_state(self, model: nn.Module) -> dict:
-        return fsdp.full_model_state(unwrap(model))
+        if self.pipeline is None:
+            return fsdp.full_model_state(unwrap(model))
+        return self.pipeline.whole_on_rank0(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))
+
+    def whole_on_rank0(self, state: dict) -> dict:
+        return state if self.pipeline is None else self.pipeline.whole_on_rank0(state)
+
+    def complete(self, model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return tensors if self.pipeline is None else self.pipeline.complete(tensors)
 
     def plan_module(self, model: nn.Module, runtime: Runtime, precision: str) -> nn.Module:
-        return self.shard(model, runtime, precision, "cpu")
+        """The meta model as runtime.rank holds it (under pipeline parallel: its pipeline rank's stages), laid out by
+        the run's own calls over distrib plan's fake group (whose own rank is 0: the data-parallel coordinates are rank
+        0's, the fullest shards)."""
+        self.dims.build_mesh("cpu")
+        return self._lay_out(model, runtime, SpeedConfig(), precision, lambda line: None)
 
     @property
     def state_on_host(self) -> bool:
         return self.config.cpu_offload
-
-    def step_traffic(self, per_node: int, local_params: int, compute_bytes: int, grad_accum: int,
-                     reshard_after_forward: bool, tp_activation_bytes: float = 0) -> tuple[float, float]:
-        """All-gathers of parameters in every forward (and backward, when resharded) of every micro-step, one
-        reduce-scatter of fp32 gradients; hsdp then all-reduces its gradient shards across the replicas; tensor
-        parallel all-reduces tp_activation_bytes per micro-step within its group."""
-        dims, tp = self.dims, self.dims.tensor_parallel
-        parts = [group_split(tp, 1, per_node, tp_activation_bytes * grad_accum, 2) if tp > 1 else (0, 0)]
-        gathered = local_params * dims.shard
-        gathers = grad_accum * (2 if reshard_after_forward else 1)
-        parts += [group_split(dims.shard, tp, per_node, gathered * compute_bytes, gathers),
-                  group_split(dims.shard, tp, per_node, gathered * 4, 1)]
-        if dims.replicate > 1:
-            parts.append(group_split(dims.replicate, dims.shard * tp, per_node, local_params * 4, 2))
-        return sum(p[0] for p in parts), sum(p[1] for p in parts)
-
-    def startup_memory(self, parameter_bytes_per_rank: int, whole_bytes: int, largest_tensor_bytes: int,
-                       self_initialising: bool, nproc_per_node: int, params_on_host: bool) -> tuple[int, int]:
-        # Each rank materialises only its shards. A self-initialising model adds one whole tensor at a time on each
-        # rank's host; any other is built whole once, on rank 0's host.
-        extra = largest_tensor_bytes if self_initialising else whole_bytes
-        shards_on_host = nproc_per_node * parameter_bytes_per_rank if params_on_host else 0
-        per_node = (nproc_per_node * extra if self_initialising else extra) + shards_on_host
-        return parameter_bytes_per_rank + extra, per_node
