@@ -31,7 +31,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, config: DistConfig, runtim
     modules that run in place of the model (one pipeline rank's stages, views of it), FSDP roots of their own. distrib
     plan calls it with the default speed options (it sizes the state: nothing compiled)."""
     if dims.tensor_parallel > 1:
-        apply_tensor_parallel(model, dims.mesh["tp"])
+        apply_tensor_parallel(model, dims.mesh["tp"], stage=roots is not None)
     prepare(model, speed, config.shard_modules)
     if not dims.fully_shard:
         return replicate(model, runtime, speed, log, find_unused_parameters)

@@ -1,25 +1,33 @@
 """Tensor parallel (dist.tensor_parallel): torch's parallelize_module on the mesh's innermost dimension, with the
-plan the model declares as `_tp_plan` (module names, `*` for any index -> "colwise" | "rowwise"; the convention of
-Hugging Face's `base_model_tp_plan`). The built-in GPT's: q/k/v and the MLP's input projections column-wise, the
-attention and MLP output projections row-wise, so each block does one all-reduce in forward and one in backward per
-sub-layer; norms, embedding and output stay whole on every rank of the group (FSDP shards them over the others)."""
+plan the model declares as `_tp_plan` (module names, `*` for any index -> a style; transformers' own plans as they are).
+The built-in GPT's: q/k/v and the MLP's input projections column-wise, the attention and MLP output projections
+row-wise, so each block does one all-reduce in forward and one in backward per sub-layer; norms, embedding and output
+stay whole on every rank of the group (FSDP shards them over the others)."""
 
 from __future__ import annotations
 
+import inspect
 import math
-from fnmatch import fnmatch
+from fnmatch import fnmatchcase
 
+import torch
 import torch.nn as nn
+from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from distrib.distributed.mesh import divisors, either
 from distrib.errors import ConfigError
 
-STYLES = ("colwise", "rowwise")
-# What a refused style's message tells the factory to write: the plan's colwise and rowwise entries alone (the modules
-# of the others, e.g. transformers' lm_head 'colwise_gather_output' and embed_tokens 'embedding_rowwise', then stay
-# whole on every rank of the group, sharded by fsdp over the others).
-KEEP_SUPPORTED = "model._tp_plan = {name: style for name, style in model._tp_plan.items() if style in ('colwise', " \
-                 "'rowwise')}"
+# transformers' styles (transformers/distributed/tensor_parallel.py, ALL_PARALLEL_STYLES) distrib applies with torch's
+# own, each as transformers lays it out: "colwise" ColwiseParallel(Replicate -> Shard(-1)), a local output (q/k/v and
+# the MLP's input projections compute their own heads and hidden units); "rowwise" RowwiseParallel(Shard(-1) ->
+# Replicate): its input is the colwise layer's local slice, one all-reduce after it; "colwise_gather_output" a
+# colwise lm_head whose logits are gathered whole; "embedding_rowwise" the vocabulary split, ids replicated, the
+# partial lookups summed; "sequence_parallel" SequenceParallel(use_local_output=True); and
+# "replicated_with_grad_allreduce" (_SummedGradients).
+STYLES = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise", "replicated_with_grad_allreduce",
+          "sequence_parallel")
+_LAYER = {"colwise": nn.Linear, "rowwise": nn.Linear, "colwise_gather_output": nn.Linear,
+          "embedding_rowwise": nn.Embedding}  # the layer each splitting style splits; the other two keep it whole
 
 
 def attention_heads(model: nn.Module) -> dict[str, int]:
@@ -48,58 +56,189 @@ def check_heads(name: str, heads: dict[str, int], size: int, ranks: int | None =
                               f"of {size}")
 
 
-def tensor_parallel_plan(model: nn.Module, size: int, ranks: int | None = None) -> dict[str, str]:
-    """The model's declared plan, checked: every entry a style distrib applies, naming Linear layers whose split
-    dimension divides by size; and its attention heads (attention_heads) divisible by size (ranks: as check_heads)."""
-    plan = getattr(model, "_tp_plan", None)
-    name = type(model).__name__
-    if not plan:
-        raise ConfigError(f"dist.tensor_parallel = {size}: the model ({name}) declares no tensor-parallel plan "
-                          "(a _tp_plan of module names -> colwise/rowwise, as the built-in GPT's); use --set "
-                          "dist.tensor_parallel=1, or model.name = gpt")
-    check_heads(name, attention_heads(model), size, ranks)  # first: the degree is the fix to make before any other
-    for pattern, style in plan.items():
-        if style not in STYLES:  # transformers' own styles: its colwise and rowwise entries serve as they are
-            raise ConfigError(f"dist.tensor_parallel = {size}: {name}._tp_plan entry {pattern!r}: {style!r} is not "
-                              "a style distrib applies (colwise and rowwise only); in the model factory keep those "
-                              f"entries alone, {KEEP_SUPPORTED} (the others' modules stay whole on every rank of the "
-                              "group), or use --set dist.tensor_parallel=1")
-    for pattern, style in plan.items():
-        _check_entry(model, name, pattern, style, size)
+def declared_plan(model: nn.Module) -> dict[str, str]:
+    """The model's plan: each module that declares a `_tp_plan` (its entries relative to itself) covers what it
+    holds, under its own name; the outermost wins, as transformers' own model holds its base model's plan under
+    `model.` (a LlamaForCausalLM's `lm_head` with its `model.layers.*...`), so a peft wrapper or a user's module
+    around a model finds it where the model sits, and an entry the factory dropped at the top stays dropped."""
+    plan: dict[str, str] = {}
+    covers: list[str] = []
+    for name, module in model.named_modules():
+        own = inspect.getattr_static(module, "_tp_plan", None)  # static: a peft wrapper's __getattr__ forwards
+        if isinstance(own, dict) and own and not any(_under(name, root) for root in covers):
+            covers.append(name)
+            plan.update({f"{name}.{key}" if name else key: style for key, style in own.items()})
     return plan
 
 
-def _check_entry(model: nn.Module, name: str, pattern: str, style: str, size: int) -> None:
-    matched = [(n, m) for n, m in model.named_modules() if fnmatch(n, pattern)]
-    if not matched:
+def _under(name: str, root: str) -> bool:
+    return not root or name == root or name.startswith(root + ".")
+
+
+def matches(name: str, pattern: str) -> bool:
+    """Whether a module name matches a plan entry, name by name between the dots (`*`: any one index), as
+    torch's parallelize_module and transformers resolve them."""
+    parts, wanted = name.split("."), pattern.split(".")
+    return len(parts) == len(wanted) and all(fnmatchcase(part, each) for part, each in zip(parts, wanted))
+
+
+def planned_modules(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """{module name: style} of the modules the plan's entries name; two entries giving one module two styles are
+    refused in one line."""
+    planned: dict[str, str] = {}
+    names = [name for name, _ in model.named_modules()]
+    for pattern, style in plan.items():
+        for name in (name for name in names if matches(name, pattern)):
+            if planned.setdefault(name, style) != style:
+                raise ConfigError(f"dist.tensor_parallel: {type(model).__name__}._tp_plan gives {name} two styles, "
+                                  f"{planned[name]!r} and {style!r} (entry {pattern!r}); keep one entry for it")
+    return planned
+
+
+def tensor_parallel_plan(model: nn.Module, size: int, ranks: int | None = None, stage: bool = False) -> dict[str, str]:
+    """The model's declared plan (declared_plan), checked: every entry a style distrib applies (STYLES), naming
+    modules of its kind whose split dimension divides by size; and its attention heads (attention_heads) divisible by
+    size (ranks: as check_heads). On one pipeline rank's stages (`stage`), entries naming other stages' modules only
+    are not refused (the launcher checks the plan on the whole model)."""
+    plan = declared_plan(model)
+    name = type(model).__name__
+    if not plan:
+        raise ConfigError(f"dist.tensor_parallel = {size}: the model ({name}) declares no tensor-parallel plan "
+                          "(a _tp_plan of module names -> styles, as transformers' Llama and Qwen2 and the built-in "
+                          "GPT declare); use --set dist.tensor_parallel=1 (fsdp or hsdp alone), or model.name = gpt")
+    check_heads(name, attention_heads(model), size, ranks)  # first: the degree is the fix to make before any other
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            raise ConfigError(f"dist.tensor_parallel = {size}: {name}._tp_plan entry {pattern!r}: {style!r} is not "
+                              f"a style distrib applies ({', '.join(STYLES)}; packed and expert styles are not); use "
+                              "--set dist.tensor_parallel=1")
+    modules = dict(model.named_modules())
+    for pattern, style in plan.items():
+        _check_entry(modules, name, pattern, style, size, stage)
+    planned_modules(model, plan)
+    return plan
+
+
+def _check_entry(modules: dict[str, nn.Module], name: str, pattern: str, style: str, size: int,
+                 stage_view: bool) -> None:
+    matched = [(each, module) for each, module in modules.items() if matches(each, pattern)]
+    if not matched and not stage_view:
         raise ConfigError(f"dist.tensor_parallel = {size}: {name}._tp_plan entry {pattern!r}: names no module of the "
                           "model; name its modules as named_modules() gives them (`*` for any index)")
-    for module_name, module in matched:
-        if not isinstance(module, nn.Linear):
+    layer = _LAYER.get(style)
+    for module_name, module in matched if layer else ():
+        if not isinstance(module, layer):
             raise ConfigError(f"dist.tensor_parallel = {size}: {name}._tp_plan entry {pattern!r}: {module_name} is a "
-                              f"{type(module).__name__}; colwise and rowwise split nn.Linear layers only")
-        width = module.out_features if style == "colwise" else module.in_features
+                              f"{type(module).__name__}; {style} splits nn.{layer.__name__} layers only; use --set "
+                              "dist.tensor_parallel=1")
+        width = module.num_embeddings if layer is nn.Embedding else \
+            module.in_features if style == "rowwise" else module.out_features
         if width % size:
             raise ConfigError(f"dist.tensor_parallel = {size}: {module_name} ({width} wide) cannot be split {size} "
                               f"ways; use a divisor of {width} (and of the attention heads)")
 
 
 def layers_split(model: nn.Module, style: str) -> list[nn.Module]:
-    """The modules the model's _tp_plan splits in this style ("colwise" or "rowwise"); what distrib plan counts."""
-    plan = getattr(model, "_tp_plan", None) or {}
-    return [module for name, module in model.named_modules()
-            if any(fnmatch(name, pattern) for pattern, each in plan.items() if each == style)]
+    """The modules the model's plan splits in this style (e.g. "rowwise"); what distrib plan counts."""
+    return [model.get_submodule(name) for name, each in planned_modules(model, declared_plan(model)).items()
+            if each == style]
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh) -> nn.Module:
-    """Splits the planned layers over tp_mesh in place (on the meta device, as the strategy builds it: each rank's
-    slices are materialised afterwards); their outputs are plain tensors again."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+def torch_style(style: str):
+    """torch's ParallelStyle for one of STYLES (a fresh one: parallelize_module sets its src_data_rank)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    plan = tensor_parallel_plan(model, tp_mesh.size())
+    return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+            "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+            "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+            "sequence_parallel": lambda: SequenceParallel(use_local_output=True),
+            "replicated_with_grad_allreduce": _ReplicatedWithGradAllReduce}[style]()
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh, stage: bool = False) -> nn.Module:
+    """Splits the planned modules over tp_mesh in place (on the meta device, as the strategy builds it: each rank's
+    slices are materialised afterwards), one style per module by its own name (torch's `*` resolution warns for
+    every subtree a pattern does not reach); their outputs are plain tensors again. A weight two planned modules
+    share (an lm_head tied to the embedding) is split once and shared again."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    plan = tensor_parallel_plan(model, tp_mesh.size(), stage=stage)
+    planned = planned_modules(model, plan)
+    ties = _ties(model, planned, tp_mesh.size())
     quiet_redistribute_warning()
-    return parallelize_module(model, tp_mesh, {pattern: styles[style]() for pattern, style in plan.items()})
+    for name, style in planned.items():
+        parallelize_module(model.get_submodule(name), tp_mesh, torch_style(style))
+    for (first, key), *others in ties:
+        for module, other in others:
+            module._parameters[other] = first._parameters[key]
+    return model
+
+
+# The dimension each splitting style cuts a weight along (torch's Colwise: Shard(0); Rowwise: Shard(1) of a Linear,
+# Shard(0) of an Embedding); a module left whole holds it whole.
+_WEIGHT_SPLIT = {"colwise": 0, "colwise_gather_output": 0, "rowwise": 1, "embedding_rowwise": 0}
+
+
+def _ties(model: nn.Module, planned: dict[str, str], size: int) -> list[list[tuple[nn.Module, str]]]:
+    """The (module, parameter name) groups sharing one parameter where the plan splits one of them; refused in one
+    line where they would be split differently (or one whole)."""
+    groups: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for key, param in module._parameters.items():
+            if param is not None and all(module is not each for _, each, _ in groups.get(id(param), [])):
+                groups.setdefault(id(param), []).append((name, module, key))
+    ties = []
+    for group in (group for group in groups.values() if len(group) > 1):
+        splits = {(_WEIGHT_SPLIT.get(planned.get(name)) if key == "weight" else None) for name, _, key in group}
+        if splits == {None} and not any(name in planned for name, _, _ in group):
+            continue
+        if len(splits) > 1 or any(planned.get(name) in ("sequence_parallel", "replicated_with_grad_allreduce")
+                                  for name, _, _ in group):
+            names = " and ".join(f"{name}.{key} ({planned.get(name, 'whole')})" for name, _, key in group)
+            raise ConfigError(f"dist.tensor_parallel = {size}: {type(model).__name__} ties {names}, which the plan "
+                              "lays out differently; give them one style, untie them, or use --set "
+                              "dist.tensor_parallel=1")
+        ties.append([(module, key) for _, module, key in group])
+    return ties
+
+
+class _SummedGradients(torch.autograd.Function):
+    """The identity forward; backward, the gradient summed over the tensor-parallel group."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReplicatedWithGradAllReduce(ParallelStyle):
+    """transformers' "replicated_with_grad_allreduce": the module's parameters whole on every rank of the group, its
+    parameter gradients summed over the group. transformers puts it on norms between a colwise and a rowwise layer
+    (Qwen3's per-head q_norm and k_norm), which see only this rank's heads: each rank's gradient is its heads' part,
+    so leaving the module whole (right for a norm on the replicated residual stream, whose gradient is the same on
+    every rank of the group) would let the ranks' copies drift apart. The sum is taken in autograd, on the parameter
+    as the module uses it (FSDP2's unsharded one), before FSDP2 reduce-scatters it over the data-parallel dimensions:
+    transformers' post-accumulate hook never fires on FSDP2's parameters."""
+
+    def _apply(self, module: nn.Module, tp_mesh) -> nn.Module:
+        group = tp_mesh.get_group()
+        kept: list[dict] = []
+
+        def summed(module, args):
+            kept.append(dict(module._parameters))
+            module._parameters.update({key: _SummedGradients.apply(param, group) for key, param in kept[-1].items()
+                                       if param is not None and param.requires_grad and torch.is_grad_enabled()})
+
+        module.register_forward_pre_hook(summed)
+        module.register_forward_hook(lambda module, args, output: module._parameters.update(kept.pop()))
+        return module
 
 
 # torch's DTensor logs, per process and per (mesh, dims, reason), "While redistributing from (_StridedShard(dim=0,

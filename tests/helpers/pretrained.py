@@ -40,6 +40,19 @@ def save_llama(folder: Path, seed: int = 7, max_shard_size: str = "40KB", **chan
     return Path(folder)
 
 
+def qwen2(**changes):
+    """A tiny Qwen2 (biases on q, k and v) of the Llama's sizes, random weights, to be replaced by model.init_from."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM(Qwen2Config(**{**SIZES, **changes}))
+
+
+def save_qwen2(folder: Path, seed: int = 7) -> Path:
+    torch.manual_seed(seed)
+    qwen2().save_pretrained(folder)
+    return Path(folder)
+
+
 class TokenDicts(torch.utils.data.Dataset):
     def __init__(self, ids: torch.Tensor):
         self.ids = ids
