@@ -245,13 +245,25 @@ def _base_view(model: nn.Module) -> tuple[nn.Module, dict[str, str], list[str]]:
         [name for name in names if adapters.base_name(model, name) is None]
 
 
+def _other_stages(model: nn.Module, state: dict) -> dict[str, tuple]:
+    """Under pipeline parallel (one rank's stages, a Pipelined view: distrib.distributed.pipeline) the names and
+    shapes of the whole model's tensors this rank does not hold: the rest of a weights file, which the other stages'
+    ranks read. Every rank checks them all, so that all reach the same verdict before the collective load."""
+    whole = getattr(getattr(model, "pipeline", None), "whole", None)
+    if whole is None:
+        return {}
+    return {name: tuple(tensor.shape) for name, tensor in whole.state_dict().items() if name not in state}
+
+
 def check_weights(model: nn.Module, source) -> Pretrained:
     """The model's names and shapes (any device, meta included) against the source's, strictly: every tensor of
     the model's state_dict found (a tied one through its twin), none left over, each of the same shape. A peft
-    adapter's base model is checked against them, and the adapter's own tensors are kept."""
+    adapter's base model is checked against them, and the adapter's own tensors are kept. Under pipeline parallel
+    the whole model's are checked, and this rank's stages' are read."""
     named, view, kept = _base_view(model)
     state = model.state_dict()
     expected = {base: tuple(state[name].shape) for base, name in view.items()}
+    expected.update(_other_stages(model, state))  # read by the ranks of the stages that hold them
     base = getattr(named, "base_model_prefix", "") or ""
     prefix, how = _renaming(set(expected), source.shapes, base)
     names, unexpected, left_out = {}, [], []
@@ -274,7 +286,8 @@ def check_weights(model: nn.Module, source) -> Pretrained:
     if missing or unexpected or misshaped:
         raise _misfit(source.path, missing, unexpected, misshaped)
     renamed = "" if not prefix else f", names {'without' if how == 'strip' else 'with'} the prefix {prefix}"
-    return Pretrained(source, {view[name]: original for name, original in names.items()}, renamed, left_out, kept)
+    return Pretrained(source, {view[name]: original for name, original in names.items() if name in view}, renamed,
+                      left_out, kept)
 
 
 def load_weights(model: nn.Module, pretrained: Pretrained) -> str:

@@ -241,7 +241,9 @@ def hf_config(model: nn.Module):
     from torch.distributed.fsdp import FSDPModule
 
     config = copy.deepcopy(config)  # the model's own class, not FSDP2's subclass of it (FSDPLlamaForCausalLM)
-    config.architectures = [next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule)).__name__]
+    own = getattr(model, "whole_class", None)  # under pipeline parallel, the class of the model the stages cut
+    own = own or next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))
+    config.architectures = [own.__name__]
     return config
 
 

@@ -14,6 +14,7 @@ from distrib.data.text import BYTE_VOCAB, token_info
 from distrib.distributed.runtime import select_device
 from distrib.errors import UserError
 from distrib.training.inference import Trained, load_trained, rebuilt_model
+from distrib.training.losses import logits_of
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int) -> None:
@@ -36,7 +37,7 @@ def sample(model: nn.Module, prompt: list[int], max_new_tokens: int, temperature
     new = []
     for _ in range(max_new_tokens):
         context = tokens if seq_len is None else tokens[:, -seq_len:]
-        logits = model(context)[0, -1].float().cpu()
+        logits = logits_of(model(context))[0, -1].float().cpu()  # a Hugging Face model's output: its logits
         if temperature == 0:
             token = int(logits.argmax())
         else:

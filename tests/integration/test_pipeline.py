@@ -5,7 +5,12 @@ evaluate the same test set exactly. The pp 2 x fsdp 2 checkpoint of step 6 resum
 within 1e-5 of one process as fsdp at world size 2 and as ddp in one process. A user's nn.Sequential split by
 dist.pipeline_split trains like one process, with a validation set, EMA weights and early stopping; without a split it
 is one line, exit 2. (The pipeline's split and views: tests/unit/test_pipeline.py; plan: tests/integration/test_plan.py;
-a pp layout in the resume matrix: test_resume_matrix.py.)"""
+a pp layout in the resume matrix: test_resume_matrix.py.)
+
+A transformers Llama (tests/helpers/pretrained.py's sizes) from a local safetensors folder (model.init_from) is cut by
+its own pipeline plan: pp 2 x fsdp 2 (world 4) and pp 2 x tp 2 x fsdp 2 (world 8) train within 1e-5 of one process,
+the world-4 run resumes bitwise, and the world-8 run's weights/ load with from_pretrained and give one process's
+logits; distrib eval and generate read it."""
 
 import json
 from pathlib import Path
@@ -20,6 +25,7 @@ from distrib.models.gpt import GPT as GPT_MODEL
 from distrib.training.generate import generate_text, sample
 from distrib.worker import run_training
 from tests.helpers.launch_runs import launch_runs, split_runs, torchrun_runs
+from tests.helpers.pretrained import save_llama
 from tests.helpers.support import VALIDATED, assert_ok, load_weights, max_relative_diff
 
 TEXT = Path("/usr/share/common-licenses/GPL-3")  # Debian's base-files ships it: 35 kB of English prose
@@ -29,6 +35,8 @@ GPT = ["model.name=gpt", "model.kwargs={n_layers = 4, n_heads = 4, dim = 64, tie
        "train.eval_every_epochs=0", "checkpoint.every_steps=6", "train.grad_clip=0.5", "run.progress=false",
        "dist.device=cpu"]
 PP = ["dist.strategy=fsdp", "dist.pipeline_parallel=2"]
+# the Llama's model.init_from (the folder) is added by the fixture; its vocabulary is the text's 256 bytes
+LLAMA = [*GPT[2:], "data.seq_len=16", "model.factory=tests.helpers.pretrained:llama"]
 # A user's nn.Sequential (Flatten, Linear, ReLU, Linear) with a validation set, EMA weights and early stopping (after
 # the evaluation of step 9: tests/helpers/support.py's VALIDATED).
 SEQUENTIAL = ["data.name=synthetic", *VALIDATED, "train.global_batch_size=32", "train.warmup_steps=2",
@@ -51,16 +59,20 @@ def runs(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     the workers' start-up), then the pp checkpoint resumed in one process. Returns the folder and each launched
     run's part of rank 0's stderr."""
     tmp = tmp_path_factory.mktemp("pp")
+    llama = [*LLAMA, f"model.init_from={save_llama(tmp / 'llama')}"]
     run_training(load_config(None, [*GPT, f"run.dir={tmp / 'one'}"]))
+    run_training(load_config(None, [*llama, f"run.dir={tmp / 'hf_one'}"]))
     run_training(load_config(None, [*SEQUENTIAL, f"run.dir={tmp / 'seq_one'}"]))
     logs = {}
     launches = {
-        4: {"pp_1f1b": PP, "pp_interleaved": [*PP, "dist.pipeline_schedule=interleaved_1f1b"],
-            "pp_resumed": [*PP, _step_6(tmp / "pp_1f1b")]},
-        8: {"pp_tp_fsdp": [*PP, "dist.tensor_parallel=2"]}}
+        4: {"pp_1f1b": [*GPT, *PP], "pp_interleaved": [*GPT, *PP, "dist.pipeline_schedule=interleaved_1f1b"],
+            "pp_resumed": [*GPT, *PP, _step_6(tmp / "pp_1f1b")], "hf_pp": [*llama, *PP],
+            "hf_pp_resumed": [*llama, *PP, _step_6(tmp / "hf_pp")]},
+        8: {"pp_tp_fsdp": [*GPT, *PP, "dist.tensor_parallel=2"],
+            "hf_pp_tp_fsdp": [*llama, *PP, "dist.tensor_parallel=2"]}}
     for nproc, named in launches.items():
         (tmp / f"launch{nproc}").mkdir()
-        done = torchrun_runs(nproc, {name: [*GPT, f"run.dir={tmp / name}", *items] for name, items in named.items()},
+        done = torchrun_runs(nproc, {name: [*items, f"run.dir={tmp / name}"] for name, items in named.items()},
                              tmp / f"launch{nproc}")
         assert_ok(done)
         logs.update(split_runs(done.stderr, list(named)))
@@ -166,3 +178,46 @@ def test_a_sequential_without_a_usable_split_is_one_line(runs, name, says):
     # every rank says it (a neighbouring run's rank 1 may still be saying its own when rank 0 starts this one)
     errors = [line for line in logs[name].splitlines() if line.startswith("distrib: error:")]
     assert any(says in line for line in errors) and "Traceback" not in logs[name]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["hf_pp", "hf_pp_tp_fsdp"])
+def test_a_hugging_face_llama_from_its_folder_trains_under_pipeline_parallel_like_one_process(runs, name):
+    tmp, logs = runs
+    one, run = _summary(tmp / "hf_one"), _summary(tmp / name)
+    assert max_relative_diff(load_weights(tmp / name), load_weights(tmp / "hf_one")) < 1e-5
+    assert run["test_count"] == one["test_count"] > 0
+    assert run["test_loss"] == pytest.approx(one["test_loss"], rel=1e-5)
+    assert "this rank holds stage 0 (model.embed_tokens .. model.layers.0)" in logs[name]
+    assert "model.init_from" in logs[name] and "no rank held the model whole" in logs[name]
+
+
+@pytest.mark.timeout(900)
+def test_a_hugging_face_pipeline_run_resumes_bitwise(runs):
+    tmp, _ = runs
+    uninterrupted, resumed = load_weights(tmp / "hf_pp"), load_weights(tmp / "hf_pp_resumed")
+    assert _summary(tmp / "hf_pp_resumed")["resumed_from_step"] == 6
+    assert all(torch.equal(resumed[name], uninterrupted[name]) for name in uninterrupted)
+
+
+@pytest.mark.timeout(900)
+def test_a_hugging_face_pipeline_runs_weights_load_with_from_pretrained_and_give_one_process_logits(runs):
+    from transformers import LlamaForCausalLM
+
+    tmp, _ = runs
+    folder = tmp / "hf_pp_tp_fsdp" / "weights"
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    loaded = LlamaForCausalLM.from_pretrained(folder).eval()
+    assert all(torch.equal(loaded.state_dict()[name], tensor)
+               for name, tensor in load_weights(tmp / "hf_pp_tp_fsdp").items())
+    one = LlamaForCausalLM.from_pretrained(tmp / "hf_one" / "weights").eval()
+    tokens = torch.tensor([list(b"The licenses for most software")[:16]])
+    with torch.no_grad():
+        logits, reference = loaded(tokens).logits, one(tokens).logits
+    assert ((logits - reference).norm() / reference.norm()).item() < 1e-5
+    assert cli.main(["eval", str(tmp / "hf_pp_tp_fsdp")]) == 0  # distrib eval and generate read it in one process
+    evaluated = json.loads((tmp / "hf_pp_tp_fsdp" / "eval.json").read_text())
+    assert evaluated["test_loss"] == pytest.approx(_summary(tmp / "hf_pp_tp_fsdp")["test_loss"], rel=1e-6)
+    greedy = sample(loaded, list(b"The "), 8, temperature=0, seq_len=16)
+    assert generate_text(str(tmp / "hf_pp_tp_fsdp"), "The ", 8, temperature=0) == bytes(greedy).decode("utf-8",
+                                                                                                      "replace")

@@ -140,3 +140,92 @@ def test_a_device_mismatch_inside_a_stage_names_the_stage():
             torch.zeros(2, 10) + torch.zeros(10, device="meta")  # a tensor made in forward, elsewhere
     said = "(PyTorch said: pipeline stage 1 (2 .. 3): Tensor on device meta is not on the expected device"
     assert said in str(error.value)
+
+
+# ---------------------------------------------------------------- Hugging Face decoders: their plan, a stage forward
+
+
+def test_a_hugging_face_decoder_splits_by_its_own_pipeline_plan_and_its_stages_in_turn_are_the_model():
+    from distrib.distributed.pipeline.decoder import stage_class
+    from tests.helpers.pretrained import llama
+
+    torch.manual_seed(0)
+    model = llama(num_hidden_layers=4).eval()
+    split = split_stages(model, 2, (), 2)
+    assert split.units == ("model.embed_tokens", *(f"model.layers.{i}" for i in range(4)), "model.norm", "lm_head")
+    assert split.stage_units(1) == ("model.layers.2", "model.layers.3", "model.norm", "lm_head")
+    cls = stage_class(model)
+    first, last = (view(model, split.units, set(split.stage_units(s)), cls) for s in (0, 1))
+    assert isinstance(first, type(model)) and first.model.rotary_emb is model.model.rotary_emb  # no unit: in both
+    tokens = torch.randint(0, 256, (2, 16))
+    hidden = first(tokens)
+    assert hidden.shape == (2, 16, 32)  # the hidden states the next stage receives, one tensor
+    assert torch.allclose(last(hidden), model(tokens).logits, atol=1e-6)
+    assert stage_class(_gpt()) is None  # the GPT's own forward runs a stage
+
+
+def test_a_hugging_face_model_without_a_pipeline_plan_or_with_tied_embeddings_is_one_line():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from distrib.distributed.pipeline.split import refuse_ties
+    from tests.helpers.pretrained import llama
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=32, n_positions=8))
+    with pytest.raises(ConfigError, match=r"GPT2LMHeadModel is neither an nn.Sequential nor declares its pipeline "
+                                          r"units .*'dist.pipeline_split=\[...\]'") as error:
+        split_stages(gpt2, 2, (), 2)
+    assert "\n" not in str(error.value)
+    tied = llama(tie_word_embeddings=True)
+    with pytest.raises(ConfigError, match="LlamaForCausalLM ties lm_head.weight to model.embed_tokens.weight, which "
+                                          "fall in different stages; untie them .*tie_word_embeddings = false"):
+        refuse_ties(tied, split_stages(tied, 2, (), 2), 2)
+
+
+def _held(model: nn.Module, stage: int):
+    """One pipeline rank's stage of a model built on meta, materialised: what model.init_from loads into."""
+    from types import SimpleNamespace
+
+    from distrib.distributed.pipeline.stages import pipelined_view
+
+    split = split_stages(model, 2, (), 2)
+    held = pipelined_view(model, split.units, set(split.stage_units(stage)))
+    held.to_empty(device="cpu")
+    held.pipeline = SimpleNamespace(whole=model)  # what check_weights reads of the Pipeline: the whole model
+    return held
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_init_from_under_pipeline_parallel_reads_each_stages_own_tensors(tmp_path, stage):
+    from distrib.checkpoint.init_from import check_weights, load_weights, open_source
+    from distrib.errors import UserError
+
+    saved = _gpt()
+    torch.save(saved.state_dict(), tmp_path / "model.pt")
+    held = _held(build_on_meta(_gpt, 0), stage)
+    load_weights(held, check_weights(held, open_source(str(tmp_path / "model.pt"))))
+    assert len(held.state_dict()) < len(saved.state_dict())
+    assert all(torch.equal(tensor, saved.state_dict()[name]) for name, tensor in held.state_dict().items())
+    # another stage's tensor of another shape is refused on this rank too: every rank says the same line
+    wider = build_on_meta(lambda: GPT(vocab_size=32, seq_len=8, n_layers=4, n_heads=2, dim=16, hidden_dim=48,
+                                      tie_weights=False), 0)
+    with pytest.raises(UserError, match="the weights do not fit the model, 12 mis-shaped \\(first layers.0"):
+        check_weights(_held(wider, stage), open_source(str(tmp_path / "model.pt")))
+
+
+def test_init_from_a_hugging_face_folder_into_one_stage_of_a_llama(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    from distrib.checkpoint.init_from import check_weights, load_weights, open_source
+    from distrib.distributed.strategies.materialise import build_for_loading
+    from tests.helpers.pretrained import llama, save_llama
+
+    folder = save_llama(tmp_path / "llama", num_hidden_layers=4)
+    whole, _ = build_for_loading(lambda: llama(num_hidden_layers=4), 0)
+    held = _held(whole, 1)
+    load_weights(held, check_weights(held, open_source(str(folder))))
+    reference = LlamaForCausalLM.from_pretrained(folder).state_dict()
+    assert list(held.state_dict())[0] == "model.layers.2.self_attn.q_proj.weight"
+    assert all(torch.equal(tensor, reference[name]) for name, tensor in held.state_dict().items())
+    from distrib.checkpoint.weights import hf_config
+
+    assert hf_config(held).architectures == ["LlamaForCausalLM"]  # weights/config.json names the model, not the view

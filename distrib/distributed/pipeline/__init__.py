@@ -15,6 +15,7 @@ import torch.nn as nn
 from distrib.config import DistConfig, SpeedConfig
 from distrib.distributed.mesh import ParallelDims
 from distrib.distributed.parallelize import parallelize
+from distrib.distributed.pipeline.decoder import stage_class
 from distrib.distributed.pipeline.split import (
     StageSplit,
     owner_of,
@@ -82,7 +83,8 @@ def lay_out(whole: nn.Module, dims: ParallelDims, config: DistConfig, runtime: R
     names = list(whole.state_dict())  # the whole model's, in its order: what model.pt holds
     mine = stages_of(dims.pipeline_rank(runtime.rank), pp, config.stages_per_rank, config.pipeline_schedule)
     held = pipelined_view(whole, split.units, {unit for stage in mine for unit in split.stage_units(stage)})
-    views = {stage: view(whole, split.units, set(split.stage_units(stage))) for stage in mine}
+    cls = stage_class(whole)  # a Hugging Face decoder's stage runs its units itself; other models' forward does
+    views = {stage: view(whole, split.units, set(split.stage_units(stage)), cls) for stage in mine}
     parallelize(held, dims, config, runtime, speed=speed, precision=precision, log=log, roots=list(views.values()))
     held.pipeline = Pipeline(split, views, dims.mesh["pp"].get_group(), dims, config.pipeline_schedule,
                              microbatches(config), runtime.device, whole, names)

@@ -1,9 +1,10 @@
 """Where a model splits into pipeline stages, and one rank's stages as views of the one model built on meta.
 
 A model is a sequence of units: the modules its forward runs one after the other. The built-in GPT declares them
-(`_pipeline_units`: embeddings, every block, final norm, output) and splits balanced by blocks; an nn.Sequential's
-units are its children, split where dist.pipeline_split says. A stage keeps its units and drops the others: a
-container loses their keys, any other module holds None there, which a pipeline-aware forward skips (the GPT's).
+(`_pipeline_units`: embeddings, every block, final norm, output), as a Hugging Face decoder does by its pipeline plan
+(`_pp_plan`), and splits balanced by blocks; an nn.Sequential's units are its children, split where
+dist.pipeline_split says. A stage keeps its units and drops the others: a container loses their keys, any other
+module holds None there, which a pipeline-aware forward skips (the GPT's; a Hugging Face decoder's stage: decoder.py).
 Parameter names stay the whole model's, so a checkpoint saved by stages loads into any other layout and back.
 
 Views share the modules they keep with the model (and its root's parameters and buffers): one rank's stages are
@@ -29,10 +30,26 @@ _V_SHAPED = ("zbv", "dualpipev")  # rank r holds stages r and 2P - 1 - r; the ot
 # ---------------------------------------------------------------- where the model splits
 
 
+def declared_units(model: nn.Module) -> tuple[str, ...]:
+    """The unit patterns a model declares (`*` for any index): its `_pipeline_units`, or a Hugging Face model's
+    pipeline plan (`_pp_plan`: its config's base_model_pp_plan under the base model's prefix, and the head's), a
+    layer list as its blocks; () when it declares neither."""
+    if getattr(model, "_pipeline_units", None):
+        return tuple(model._pipeline_units)
+    plan = getattr(model, "_pp_plan", None)
+    if not isinstance(plan, dict) or not plan:
+        return ()
+    # the plan's order is not the forward's (the head's entry comes first): the modules' own order is
+    order = {name: index for index, (name, _) in enumerate(model.named_modules())}
+    modules = dict(model.named_modules())
+    names = sorted((name for name in plan if name in order), key=order.__getitem__)
+    return tuple(f"{name}.*" if isinstance(modules[name], nn.ModuleList) else name for name in names)
+
+
 def pipeline_units(model: nn.Module) -> list[str] | None:
-    """The modules the model's forward runs in order: its declared `_pipeline_units` (patterns, `*` for any index)
-    expanded, or an nn.Sequential's children; None when the model says neither."""
-    declared = getattr(model, "_pipeline_units", None)
+    """The modules the model's forward runs in order: its declared units (declared_units) expanded, or an
+    nn.Sequential's children; None when the model says neither."""
+    declared = declared_units(model)
     if declared:
         names = [name for name, _ in model.named_modules() if name]
         return [name for pattern in declared for name in names if fnmatch(name, pattern) and "." not in
@@ -77,7 +94,8 @@ def split_stages(model: nn.Module, num_stages: int, split: tuple[str, ...], pp: 
     stages = f"dist.pipeline_parallel = {pp} x {num_stages // pp} stage(s) per rank = {num_stages} stages"
     if units is None:
         raise ConfigError(f"dist.pipeline_parallel = {pp}: {name} is neither an nn.Sequential nor declares its "
-                          "pipeline units (`_pipeline_units`, as the built-in GPT), so it cannot be cut into stages; "
+                          "pipeline units (`_pipeline_units`, as the built-in GPT, or transformers' pipeline plan, "
+                          "`base_model_pp_plan`, as Llama and Qwen2), so it cannot be cut into stages; "
                           "give it as an nn.Sequential of its layers with --set 'dist.pipeline_split=[...]', or use "
                           "--set dist.pipeline_parallel=1")
     if split:
@@ -107,7 +125,7 @@ def split_stages(model: nn.Module, num_stages: int, split: tuple[str, ...], pp: 
 
 def _expanded(model: nn.Module, units: list[str]) -> list[tuple[str, str]]:
     """(unit, the declared pattern it came from); an nn.Sequential's units came from no pattern."""
-    declared = getattr(model, "_pipeline_units", None) or ()
+    declared = declared_units(model)
     return [(unit, next((p for p in declared if fnmatch(unit, p)), unit)) for unit in units]
 
 
@@ -167,7 +185,8 @@ def refuse_ties(model: nn.Module, split: StageSplit, pp: int) -> None:
         if other != name and _stage(stage_of, other) != _stage(stage_of, name):
             raise ConfigError(f"dist.pipeline_parallel = {pp}: {type(model).__name__} ties {name} to {other}, which "
                               "fall in different stages; untie them (the built-in GPT: --set "
-                              "'model.kwargs={tie_weights = false}', with its other kwargs)")
+                              "'model.kwargs={tie_weights = false}', with its other kwargs; a Hugging Face model: "
+                              "tie_word_embeddings = false in its config)")
 
 
 def _stage(stage_of: dict[str, int], name: str) -> int | None:

@@ -195,9 +195,10 @@ class Pipelined(nn.Module):
 
 def pipelined_view(model: nn.Module, units: tuple[str, ...], keep: set[str]) -> nn.Module:
     """This rank's stages as a Pipelined module of the model's class name (its forward takes what the model's
-    does, as the loss and the pre-flight checks read from the signature)."""
+    does, as the loss and the pre-flight checks read from the signature; whole_class is the model's class, what the
+    weights' config.json names)."""
     base = type(model)
-    cls = type(f"Pipelined{base.__name__}", (Pipelined,), {"__module__": base.__module__})
+    cls = type(f"Pipelined{base.__name__}", (Pipelined,), {"__module__": base.__module__, "whole_class": base})
     signature = inspect.signature(base.forward)
     cls.forward = _with_signature(Pipelined.forward, signature)
     for name in ("_no_split_modules", "_tp_plan", "_pipeline_units"):
