@@ -2,7 +2,7 @@
 
     distrib train [--config FILE] [--set section.key=value ...] [--nproc-per-node N] [--max-restarts K] [--nnodes ...]
     distrib launch [torchrun options] SCRIPT|-m MODULE [args ...]
-    distrib plan [--config FILE] [--set ...] (--nnodes N --nproc-per-node N | --world-size N) [--json] [...]
+    distrib plan [--config FILE] [--set ...] (--nnodes N --nproc-per-node N | --world-size N) [--json] [--dry-run]
     distrib doctor
     distrib config [SECTION] [--toml | --markdown]
     distrib plot RUN_DIR [--out FILE]
@@ -109,6 +109,10 @@ def _plan(args: argparse.Namespace) -> int:
             raise UserError(f"{name} {value}: must be > 0")
     machine = Machine(nnodes, nproc, args.device_memory * GIB, args.intra_node_bandwidth * GB,
                       args.inter_node_bandwidth * GB, args.host_memory * GIB)
+    if args.dry_run:
+        from distrib.plan import dry_run
+
+        return dry_run.main(config, machine, args.json)
     return main(config, machine, args.json)
 
 
@@ -248,6 +252,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--inter-node-bandwidth", type=float, default=50.0,
                       help="GB/s per rank and direction between nodes (one 400 Gb/s NIC per GPU: 50)")
     plan.add_argument("--json", action="store_true", help="print the figures as JSON, under summary.json's names")
+    plan.add_argument("--dry-run", action="store_true", help="also build one rank's real layout on a fake process "
+                                                            "group and measure a step on fake tensors (dry_run_*)")
     plan.set_defaults(func=_plan)
     # Listed for --help only: main() hands `launch` to torchrun's own parser before this one sees it.
     commands.add_parser("launch", help="torchrun-compatible launcher: distrib launch [torchrun options] "

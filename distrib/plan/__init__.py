@@ -37,6 +37,7 @@ from distrib.plan.host import (  # noqa: F401 - distrib.plan's names too
     host_allocator,
     returns_freed_memory,
 )
+from distrib.training.losses import logits_of
 from distrib.training.trainer import build_optimizer
 
 GIB, GB = 2**30, 1e9
@@ -89,7 +90,7 @@ def activation_bytes(model: nn.Module, inputs: torch.Tensor, targets: torch.Tens
     storage once): as is, and with each block recomputed (speed.activation_checkpointing = blocks: a block keeps
     only its input, and one block's own tensors live again while it is recomputed)."""
     def forward_and_loss():
-        logits = model(inputs)
+        logits = logits_of(model(inputs))  # a Hugging Face model's output: its logits
         torch.nn.functional.cross_entropy(logits.flatten(0, -2) if logits.dim() > 2 else logits, targets.flatten())
 
     whole, recomputed, _ = saved_bytes(forward_and_loss, model, blocks)

@@ -16,7 +16,7 @@ from distrib.config import Config
 from distrib.data.batching import BatchPlan
 from distrib.distributed import fsdp, pipeline
 from distrib.distributed.mesh import ParallelDims
-from distrib.distributed.pipeline import owner_of, split_stages, stages_of, view
+from distrib.distributed.pipeline import owner_of, split_stages, stage_class, stages_of, view
 from distrib.distributed.strategies import Strategy
 from distrib.plan import (
     KEPT_SLACK,
@@ -64,7 +64,7 @@ def stage_passes(model: nn.Module, split, blocks: list[nn.Module], inputs: torch
     passes, x = [], inputs
     last = split.num_stages - 1
     for stage in range(last + 1):
-        module = view(model, split.units, set(split.stage_units(stage)))
+        module = view(model, split.units, set(split.stage_units(stage)), stage_class(model))
         received = x.detach().requires_grad_(x.is_floating_point()) if stage else x
 
         def forward(module=module, received=received, stage=stage):

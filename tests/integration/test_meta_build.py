@@ -16,6 +16,7 @@ from distrib.distributed.runtime import Runtime
 from distrib.distributed.strategies.materialise import build_whole
 from distrib.models.build import build_model
 from distrib.plan import Machine, plan_run
+from distrib.plan.dry_run import dry_run
 from tests.helpers.build_probe import train_steps
 from tests.helpers.support import REPO, assert_ok, run, sets
 
@@ -73,8 +74,9 @@ def test_no_fsdp_rank_holds_the_gpt_whole_and_plan_tells_its_peak(tmp_path, monk
     building holds under half the model's fp32 bytes (a whole model on a rank would be 1.0 at least; before building
     on meta: 1.5 to 1.7 in a run) and about what `distrib plan` says (startup_bytes_per_rank, within 50%); the steps
     hold what plan says within 20% (memory_bytes_per_rank: the state, the activations, the blocks gathered in flight,
-    the optimizer's temporaries; about 1.4x the model's bytes, of which 1.0 is the state), and train what one process
-    does. (With glibc's default thresholds, which keep freed gathers resident, the steps held 4.5 to 5.5.)"""
+    the optimizer's temporaries; about 1.4x the model's bytes, of which 1.0 is the state), as does plan --dry-run's
+    peak (one step of rank 0's layout on fake tensors), and train what one process does. (With glibc's default
+    thresholds, which keep freed gathers resident, the steps held 4.5 to 5.5.)"""
     weights, medium = _probe(tmp_path / "medium", 4, *GPT, MEDIUM, *ADAMW, "dist.strategy=fsdp", steps=2)
     _, tiny = _probe(tmp_path / "tiny", 4, *GPT, TINY, *ADAMW, "dist.strategy=fsdp", steps=2)
     reference = _one_process(*GPT, MEDIUM, *ADAMW, steps=2)
@@ -89,3 +91,8 @@ def test_no_fsdp_rank_holds_the_gpt_whole_and_plan_tells_its_peak(tmp_path, monk
     planned = plan_run(load_config(None, [*GPT, MEDIUM, *ADAMW, "dist.strategy=fsdp"]), Machine(1, 4))
     assert abs(planned["startup_bytes_per_rank"] - max(built)) <= 0.5 * max(built), (planned, built)
     assert abs(planned["memory_bytes_per_rank"] - max(trained)) <= 0.2 * max(trained), (planned, trained)
+    # plan --dry-run's peak, measured on fake tensors by one step of rank 0's real layout, within the same bound
+    dry = dry_run(load_config(None, [*GPT, MEDIUM, *ADAMW, "dist.strategy=fsdp"]), Machine(1, 4))
+    print(f"measured {max(trained) / 2**20:.1f} MiB, plan {planned['memory_bytes_per_rank'] / 2**20:.1f}, "
+          f"dry run {dry['dry_run_peak_bytes_per_rank'] / 2**20:.1f}")
+    assert abs(dry["dry_run_peak_bytes_per_rank"] - max(trained)) <= 0.2 * max(trained), (dry, trained)

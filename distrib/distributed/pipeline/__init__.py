@@ -92,4 +92,4 @@ def lay_out(whole: nn.Module, dims: ParallelDims, config: DistConfig, runtime: R
 
 
 __all__ = ["Pipeline", "Pipelined", "StageSplit", "check_keys", "check_micro_batch", "lay_out", "microbatches",
-           "owner_of", "pipeline_units", "split_stages", "stages_of", "view"]
+           "owner_of", "pipeline_units", "split_stages", "stage_class", "stages_of", "view"]

@@ -9,6 +9,8 @@ causal attention then runs), then the final norm and the head: the logits, a ten
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 
@@ -16,7 +18,6 @@ from distrib.distributed.pipeline.split import declared_units
 from distrib.errors import UserError
 
 _MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask"}
-_CLASSES: dict[type, type] = {}
 
 
 def stage_class(model: nn.Module) -> type | None:
@@ -25,12 +26,13 @@ def stage_class(model: nn.Module) -> type | None:
     stage (the built-in GPT's skips the units it lacks; an nn.Sequential runs its children)."""
     if getattr(model, "_pipeline_units", None) or not getattr(model, "_pp_plan", None):
         return None
-    base = type(model)
-    if base not in _CLASSES:
-        units = tuple(pattern.removesuffix(".*") for pattern in declared_units(model))
-        _CLASSES[base] = type(f"{base.__name__}Stage", (base,),
-                              {"__module__": base.__module__, "forward": stage_forward, "_stage_units": units})
-    return _CLASSES[base]
+    return _stage_class(type(model), tuple(pattern.removesuffix(".*") for pattern in declared_units(model)))
+
+
+@functools.cache  # one class per model class: the stages of every run of it are of one type
+def _stage_class(base: type, units: tuple[str, ...]) -> type:
+    return type(f"{base.__name__}Stage", (base,), {"__module__": base.__module__, "forward": stage_forward,
+                                                   "_stage_units": units})
 
 
 def stage_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -59,13 +61,13 @@ def _layers(base: nn.Module, layers: nn.ModuleList, hidden: torch.Tensor) -> tor
     for index, layer in layers._modules.items():
         kind = kinds[int(index)] if kinds else "full_attention"
         if kind not in masks:
-            masks[kind] = _mask(config, kind, hidden, position_ids)
+            masks[kind] = _mask(config, kind, hidden)
         out = layer(hidden, attention_mask=masks[kind], position_ids=position_ids, **extra)
         hidden = out[0] if isinstance(out, tuple) else out
     return hidden
 
 
-def _mask(config, kind: str, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor | None:
+def _mask(config, kind: str, hidden: torch.Tensor) -> torch.Tensor | None:
     """transformers' own mask of a causal sequence without padding (pipeline inputs are one tensor of token ids)."""
     from transformers import masking_utils
 
@@ -73,4 +75,6 @@ def _mask(config, kind: str, hidden: torch.Tensor, position_ids: torch.Tensor) -
         raise UserError(f"dist.pipeline_parallel > 1: {type(config).__name__}'s layer type {kind!r} has no mask that "
                         f"a pipeline stage knows ({', '.join(_MASKS)}); use --set dist.pipeline_parallel=1")
     make = getattr(masking_utils, _MASKS[kind])
-    return make(config=config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=position_ids)
+    # position_ids None: transformers then reads no packed sequences out of them (a check that cannot run on the meta
+    # or fake tensors of distrib plan's dry run); the positions here are 0..T-1, unpacked.
+    return make(config=config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=None)

@@ -1,0 +1,285 @@
+"""`distrib plan --dry-run`: one rank's real layout, built by the run's own parallelize over torch's fake process group
+at the asked world size, then one training step on fake tensors under torch's memory tracker: that rank's peak, by part.
+
+Nothing is allocated: the model is laid out on the meta device, its shards materialised as FakeTensors (shapes, no
+storage), and the step (the trainer's loss, precision, activation checkpointing, micro-steps, optimizer) runs under
+FakeTensorMode with FSDPMemTracker (ddp: MemTracker), which sums the bytes each tensor would hold. The optimizer's
+state is created first (as a first step would), so the step measured is a steady one. On the CPU mesh whatever
+dist.device says: a CUDA run also holds the blocks it prefetches (distrib.plan's BLOCKS_IN_FLIGHT), the analytic plan
+counts them. Under pipeline parallel the ranks of the first and the last stage are measured, each stage run directly
+on fake microbatches of the shapes a meta pass of the whole model gives (not torch's schedule: the fake group cannot
+carry shapes), as many in flight as the schedule holds; the larger peak is reported."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import torch
+import torch.nn as nn
+
+from distrib.config import Config
+from distrib.data import load_data
+from distrib.data.batching import BatchPlan
+from distrib.data.split import split_validation
+from distrib.distributed import pipeline
+from distrib.distributed.parallel import local_tensor
+from distrib.distributed.parallelize import parallelize, prepare
+from distrib.distributed.pipeline.decoder import stage_class
+from distrib.distributed.runtime import Runtime
+from distrib.distributed.strategies import Strategy, make_strategy
+from distrib.distributed.strategies.base import StepLoss
+from distrib.distributed.strategies.materialise import build_on_meta
+from distrib.models.build import build_model
+from distrib.plan import Machine, _size, fake_process_group, meta_batch, meta_model
+from distrib.plan.pipeline import in_flight
+from distrib.training.evaluation import autocast
+from distrib.training.losses import build_loss, forward, step_loss
+from distrib.training.trainer import build_optimizer
+
+HOST = torch.device("cpu")
+# The trackers' categories (FSDPMemTracker's and MemTracker's names) -> the parts the dry run reports.
+PARTS = {"Sharded Param": "parameters", "Parameter": "parameters", "Buffer": "parameters",
+         "Unsharded Param": "unsharded_parameters", "Sharded Grad": "gradients", "Unsharded Grad": "gradients",
+         "Gradient": "gradients", "OptState": "optimizer", "Optstate": "optimizer", "Activation": "activations",
+         "Inputs": "activations", "All Gather": "all_gather", "Reduce Scatter": "reduce_scatter",
+         "Temp": "temporaries", "Other": "temporaries"}
+PART_NAMES = ("parameters", "unsharded_parameters", "gradients", "optimizer", "activations", "all_gather",
+              "reduce_scatter", "temporaries", "ddp_buckets")
+
+
+def dry_run(config: Config, machine: Machine) -> dict:
+    """The dry run's figures (plan's JSON keys dry_run_*): the measured rank's peak and its parts, and each measured
+    rank's (under pp the first and the last stage's). A layout that cannot be built raises train's one-line error."""
+    started = time.perf_counter()
+    dims = make_strategy(config.dist, machine.world_size, machine.nproc_per_node).dims
+    one = Runtime(0, 0, 1, 1, HOST, "gloo")
+    data = split_validation(load_data(config.data, one, config.train.seed, log=lambda message: None), config.data)
+    batches = BatchPlan(data.train.num_samples, config.train.global_batch_size, config.train.grad_accum_steps, 0,
+                        dims.data_parallel, config.train.seed)
+    ranks = sorted({dims.rank_at(pp=0), dims.rank_at(pp=dims.pipeline - 1)})  # every other coordinate 0: the fullest
+    with fake_process_group(machine.world_size):  # one for all ranks: torch's meshes outlive a destroyed group
+        measured = [measure_rank(config, machine, data.info, batches, rank) for rank in ranks]
+    top = max(measured, key=lambda figures: figures["peak_bytes"])
+    return {"dry_run_peak_bytes_per_rank": top["peak_bytes"], "dry_run_rank": top["rank"],
+            **{f"dry_run_{part}_bytes": top["parts"][part] for part in PART_NAMES},
+            "dry_run_ranks": measured, "dry_run_seconds": time.perf_counter() - started}
+
+
+def measure_rank(config: Config, machine: Machine, info, batches: BatchPlan, rank: int) -> dict:
+    """`rank`'s layout, its optimizer's state created, and one step measured: its peak and parts. Over the fake
+    group's rank 0, as plan's (distrib.plan.planned_rank): the measured ranks differ from it in their pipeline rank
+    only, which lay_out reads from runtime.rank."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    strategy = make_strategy(config.dist, machine.world_size, machine.nproc_per_node)  # its own mesh, this group's
+    runtime = Runtime(rank, rank % machine.nproc_per_node, machine.world_size, machine.nproc_per_node, HOST, "fake")
+    # each stage's input shapes, given: from a meta pass outside the fake mode (which refuses the meta model's casts)
+    given = stage_inputs(config, info, batches.micro_batch_size // pipeline.microbatches(config.dist)) \
+        if strategy.dims.pipeline > 1 else []
+    fake = FakeTensorMode(allow_non_fake_inputs=True)  # the meta model's tensors go in, fake ones come out
+    model = laid_out(config, strategy, info, runtime, fake)
+    with fake:
+        optimizer = build_optimizer(model, config.train)
+        _create_state(model, optimizer)
+        tracker = _tracker(model, optimizer)
+        with tracker:
+            if strategy.dims.pipeline > 1:
+                _pipeline_step(config, strategy, model, info, batches, rank, given, tracker.reset_mod_stats)
+            else:
+                _step(config, strategy, model, info, batches)
+            _optimizer_step(config, strategy, model, optimizer)
+    peak = tracker.get_tracker_snapshot("peak").get(HOST, {})
+    state = sum(local_tensor(t).nbytes for s in optimizer.state.values() for t in s.values()
+                if isinstance(t, torch.Tensor))
+    parts = {**_parts(peak, state), "ddp_buckets": _ddp_buckets(config, strategy, model)}
+    return {"rank": rank, "pipeline_rank": strategy.dims.pipeline_rank(rank),
+            "peak_bytes": peak.get("Total", 0) + parts["ddp_buckets"], "parts": parts}
+
+
+def _ddp_buckets(config: Config, strategy: Strategy, model: nn.Module) -> int:
+    """DDP's gradient buckets, which its reducer allocates at wrapping and keeps (a copy of the gradients, unless
+    speed.gradient_as_bucket_view makes the gradients views of them): counted, not measured."""
+    if strategy.dims.fully_shard or config.speed.gradient_as_bucket_view:
+        return 0
+    return sum(p.nbytes for p in model.parameters() if p.requires_grad)
+
+
+def laid_out(config: Config, strategy: Strategy, info, runtime: Runtime, fake) -> nn.Module:
+    """The model as runtime.rank holds it, by the run's own calls (as strategy.setup_module lays it out, compile
+    left out: it changes no tensor's size), its tensors fake (made under `fake`): sharded on meta then materialised,
+    or materialised whole (ddp). The mesh is built outside the fake mode (it reads real tensors)."""
+    speed = dataclasses.replace(config.speed, compile=False)
+    dims, precision = strategy.dims, config.train.precision
+    dims.build_mesh(HOST.type)
+    model = build_on_meta(lambda: build_model(config.model, info), config.train.seed)
+    if not dims.fully_shard:  # parallelize's steps before DDP's wrapper (ddp takes no tensor parallel), which cannot
+        prepare(model, speed, config.dist.shard_modules)  # wrap fake tensors: its buckets are counted (_ddp_buckets)
+        with fake:
+            return model.to_empty(device=HOST)
+    if dims.pipeline > 1:
+        model = pipeline.lay_out(model, dims, config.dist, runtime, speed=speed, precision=precision,
+                                 log=lambda line: None)
+    else:
+        model = parallelize(model, dims, config.dist, runtime, speed=speed, precision=precision, log=lambda line: None)
+    with fake:
+        return model.to_empty(device=HOST)
+
+
+def _create_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer's state (momenta, moments), as a first step leaves it; no gradients left. Stepped as the trainer
+    steps (foreach, in chunks): a state created tensor by tensor made the measured step's temporaries 2x as large."""
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param) if param.requires_grad else None
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _tracker(model: nn.Module, optimizer: torch.optim.Optimizer):
+    """FSDPMemTracker over a sharded model (its stages' roots under pp), MemTracker over DDP's."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.fsdp import FSDPModule
+
+    roots = list(model.pipeline.stages.values()) if getattr(model, "pipeline", None) is not None else [model]
+    if not isinstance(roots[0], FSDPModule):
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+        return tracker
+    tracker = FSDPMemTracker(roots[0], optimizer)
+    # It instruments the FSDP modules its root's modules() walks: every stage's root (views, outside the module that
+    # holds them) and their units, the way a list of them walks.
+    tracker._root_mod = nn.ModuleList(roots)
+    return tracker
+
+
+def _fake_batch(config: Config, info, size: int):
+    """A micro-batch of fake tensors of the data's shapes (meta_batch's, materialised under the fake mode)."""
+    inputs, targets = meta_batch(tuple(info.input_shape), info.num_classes, size)
+    return torch.zeros_like(inputs, device=HOST), torch.zeros_like(targets, device=HOST)
+
+
+def _step_loss(config: Config, strategy: Strategy, targets: list) -> StepLoss:
+    """The trainer's StepLoss (distrib.training.trainer): the config's loss, normalised once for the step."""
+    return StepLoss(loss=step_loss(build_loss(config.train), targets, strategy.dims.world_size), forward=forward,
+                    autocast=lambda: autocast(config.train.precision, HOST), backward=lambda loss: loss.backward(),
+                    batch=lambda inputs, targets: {}, device=HOST)
+
+
+def _step(config: Config, strategy: Strategy, model: nn.Module, info, batches: BatchPlan) -> None:
+    """The trainer's forward and backward of a step's micro-batches (strategy.forward_backward)."""
+    micro_batches = [_fake_batch(config, info, batches.micro_batch_size) for _ in range(batches.grad_accum_steps)]
+    strategy.forward_backward(model, micro_batches, _step_loss(config, strategy, [t for _, t in micro_batches]))
+
+
+def stage_inputs(config: Config, info, size: int) -> list[torch.Tensor]:
+    """Each stage's input for a microbatch of `size` samples, as meta tensors: the whole model on meta, forwarded
+    stage by stage (the shapes each stage is given)."""
+    dist_config = config.dist
+    model = meta_model(config, info)
+    split = pipeline.split_stages(model, dist_config.pipeline_parallel * dist_config.stages_per_rank,
+                                  dist_config.pipeline_split, dist_config.pipeline_parallel)
+    cls = stage_class(model)  # as lay_out views the stages (a Hugging Face decoder's run their units themselves)
+    x, inputs = meta_batch(tuple(info.input_shape), info.num_classes, size)[0], []
+    with torch.no_grad():
+        for stage in range(split.num_stages):
+            inputs.append(x)
+            x = pipeline.view(model, split.units, set(split.stage_units(stage)), cls)(x)
+    return inputs
+
+
+def _pipeline_step(config: Config, strategy: Strategy, model: nn.Module, info, batches: BatchPlan, rank: int,
+                   inputs: list[torch.Tensor], next_microbatch) -> None:
+    """Each micro-step, this rank's stages on their microbatches as torch's schedule holds them: as many forwarded
+    before the first backward as the schedule keeps in flight (distrib.plan.pipeline.in_flight), then the others one
+    by one; each stage reduces its gradients in its last backward only (the schedule's no-sync backwards)."""
+    dist_config, stages = config.dist, model.pipeline.stages
+    count = pipeline.microbatches(dist_config)
+    mine = pipeline.stages_of(strategy.dims.pipeline_rank(rank), dist_config.pipeline_parallel,
+                              dist_config.stages_per_rank, dist_config.pipeline_schedule)
+    held = in_flight(dist_config.pipeline_schedule, dist_config.pipeline_parallel, dist_config.stages_per_rank, count,
+                     strategy.dims.pipeline_rank(rank))
+    targets = torch.zeros_like(meta_batch(tuple(info.input_shape), info.num_classes, batches.micro_batch_size)[1],
+                               device=HOST)
+    step = _step_loss(config, strategy, [targets] * batches.grad_accum_steps)
+    last = len(inputs) - 1
+
+    def forward_one(stage: int) -> torch.Tensor:
+        next_microbatch()  # the tracker's per-module figures (not its peak) start again: it takes one pass per module
+        received = torch.zeros_like(inputs[stage], device=HOST)
+        received.requires_grad_(stage > 0 and received.is_floating_point())
+        with step.autocast():
+            out = stages[stage](received)
+            return step.loss(out, targets[:len(received)], count) if stage == last else out
+
+    def backward_one(stage: int, out: torch.Tensor, done: int) -> None:
+        final = done == count - 1
+        stages[stage].set_is_last_backward(final)
+        stages[stage].set_reshard_after_backward(final)
+        stages[stage].set_requires_gradient_sync(final)
+        out.backward() if stage == last else out.backward(torch.ones_like(out))
+
+    for _ in range(batches.grad_accum_steps):
+        pending = [(stage, forward_one(stage)) for stage, kept in zip(mine, held) for _ in range(kept)]
+        done = dict.fromkeys(mine, 0)
+        for stage, out in pending:
+            backward_one(stage, out, done[stage])
+            done[stage] += 1
+        for stage, kept in zip(mine, held):
+            for _ in range(count - kept):
+                backward_one(stage, forward_one(stage), done[stage])
+                done[stage] += 1
+
+
+def _optimizer_step(config: Config, strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    if config.train.grad_clip:
+        strategy.clip_grad_norm(model, config.train.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _parts(peak: dict, optimizer_state: int) -> dict:
+    """The tracker's peak snapshot in the dry run's parts; what the optimizer allocates in its step beyond its state
+    (its chunks' temporaries) among the temporaries."""
+    parts = dict.fromkeys(PART_NAMES, 0)
+    for kind, nbytes in peak.items():
+        if kind != "Total":
+            parts[PARTS.get(getattr(kind, "value", kind), "temporaries")] += nbytes
+    beyond = max(0, parts["optimizer"] - optimizer_state)
+    parts["optimizer"] -= beyond
+    parts["temporaries"] += beyond
+    return parts
+
+
+PART_WORDS = {"parameters": "parameters", "unsharded_parameters": "gathered parameters", "gradients": "gradients",
+              "optimizer": "optimizer state", "activations": "activations", "all_gather": "all-gather buffers",
+              "reduce_scatter": "reduce-scatter buffers", "temporaries": "temporaries", "ddp_buckets": "DDP buckets"}
+
+
+def rows(figures: dict) -> list[tuple[str, str]]:
+    """The dry run's lines under the plan's table: the measured peak beside the plan's, its parts, each rank's."""
+    f = figures
+    measured = ", ".join(f"rank {r['rank']} (pipeline rank {r['pipeline_rank']}) {_size(r['peak_bytes'])}"
+                         for r in f["dry_run_ranks"])
+    parts = ", ".join(f"{words} {_size(f[f'dry_run_{part}_bytes'])}" for part, words in PART_WORDS.items()
+                      if f[f"dry_run_{part}_bytes"])
+    return [("dry run peak / rank", f"{_size(f['dry_run_peak_bytes_per_rank'])} measured on fake tensors (rank "
+                                    f"{f['dry_run_rank']}), plan {_size(f['memory_bytes_per_rank'])} without its "
+                                    f"allocator slack {_size(f['allocator_slack_bytes_per_rank'])}"),
+            ("dry run parts at the peak", parts),
+            *([("dry run ranks", measured)] if len(f["dry_run_ranks"]) > 1 else []),
+            ("dry run", f"the layout built on a fake group of {f['world_size']} ranks and one step run in "
+                        f"{f['dry_run_seconds']:.1f} s")]
+
+
+def main(config: Config, machine: Machine, as_json: bool) -> int:
+    """`distrib plan --dry-run`: the plan's figures and the dry run's beside them."""
+    from distrib.plan import plan_run, table
+
+    figures = {**plan_run(config, machine), **dry_run(config, machine)}
+    if as_json:
+        print(json.dumps(figures, indent=1))
+    else:
+        print(table(figures, machine) + "\n" + "\n".join(f"{name:<26} {value}" for name, value in rows(figures)))
+    return 0
