@@ -62,12 +62,13 @@ def runs(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     llama = [*LLAMA, f"model.init_from={save_llama(tmp / 'llama')}"]
     run_training(load_config(None, [*GPT, f"run.dir={tmp / 'one'}"]))
     run_training(load_config(None, [*llama, f"run.dir={tmp / 'hf_one'}"]))
+    run_training(load_config(None, [*LLAMA, f"run.dir={tmp / 'hf_plain_one'}"]))  # transformers' own initialisation
     run_training(load_config(None, [*SEQUENTIAL, f"run.dir={tmp / 'seq_one'}"]))
     logs = {}
     launches = {
         4: {"pp_1f1b": [*GPT, *PP], "pp_interleaved": [*GPT, *PP, "dist.pipeline_schedule=interleaved_1f1b"],
             "pp_resumed": [*GPT, *PP, _step_6(tmp / "pp_1f1b")], "hf_pp": [*llama, *PP],
-            "hf_pp_resumed": [*llama, *PP, _step_6(tmp / "hf_pp")]},
+            "hf_pp_resumed": [*llama, *PP, _step_6(tmp / "hf_pp")], "hf_plain_pp": [*LLAMA, *PP]},
         8: {"pp_tp_fsdp": [*GPT, *PP, "dist.tensor_parallel=2"],
             "hf_pp_tp_fsdp": [*llama, *PP, "dist.tensor_parallel=2"]}}
     for nproc, named in launches.items():
@@ -190,6 +191,15 @@ def test_a_hugging_face_llama_from_its_folder_trains_under_pipeline_parallel_lik
     assert run["test_loss"] == pytest.approx(one["test_loss"], rel=1e-5)
     assert "this rank holds stage 0 (model.embed_tokens .. model.layers.0)" in logs[name]
     assert "model.init_from" in logs[name] and "no rank held the model whole" in logs[name]
+
+
+@pytest.mark.timeout(900)
+def test_a_hugging_face_llama_initialised_by_rank_0_trains_under_pipeline_parallel_like_one_process(runs):
+    """transformers' class as is (no init_from, no initialisation of its own shards): rank 0 builds it whole and each
+    stage's ranks keep their own tensors of it."""
+    tmp, logs = runs
+    assert max_relative_diff(load_weights(tmp / "hf_plain_pp"), load_weights(tmp / "hf_plain_one")) < 1e-5
+    assert "rank 0 built it whole once in host memory" in logs["hf_plain_pp"]
 
 
 @pytest.mark.timeout(900)

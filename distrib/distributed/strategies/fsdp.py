@@ -138,7 +138,8 @@ class FSDPStrategy(Strategy):
         elif self_init:
             materialise.init_shards(whole, build.seed)
         else:
-            materialise.load_from_rank0(model, build.factory, build.seed, runtime, build.log)
+            materialise.load_from_rank0(model, build.factory, build.seed, runtime, build.log,
+                                        part=self.pipeline is not None)
 
     def _materialise(self, model: nn.Module, runtime: Runtime) -> None:
         """Empty shards and buffers where they live (shards in host memory under dist.cpu_offload), then the

@@ -207,10 +207,12 @@ def init_seeded(init: Callable[[], object], seed: int) -> None:
 
 
 def load_from_rank0(model: nn.Module, factory: Callable[[], nn.Module], seed: int, runtime: Runtime,
-                    log: Callable[[str], None]) -> None:
+                    log: Callable[[str], None], part: bool = False) -> None:
     """Rank 0 builds the whole model once, in host memory, and sends each rank its shards (set_model_state_dict's
-    broadcast_from_rank0); the non-persistent buffers follow whole. A collective; a factory that fails on rank 0
-    stops every rank with a line that says so."""
+    broadcast_from_rank0: every rank receives each tensor in turn and keeps its slices of those it holds); the
+    non-persistent buffers follow whole. part: the model is a part of the whole (a pipeline rank's stages), which
+    keeps only its own tensors. A collective; a factory that fails on rank 0 stops every rank with a line that says
+    so."""
     whole, failed = None, [False]
     if runtime.is_main:
         try:
@@ -228,14 +230,25 @@ def load_from_rank0(model: nn.Module, factory: Callable[[], nn.Module], seed: in
             f"parameter and buffer): rank 0 built it whole once in host memory ({size / 2**20:.1f} MiB) and sent "
             "each rank its shards")
     set_model_state_dict(model, whole.state_dict() if whole is not None else {},
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    persistent = set(model.state_dict())
-    sources = dict(whole.named_buffers()) if whole is not None else {}
-    for name, buffer in model.named_buffers():
-        if name not in persistent:
-            if name in sources:
-                buffer.copy_(sources[name])
-            dist.broadcast(buffer, src=0)
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=not part))
+    _broadcast_plain_buffers(model, whole, runtime.device)
+
+
+def _broadcast_plain_buffers(model: nn.Module, whole: nn.Module | None, device: torch.device) -> None:
+    """The whole model's non-persistent buffers, rank 0's, each broadcast in rank 0's order; a rank that holds one
+    (under pipeline parallel, not every rank holds every buffer) keeps it."""
+    said = [None]
+    if whole is not None:
+        persistent = set(whole.state_dict())
+        said = [[(name, buffer) for name, buffer in whole.named_buffers() if name not in persistent]]
+        said = [[(name, tuple(buffer.shape), buffer.dtype) for name, buffer in said[0]]]
+    dist.broadcast_object_list(said, src=0)
+    mine, sources = dict(model.named_buffers()), dict(whole.named_buffers()) if whole is not None else {}
+    for name, shape, dtype in said[0]:
+        target = mine[name] if name in mine else torch.empty(shape, dtype=dtype, device=device)
+        if name in sources:
+            target.copy_(sources[name])
+        dist.broadcast(target, src=0)
 
 
 def check_materialised(model: nn.Module, device: torch.device) -> list[str]:
