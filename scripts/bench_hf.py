@@ -84,7 +84,7 @@ def overrides(args, row: str, run_dir: Path) -> list[str]:
             f"train.global_batch_size={args.batch}", "train.epochs=0", f"train.max_steps={args.steps}",
             "train.eval_every_epochs=0", f"train.log_every={args.steps}", f"metrics.timing_skip_steps={args.skip}",
             "run.progress=false", "checkpoint.every_steps=0", "checkpoint.resume=never", "dist.device=cpu",
-            "dist.strategy=fsdp", f"run.dir={run_dir}", *pp]
+            "dist.strategy=fsdp", f"run.dir={run_dir}", *pp, *args.set]
 
 
 def _cpu_rate(args, cpu_steps: list[float]) -> float:
@@ -342,6 +342,8 @@ def parse_args(argv):
                         help="transformers' class as is (distrib builds its weights on rank 0), not self-initialising")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per row before it is killed")
     parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="one more distrib override for distrib's runs (what a step of distrib costs, key by key)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--row", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -352,6 +354,7 @@ def _settings(args) -> list[str]:
     """The workers' arguments: the run's settings."""
     keys = ("steps", "skip", "rounds", "hidden", "layers", "seq_len", "batch", "microbatches")
     plain = ["--plain-init"] if args.plain_init else []
+    plain += [item for value in args.set for item in ("--set", value)]
     return [*plain, *(item for key in keys for item in (f"--{key.replace('_', '-')}", str(getattr(args, key))))]
 
 
