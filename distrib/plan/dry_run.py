@@ -25,7 +25,7 @@ from distrib.data.batching import BatchPlan
 from distrib.data.split import split_validation
 from distrib.distributed import pipeline
 from distrib.distributed.parallel import local_tensor
-from distrib.distributed.parallelize import parallelize, prepare
+from distrib.distributed.parallelize import prepare
 from distrib.distributed.pipeline.decoder import stage_class
 from distrib.distributed.runtime import Runtime
 from distrib.distributed.strategies import Strategy, make_strategy
@@ -109,20 +109,13 @@ def _ddp_buckets(config: Config, strategy: Strategy, model: nn.Module) -> int:
 def laid_out(config: Config, strategy: Strategy, info, runtime: Runtime, fake) -> nn.Module:
     """The model as runtime.rank holds it, by the run's own calls (as strategy.setup_module lays it out, compile
     left out: it changes no tensor's size), its tensors fake (made under `fake`): sharded on meta then materialised,
-    or materialised whole (ddp). The mesh is built outside the fake mode (it reads real tensors)."""
+    or materialised whole (ddp). The mesh is built outside the fake mode (it reads real tensors): plan_module's."""
     speed = dataclasses.replace(config.speed, compile=False)
-    dims, precision = strategy.dims, config.train.precision
-    dims.build_mesh(HOST.type)
     model = build_on_meta(lambda: build_model(config.model, info), config.train.seed)
-    if not dims.fully_shard:  # parallelize's steps before DDP's wrapper (ddp takes no tensor parallel), which cannot
-        prepare(model, speed, config.dist.shard_modules)  # wrap fake tensors: its buckets are counted (_ddp_buckets)
-        with fake:
-            return model.to_empty(device=HOST)
-    if dims.pipeline > 1:
-        model = pipeline.lay_out(model, dims, config.dist, runtime, speed=speed, precision=precision,
-                                 log=lambda line: None)
-    else:
-        model = parallelize(model, dims, config.dist, runtime, speed=speed, precision=precision, log=lambda line: None)
+    if strategy.dims.fully_shard:
+        model = strategy.plan_module(model, runtime, config.train.precision, speed)
+    else:  # parallelize's steps before DDP's wrapper (ddp takes no tensor parallel), which cannot wrap fake tensors:
+        prepare(model, speed, config.dist.shard_modules)  # its buckets are counted (_ddp_buckets)
     with fake:
         return model.to_empty(device=HOST)
 

@@ -223,7 +223,8 @@ class Strategy(ABC):
 
     # ---------------------------------------------------------------- distrib plan
 
-    def plan_module(self, model: nn.Module, runtime: Runtime, precision: str) -> nn.Module:
+    def plan_module(self, model: nn.Module, runtime: Runtime, precision: str,
+                    speed: SpeedConfig = SpeedConfig()) -> nn.Module:
         """The meta-device model as each rank of this strategy holds it (sharded by the run's own calls)."""
         return model
 

@@ -94,14 +94,12 @@ class FSDPStrategy(Strategy):
         self.dims.build_mesh(runtime.device.type)
         given, buffers = build.given is not None, {}
         if given:  # a module given to distrib.fit: whole on every rank already, each keeps its slices
-            _return_freed_memory_if_large(build.given, runtime)
             whole = place_model(build.given, runtime.device)
         elif build.load_weights is not None:  # no initialisation to run: the weights come from the file
             whole, buffers = materialise.build_for_loading(build.factory, build.seed)
         else:
             whole = materialise.build_on_meta(build.factory, build.seed)
-        if not given:
-            _return_freed_memory_if_large(whole, runtime)  # before any shard is materialised
+        _return_freed_memory_if_large(whole, runtime)  # before any shard is materialised or gathered
         self_init = not given and build.load_weights is None and materialise.initialises_itself(whole)
         model = self._lay_out(whole, runtime, build.speed, build.precision, build.log)
         if not given:
@@ -217,12 +215,13 @@ class FSDPStrategy(Strategy):
     def complete(self, model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return tensors if self.pipeline is None else self.pipeline.complete(tensors)
 
-    def plan_module(self, model: nn.Module, runtime: Runtime, precision: str) -> nn.Module:
+    def plan_module(self, model: nn.Module, runtime: Runtime, precision: str,
+                    speed: SpeedConfig = SpeedConfig()) -> nn.Module:
         """The meta model as runtime.rank holds it (under pipeline parallel: its pipeline rank's stages), laid out by
         the run's own calls over distrib plan's fake group (whose own rank is 0: the data-parallel coordinates are rank
-        0's, the fullest shards)."""
+        0's, the fullest shards); speed: the options that change the module (the dry run's activation checkpointing)."""
         self.dims.build_mesh("cpu")
-        return self._lay_out(model, runtime, SpeedConfig(), precision, lambda line: None)
+        return self._lay_out(model, runtime, speed, precision, lambda line: None)
 
     @property
     def state_on_host(self) -> bool:
