@@ -190,12 +190,16 @@ def state_parts_planned(model: nn.Module, optimizer, strategy: Strategy, device:
 
 def _tp_activations(model: nn.Module, shape: ParallelDims, inputs: torch.Tensor) -> int:
     """Elements tensor parallel all-reduces per micro-step: each row-wise layer's output in forward and the input
-    gradient of the column-wise layers before it in backward (the same size: the residual stream)."""
+    gradient of the column-wise layers before it in backward (the same size: the residual stream); a row-wise
+    embedding's output in forward; a gathered column-wise output (an lm_head's logits) gathered in forward, half an
+    all-reduce's traffic, and its input gradient all-reduced in backward."""
     if shape.tensor_parallel == 1:
         return 0
-    rowwise = layers_split(model, "rowwise")
     positions = inputs.numel() if inputs.dim() == 2 else len(inputs)  # tokens of a micro-batch, or samples
-    return 2 * sum(positions * m.out_features for m in rowwise)
+    rowwise = sum(2 * m.out_features for m in layers_split(model, "rowwise"))
+    embedding = sum(m.embedding_dim for m in layers_split(model, "embedding_rowwise"))
+    gathered = sum(m.out_features / 2 + m.in_features for m in layers_split(model, "colwise_gather_output"))
+    return int(positions * (rowwise + embedding + gathered))
 
 
 def _whole_model(config: Config, info) -> tuple[int, int, bool]:

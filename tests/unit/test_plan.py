@@ -267,3 +267,19 @@ def test_pipeline_stages_their_state_and_what_is_sent_between_them():
     assert one_node["bubble_share"] == pytest.approx(1 / 3) and "bubble 33.3% of a step" in table(one_node,
                                                                                                    Machine(1, 4))
     assert plan_run(load_config(None, PP_GPT[:-1]), Machine(1, 4))["stages"] == []
+
+
+def test_tensor_parallel_traffic_counts_the_embedding_and_the_gathered_logits():
+    """Qwen2's own plan: per position, each row-wise projection's output twice (forward, backward), the row-wise
+    embedding's output once, the gathered lm_head's logits half an all-reduce and its input gradient once."""
+    import torch
+
+    from distrib.plan import _tp_activations
+    from tests.helpers.pretrained import qwen2
+
+    model = qwen2()
+    config, tokens = model.config, torch.zeros(2, 8, dtype=torch.long)
+    rowwise = config.num_hidden_layers * 2 * config.hidden_size  # o_proj and down_proj
+    per_position = 2 * rowwise + config.hidden_size + config.vocab_size / 2 + config.hidden_size
+    assert _tp_activations(model, ParallelDims(1, 2, tensor_parallel=2), tokens) == int(16 * per_position)
+    assert _tp_activations(model, ParallelDims(1, 2), tokens) == 0
