@@ -118,8 +118,9 @@ def fit(model: nn.Module | Callable[..., nn.Module], train_data, test_data,
     resolved = None
     try:
         extra = {"model.init_from": str(init_from)} if init_from is not None else {}
-        resolved = resolve_config(config, {**(overrides or {}), **extra})
-        with environment_faults(), open_runtime(resolved.dist) as runtime, peers_lost(resolved, runtime):
+        resolved = _without_spawn_if_unguarded(resolve_config(config, {**(overrides or {}), **extra}))
+        with environment_faults(), open_runtime(resolved.dist, run_dir=Path(resolved.run.dir)) as runtime, \
+                peers_lost(resolved, runtime):
             data = data_from_datasets(train_data, test_data, resolved.data, runtime, resolved.train.seed,
                                       collate_fn=collate_fn, val=val_data)
             # train_on locks the run's folders
@@ -135,6 +136,28 @@ def fit(model: nn.Module | Callable[..., nn.Module], train_data, test_data,
             _one_line_if_uncaught(e, every_rank=resolved is None)  # the config's: on every rank alike
             raise e.with_traceback(None) from None
         raise
+
+
+def _without_spawn_if_unguarded(config: Config) -> Config:
+    """checkpoint.async_save = process starts a process that runs the script's top level again (multiprocessing's
+    spawn): from a script that calls fit() outside its main guard, the thread save instead, said in one line. In
+    such a process, fit() is a mistake that ends it at once (a guard this check missed)."""
+    import dataclasses
+
+    from distrib.checkpoint.process import GUARD, in_spawned_child, unguarded_script
+    from distrib.distributed.runtime import read_launch_env
+
+    if in_spawned_child():
+        raise UserError(f"distrib.fit: called in a process that this script's run started (it runs the script's top "
+                        f"level again); put the training under `{GUARD}`")
+    script = unguarded_script() if config.checkpoint.async_save == "process" else None
+    if script is None:
+        return config
+    if read_launch_env().rank == 0:
+        say(f"distrib.fit: warning: checkpoint.async_save = 'process' starts a checkpoint process that runs {script}'s "
+            f"top level again, and fit() is called there outside `{GUARD}`; saving in a thread instead "
+            "(checkpoint.async_save = 'thread'): put the call under that guard to save in a process")
+    return dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, async_save="thread"))
 
 
 def _record(error: Exception) -> None:

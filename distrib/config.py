@@ -414,6 +414,12 @@ class DistConfig:
         "pipeline stages by depth (the outermost mesh dimension): each rank holds only its stages' layers, built on "
         "meta; composes with ddp, fsdp or hsdp on the data-parallel ranks and with `dist.tensor_parallel` inside a "
         "stage. Must divide the world (see docs/parallelism.md, Pipeline parallelism)")
+    expert_parallel: int = key(1,
+        "ranks of a shard group that split each MoE layer's experts among them (the `ep` dimension, taken from the "
+        "fsdp or hsdp ranks: they read different batches), tokens sent to their expert's rank and back by all-to-all; "
+        "the rest of the shard group shards each rank's experts. Must divide the shard group (hsdp: "
+        "`dist.shard_size`) and every MoE layer's experts; refused under ddp and for a model without experts (see "
+        "docs/parallelism.md, Expert parallelism)")
     pipeline_schedule: str = key("1f1b",
         "`gpipe` (every forward, then every backward), `1f1b` (one forward, one backward: fewer activations in "
         "flight), `interleaved_1f1b` (`dist.pipeline_stages_per_rank` stages per rank: a smaller bubble), `zbv` or "
@@ -459,6 +465,7 @@ class DistConfig:
                   "e.g. --set 'dist.shard_modules=[\"TransformerBlock\"]'")
         _at_least("dist", self, "shard_size", 0)
         _at_least("dist", self, "tensor_parallel", 1)
+        _at_least("dist", self, "expert_parallel", 1)
         if isinstance(self.find_unused_parameters, str) and self.find_unused_parameters != "auto":
             _fail("dist", "find_unused_parameters", self.find_unused_parameters, "must be auto, true or false",
                   "e.g. --set dist.find_unused_parameters=true")
@@ -499,8 +506,12 @@ class CheckpointConfig:
     allow_config_change: bool = key(False,
         "resume although model, data (its files or objects: docs/checkpoints.md, The data a resume reads), seed, "
         "optimizer or global batch changed; the log says what changed")
-    async_save: bool = key(False,
-        "fsdp: sharded checkpoints are written in the background (`dcp.async_save`); the commit waits for the write")
+    async_save: bool | str = key("off",
+        "sharded checkpoints (fsdp, hsdp) written in the background: `process` (a checkpoint process of each rank "
+        "writes what the step copied to shared memory: the step waits only for that copy), `thread` (a thread of "
+        "the worker writes: the copy, and the write's share of the interpreter), `off`; `true` means `process`. "
+        "One write at a time; a checkpoint counts once its folder is renamed into place (docs/checkpoints.md)",
+        choices=("off", "thread", "process"))
     keep_best: int = key(0,
         "also keep the checkpoints of the k best evaluations as `best_STEP.pt` (ddp) or `best_STEP/` (fsdp), "
         "`best_STEP-RUNID` beside another run's; `keep_last` never prunes them; 0 = off")
@@ -513,6 +524,9 @@ class CheckpointConfig:
         "continues the run that saved last)", choices=("refuse", "keep"))
 
     def __post_init__(self):
+        if isinstance(self.async_save, bool):  # the key's older form: true was the background write, now a process
+            object.__setattr__(self, "async_save", "process" if self.async_save else "off")
+        _choice("checkpoint", self, "async_save")
         _at_least("checkpoint", self, "every_steps", 0)
         for name in filter(None, (part.strip().upper() for part in self.signals.split(","))):
             if (name if name.startswith("SIG") else f"SIG{name}") not in signal.Signals.__members__:

@@ -42,6 +42,7 @@ from distrib.models import adapters
 from distrib.models.build import batchnorm_layers, build_model, data_kwargs
 from distrib.training.callbacks import Callbacks, from_config
 from distrib.training.evaluation import MetricFn, Task, evaluate
+from distrib.training.experts import ExpertLoad
 from distrib.training.extra_losses import ExtraLosses
 from distrib.training.losses import Loss, LossFn, build_loss
 from distrib.training.notes import task_notes
@@ -56,7 +57,8 @@ ModelArg = nn.Module | Callable[..., nn.Module] | None  # distrib.fit's model: a
 
 def run_training(config: Config, env: LaunchEnv | None = None) -> dict:
     """Trains on this worker's device inside an open process group; returns the run's summary."""
-    with environment_faults(), open_runtime(config.dist, env) as runtime, peers_lost(config, runtime):
+    with environment_faults(), open_runtime(config.dist, env, Path(config.run.dir)) as runtime, \
+            peers_lost(config, runtime):
         return train_on(config, runtime)  # which locks run.dir and checkpoint.dir once the input is checked
 
 
@@ -332,7 +334,7 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
                                   meter=meter,
                                   agreement=agreement, checkpointer=checkpointer,
                                   on_step_end=_after_step(runtime, on_step_end), callbacks=hooks,
-                                  extra_losses=extra_losses)
+                                  extra_losses=extra_losses, experts=ExpertLoad.of(wrapped, strategy, runtime.device))
                 metrics = trainer.train(data.train)
         except BaseException as e:  # flush metrics and trackers now: the CLI's os._exit skips finalisers
             recorder.close("preempted" if isinstance(e, Preempted) else "failed")

@@ -92,7 +92,7 @@ def async_table(work: Path, steps: int, every: int, batch: int) -> dict:
         run = _train(work / f"ckpt_{mode}", 2,
                      ["dist.strategy=fsdp", f"train.max_steps={steps}", f"train.global_batch_size={batch}",
                       "train.log_every=1", f"checkpoint.every_steps={every}", "checkpoint.keep_last=2",
-                      f"checkpoint.async_save={'true' if mode == 'async' else 'false'}"])
+                      f"checkpoint.async_save={'thread' if mode == 'async' else 'off'}"])
         near, other = _around_checkpoints(run["steps"], every)
         results[mode] = {"checkpoint_steps_s": near, "other_steps_s": other, "rise_s": near - other}
         print(f"{mode:>18} {near:12.3f} {other:13.3f} {near - other:8.3f}", flush=True)

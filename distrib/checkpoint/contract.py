@@ -26,6 +26,9 @@ class Checkpointer(Protocol):
     def save(self, step: int, *, best: bool = False) -> Path:
         """Writes the state at `step`: a periodic step_N (pruned to keep_last) or, best, a best_N (keep_best)."""
 
+    def start(self) -> None:
+        """As training begins: what the format writes through in the background starts now (a process)."""
+
     def wait(self) -> None:
         """Returns once the write in flight (if any) is committed."""
 
@@ -44,6 +47,9 @@ class Storage(Protocol):
 
     def write(self, path: Path, state: dict, committed: Callable[[], None] | None) -> None:
         """Every rank: writes `state` to `path`, never half; rank 0 runs `committed` once it is in place."""
+
+    def start(self) -> None:
+        """Every rank, as training begins: a background writer's process starts, overlapping the first steps."""
 
     def wait(self) -> None:
         """Returns once the write in flight (if any) is committed."""

@@ -244,6 +244,9 @@ class FileStorage:
         if outcome[0] is not None:
             raise outcome[0]
 
+    def start(self) -> None:
+        """Nothing runs in the background."""
+
     def wait(self) -> None:
         """Nothing in flight: every write returns once the file is in place."""
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from distrib.checkpoint import hf_conversion
 from distrib.checkpoint.format import FORMAT
 from distrib.checkpoint.weights import INDEX, SINGLE, WEIGHTS_DIR, aliases_of, block_slices, local_block, local_part
 from distrib.errors import UserError
@@ -264,6 +265,7 @@ def check_weights(model: nn.Module, source) -> Pretrained:
     state = model.state_dict()
     expected = {base: tuple(state[name].shape) for base, name in view.items()}
     expected.update(_other_stages(model, state))  # read by the ranks of the stages that hold them
+    source = hf_conversion.converted(named, source, set(expected))  # a Hub layout: as from_pretrained converts it
     base = getattr(named, "base_model_prefix", "") or ""
     prefix, how = _renaming(set(expected), source.shapes, base)
     names, unexpected, left_out = {}, [], []

@@ -266,6 +266,9 @@ class Checkpoints:
             remove(old)
         self.owned = self.owned[-self.keep_last:]
 
+    def start(self) -> None:
+        self.storage.start()
+
     def wait(self) -> None:
         self.storage.wait()
 
@@ -287,8 +290,11 @@ def make_checkpointer(config: CheckpointConfig, strategy: Strategy, directory: P
 
 @contextlib.contextmanager
 def committing(checkpointer) -> Iterator[None]:
-    """Around training: an asynchronous write still in flight at the end or at a preemption is waited for and
-    committed before the run goes on (or exits 75); after an error it stays a temporary directory, never picked."""
+    """Around training: the background writer starts (checkpoint.async_save = process: its process, whose start
+    overlaps the first steps); an asynchronous write still in flight at the end or at a preemption is waited for and
+    committed before the run goes on (or exits 75); after an error it stays a temporary directory, never picked (and
+    the checkpoint process ends with this one)."""
+    checkpointer.start()
     try:
         yield
     except Preempted:

@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from distrib.checkpoint.format import (
     FORMAT,
@@ -37,6 +38,7 @@ from distrib.checkpoint.format import (
     read_checkpoint,
     save_atomic,
 )
+from distrib.checkpoint.process import CheckpointProcess, shared_stager
 from distrib.distributed.runtime import Runtime
 from distrib.errors import UserError
 
@@ -156,15 +158,23 @@ class _Write:
 
 class ShardedStorage:
     """The model, optimizer and EMA shards through DCP, the rest of the state (and every rank's RNGs) into
-    trainer.pt. With async_save, one write at a time runs in the background."""
+    trainer.pt. async_save (checkpoint.async_save): "off"; "thread", one write at a time in a thread of this
+    process; "process", one at a time in this rank's checkpoint process, from a copy in shared memory."""
 
     kind = "sharded (fsdp)"
 
-    def __init__(self, runtime: Runtime, async_save: bool = False):
+    def __init__(self, runtime: Runtime, async_save: str = "off"):
         self.runtime, self.async_save = runtime, async_save
         # The background write's collectives get a group of their own (every rank creates it, here, in order).
-        self.group = runtime.new_cpu_group() if async_save else None
+        self.group = runtime.new_cpu_group() if async_save != "off" else None
+        self.process: CheckpointProcess | None = None  # started by start(), or by the first write
+        self.stager = None  # the process's copies in shared memory, reused by every save
         self.pending: _Write | None = None
+
+    def start(self) -> None:
+        """Every rank (a broadcast): the checkpoint process of checkpoint.async_save = process starts."""
+        if self.async_save == "process" and self.process is None:
+            self.process, self.stager = CheckpointProcess(self.group), shared_stager(self.runtime.pin_memory)
 
     def target(self, directory: Path, name: str) -> Path:
         return Path(directory) / name
@@ -195,14 +205,23 @@ class ShardedStorage:
             if committed is not None:
                 committed()
 
-        if self.async_save:
-            future = dcp.async_save(shards, checkpoint_id=tmp, process_group=self.group)
-            self.pending = _Write(future, commit if self.runtime.is_main else None)
+        if self.async_save != "off":
+            self.pending = _Write(self._start_write(shards, tmp), commit if self.runtime.is_main else None)
             return
         dcp.save(shards, checkpoint_id=tmp)  # returns once every rank's shards and the .metadata are written
         if self.runtime.is_main:
             commit()
         dist.barrier()  # nobody moves on (or exits) before the checkpoint is in place
+
+    def _start_write(self, shards: dict, tmp: Path):
+        """The write's future, once this rank's shards are copied: to host memory (thread), or to shared memory
+        that the checkpoint process writes from (process)."""
+        if self.async_save == "thread":
+            return dcp.async_save(shards, checkpoint_id=tmp, process_group=self.group)
+        self.start()
+        self.process.ready()  # the first save waits here if the process is still starting
+        return dcp.async_save(shards, checkpoint_id=tmp, process_group=self.group, async_stager=self.stager,
+                              async_checkpointer_type=AsyncCheckpointerType.PROCESS)
 
     def wait(self) -> None:
         """Blocks until the asynchronous write in flight (if any) is written and, on rank 0, committed."""
@@ -211,4 +230,11 @@ class ShardedStorage:
             pending.wait()
 
     def close(self) -> None:
-        self.wait()
+        """Waits for the write in flight, then ends the checkpoint process and frees the shared copies."""
+        try:
+            self.wait()
+        finally:
+            if self.process is not None:
+                self.process.close()
+                self.stager.close()
+                self.process = None

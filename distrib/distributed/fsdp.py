@@ -114,11 +114,14 @@ def checkpoint_activations(model: nn.Module, spec: str | tuple[str, ...]) -> int
 
 
 def shard(model: nn.Module, runtime: Runtime, config: DistConfig, precision: str, mesh: DeviceMesh,
-          roots: list[nn.Module] | None = None) -> FSDPModule:
+          roots: list[nn.Module] | None = None,
+          experts: tuple[list[nn.Module], DeviceMesh, int] | None = None) -> FSDPModule:
     """fully_shard on each block, then on the root (which takes the rest), over the data-parallel mesh: one dimension
     shards, two replicate over the first and shard over the second. On a model on
     the meta device (as the strategy builds it) nothing is allocated: the shards are materialised afterwards. roots:
-    the modules that run in place of the model (pipeline stages, views of it), each a root of its own.
+    the modules that run in place of the model (pipeline stages, views of it), each a root of its own. experts: the
+    experts modules expert parallel split, each a unit of its own over their mesh (what remains of the data-parallel
+    ranks), and the data-parallel size their gradients are averaged over (torchtitan's).
 
     Under bf16, each BatchNorm is a unit of its own that computes in fp32 (its parameters and inputs; autocast casts
     its output back for the next layer): its running statistics are fp32 buffers, which FSDP does not cast, and
@@ -133,6 +136,8 @@ def shard(model: nn.Module, runtime: Runtime, config: DistConfig, precision: str
     for norm in norms:
         fully_shard(norm, **{**options, "mp_policy": MixedPrecisionPolicy(param_dtype=torch.float32,
                                                                           reduce_dtype=torch.float32)})
+    for unit in experts[0] if experts else ():
+        _shard_experts(unit, {**options, "mesh": experts[1]}, experts[2])
     blocks = find_blocks(model, config.shard_modules)
     for unit in [*blocks, *leftover_units(model, blocks)]:
         if not any(unit is norm for norm in norms):  # a norm large enough to be a block is sharded already
@@ -150,6 +155,20 @@ def shard(model: nn.Module, runtime: Runtime, config: DistConfig, precision: str
     for root in roots:
         root.set_reduce_scatter_unused_params(True)  # recursing into its units
     return model
+
+
+def _shard_experts(unit: nn.Module, options: dict, data_parallel: int) -> None:
+    """One experts module's unit. Its gradients are summed over fewer ranks than the dense ones (the ep ranks'
+    tokens already met in its all-to-all's backward): divided by every data-parallel rank all the same, so that they
+    are the whole batch's mean as in one process."""
+    fully_shard(unit, **options)
+    unit.set_gradient_divide_factor(data_parallel)
+    if options["mesh"].device_type == "cpu":
+        unit.set_modules_to_backward_prefetch([unit])  # no prefetch in host memory, as for the blocks
+        # The CPU's backend has no pre-multiplied sum: a sum, then the division. Not over one rank (ep = the whole
+        # shard group), where torch 2.14 would divide twice (once in place of the reduce-scatter, once after it).
+        if options["mesh"].shape[-1] > 1:
+            unit.set_force_sum_reduction_for_comms(True)
 
 
 # The optimizer state flattened (state.NAME.exp_avg, param_groups.NAME.lr): every parameter carries its group's

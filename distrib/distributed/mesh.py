@@ -1,6 +1,7 @@
-"""The one mesh of a run: how its ranks split into pipeline stages, replicas, shard groups and tensor-parallel groups
-(ParallelDims: sizes, checked against the world, a pure function of them so that `distrib plan` lays out any world
-without one), torch's DeviceMesh built from them once, and every rank's coordinates on it.
+"""The one mesh of a run: how its ranks split into pipeline stages, replicas, shard groups (and within them the
+expert-parallel groups) and tensor-parallel groups (ParallelDims: sizes, checked against the world, a pure function of
+them so that `distrib plan` lays out any world without one), torch's DeviceMesh built from them once, and every rank's
+coordinates on it.
 
 Ranks are numbered node by node, so the innermost dimensions stay on one node: tensor parallel innermost (the most
 traffic), then the shard groups, then the replicas across nodes (one all-reduce of gradient shards per step), and
@@ -16,13 +17,17 @@ from distrib.errors import ConfigError
 
 # Each degree's mesh dimension, outermost first.
 PP, REPLICATE, SHARD, TP = "pp", "replicate", "shard", "tp"
+# Under expert parallel the shard dimension is built as two, (shard / E, E), and the dense parameters' `shard` is
+# their flattened product: the experts are split over `ep` and sharded over the rest (torchtitan's dp_shard_mod_ep).
+SHARD_MOD_EP, EP = "shard_mod_ep", "ep"
 
 
 @dataclass(frozen=True)
 class ParallelDims:
     """Every parallel degree of a run: pipeline x replicate x shard x tensor_parallel = world size. fully_shard: FSDP2
     holds the data-parallel ranks' state (as shards: shard > 1; replicated across `replicate`); else DDP keeps a whole
-    replica on every one of them.
+    replica on every one of them. expert_parallel: the ranks of a shard group that split each MoE layer's experts
+    among them (a divisor of shard; they read different batches, so the world and the data ranks stay as they are).
 
     The strategy holds the run's one ParallelDims and its built mesh (`mesh`); the data slicing, the losses, the rank
     agreement, the pipeline and distrib plan read their coordinates and counts from it, never from rank arithmetic of
@@ -33,6 +38,7 @@ class ParallelDims:
     tensor_parallel: int = 1
     pipeline: int = 1
     fully_shard: bool = True
+    expert_parallel: int = 1
     # The DeviceMesh once built (build_mesh), by device type: not a size, so not compared.
     _built: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -68,27 +74,35 @@ class ParallelDims:
     def data_parallel_dims(self) -> tuple[tuple[str, int], ...]:
         if not self.fully_shard:
             return ((REPLICATE, self.replicate),)
-        return (((REPLICATE, self.replicate),) if self.replicate > 1 else ()) + ((SHARD, self.shard),)
+        experts = self.expert_parallel
+        shard = ((SHARD_MOD_EP, self.shard // experts), (EP, experts)) if experts > 1 else ((SHARD, self.shard),)
+        return (((REPLICATE, self.replicate),) if self.replicate > 1 else ()) + shard
 
     def layout(self) -> dict[str, int]:
         """{dimension: size}: the mesh torch builds."""
         return dict(self.dims())
 
     def describe(self) -> str:
-        return " x ".join(f"{name} {size}" for name, size in self.layout().items())
+        """'pp 2 x shard 4 (ep 2) x tp 2': the layout in words, the expert-parallel split named within its shard."""
+        words = {name: f"{name} {size}" for name, size in self.layout().items()}
+        if EP in words:
+            words[SHARD_MOD_EP] = f"{SHARD} {self.shard} ({EP} {self.expert_parallel})"
+            del words[EP]
+        return " x ".join(words.values())
 
     # ---------------------------------------------------------------- coordinates
 
     def coordinate(self, rank: int) -> dict[str, int]:
-        """rank's index along each degree (size-1 ones 0): the row-major layout init_device_mesh gives the ranks."""
+        """rank's index along each degree (size-1 ones 0): the row-major layout init_device_mesh gives the ranks; `ep`,
+        a split of `shard`, is its index in its expert-parallel group (which experts it holds): shard % E."""
         sizes = {PP: self.pipeline, REPLICATE: self.replicate, SHARD: self.shard, TP: self.tensor_parallel}
         found, rest = {}, rank
         for name in reversed(list(sizes)):
             rest, found[name] = divmod(rest, sizes[name])
-        return {name: found[name] for name in sizes}
+        return {**{name: found[name] for name in sizes}, EP: found[SHARD] % self.expert_parallel}
 
     def rank_at(self, **coordinate: int) -> int:
-        """The global rank at this coordinate (the degrees not given: 0)."""
+        """The global rank at this coordinate (the degrees not given: 0; `ep` is read from `shard`)."""
         sizes = {PP: self.pipeline, REPLICATE: self.replicate, SHARD: self.shard, TP: self.tensor_parallel}
         rank = 0
         for name, size in sizes.items():
@@ -116,8 +130,12 @@ class ParallelDims:
         if device_type not in self._built:
             from torch.distributed.device_mesh import init_device_mesh
 
+            _forget_earlier_meshes()
             names, sizes = zip(*self.dims())
-            self._built[device_type] = init_device_mesh(device_type, sizes, mesh_dim_names=names)
+            mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
+            if self.expert_parallel > 1 and self.fully_shard:  # the dense parameters' shard group: one more group
+                mesh[SHARD_MOD_EP, EP]._flatten(SHARD)
+            self._built[device_type] = mesh
         return self._built[device_type]
 
     @property
@@ -128,9 +146,37 @@ class ParallelDims:
         return next(iter(self._built.values()))
 
     def data_parallel_mesh(self, mesh=None):
-        """The submesh FSDP2 shards and replicates over."""
+        """The submesh FSDP2 shards and replicates the (dense) parameters over: (replicate, shard), `shard` under expert
+        parallel the flattened (shard_mod_ep, ep) that build_mesh made."""
         mesh = mesh or self.mesh
-        return mesh[tuple(name for name, _ in self.data_parallel_dims())]
+        if self.expert_parallel == 1 or not self.fully_shard:
+            return mesh[tuple(name for name, _ in self.data_parallel_dims())]
+        from torch.distributed.device_mesh import DeviceMesh
+
+        shard = mesh[SHARD_MOD_EP, EP]._flatten(SHARD)  # the one build_mesh made (kept by the root mesh)
+        # (replicate, shard) joined as FSDP2 joins its meshes: slicing a flattened dimension out of the root is
+        # deprecated in torch 2.14
+        return DeviceMesh._concatenate([mesh[REPLICATE], shard]) if self.replicate > 1 else shard
+
+    def expert_meshes(self, mesh=None):
+        """(ep, the experts' data-parallel submesh): the dimension each MoE layer's experts are split over, and the
+        (replicate, shard_mod_ep) FSDP2 shards and replicates each rank's experts over."""
+        mesh = mesh or self.mesh
+        data = (REPLICATE, SHARD_MOD_EP) if self.replicate > 1 else (SHARD_MOD_EP,)
+        return mesh[EP], mesh[data]
+
+
+def _forget_earlier_meshes() -> None:
+    """Empties DTensor's caches of sharding and redistribution plans: they are keyed by meshes, which compare equal by
+    their ranks and names alone, so after another process group's run in this process (distrib.fit's, the tests' runs
+    in one launch) a mesh of the same shape would get that run's mesh back, and its destroyed groups (measured: the
+    experts' norm of a pp 2 x ep 2 run after an ep 2 x fsdp 2 one)."""
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
 
 
 def data_parallel_size(config: DistConfig, world_size: int, local_world_size: int) -> int:
@@ -148,6 +194,18 @@ def data_parallel_size(config: DistConfig, world_size: int, local_world_size: in
                           + f"; use a divisor of {world_size // pp} (ideally of the {local_world_size} ranks per "
                           f"node), or a world size that is a multiple of {pp * tp}")
     return world_size // (pp * tp)
+
+
+def check_expert_parallel(config: DistConfig, shard: int) -> None:
+    """A one-line ConfigError when dist.expert_parallel does not divide the shard group whose ranks split the experts
+    (fsdp: every data-parallel rank; hsdp: dist.shard_size's)."""
+    experts = config.expert_parallel
+    if shard % experts:
+        group = "hsdp's shard groups (dist.shard_size)" if config.strategy == "hsdp" else \
+            "the fsdp ranks (world size / dist.pipeline_parallel / dist.tensor_parallel)"
+        raise ConfigError(f"dist.expert_parallel = {experts}: does not divide the {shard} ranks of {group}, among "
+                          f"which the experts are split; use {either(divisors(shard))}, or more ranks per shard "
+                          "group")
 
 
 def divisors(number: int) -> list[int]:

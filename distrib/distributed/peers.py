@@ -34,10 +34,11 @@ class Beat:
 class PeerWatch:
     """A daemon thread writes this rank's Beat to the store every BEAT_INTERVAL_S, and at once after each finished
     step (step_done), on a store connection of its own so it never waits behind the main thread; after a failed
-    collective, diagnose() tells who did not arrive and why."""
+    collective, diagnose() tells who did not arrive and why, once on_failure (the hang dump) has run."""
 
-    def __init__(self, connect: Callable[[], dist.Store], rank: int, world_size: int, timeout_s: float):
-        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+    def __init__(self, connect: Callable[[], dist.Store], rank: int, world_size: int, timeout_s: float,
+                 on_failure: Callable[[str], None] | None = None):
+        self.rank, self.world_size, self.timeout_s, self.on_failure = rank, world_size, timeout_s, on_failure
         self.where: Callable[[], str] = lambda: "before training"
         self._connect, self._store, self._lock = connect, None, threading.Lock()
         self._host, self._count = socket.gethostname(), 0
@@ -103,7 +104,10 @@ class PeerWatch:
     def diagnose(self, failure: str) -> str:
         """Marks this rank as arrived at the failed collective, watches the others for grace_s(), and returns one
         line: the ranks that did not arrive (or stopped beating), each with host, pid, last step and state; "" when
-        the store cannot tell (its host, the first node's launcher, is gone too)."""
+        the store cannot tell (its host, the first node's launcher, is gone too). on_failure(failure) first: the
+        launcher may stop this rank before the watch ends."""
+        if self.on_failure is not None:
+            self.on_failure(failure)
         try:
             return self._diagnose(failure)
         except Exception:  # the failure is reported without names rather than hidden behind a store error

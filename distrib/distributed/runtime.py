@@ -13,16 +13,19 @@ import platform
 import re
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 
 from distrib.config import DistConfig
+from distrib.distributed.hang import BUFFER_ENTRIES, BUFFER_VAR, HangWatch
 from distrib.distributed.host_heap import keep_freed_memory, return_freed_memory
 from distrib.distributed.peers import PeerWatch
 from distrib.errors import CollectiveTimeoutError, PeerLostError, Preempted, UserError
 from distrib.launch.lifeline import die_with_parent
+from distrib.launch.reporting import HANG_NOTE_VAR
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +41,7 @@ class LaunchEnv:
     restart_count: int = 0
     elastic: bool = False  # started by torch's elastic agent (torchrun, distrib launch): it dies with the agent
     node_rank: int = 0  # NODE_RANK (Ray Train) or GROUP_RANK (torchrun's agent); said, not used to compute ranks
+    hang_note: str = ""  # distrib launch's file for the folder of hang dumps (distrib.distributed.hang)
 
     @property
     def launched(self) -> bool:
@@ -59,7 +63,7 @@ def _int_var(environ: Mapping[str, str], key: str, default: int | None = None) -
 
 def read_launch_env(environ: Mapping[str, str] = os.environ) -> LaunchEnv:
     """The single reader of RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK and MASTER_* (as torchrun, distrib
-    launch and Ray Train's TorchTrainer set them); no env means one process."""
+    launch and Ray Train's TorchTrainer set them), and of distrib launch's HANG_NOTE_VAR; no env means one process."""
     if "RANK" not in environ and "WORLD_SIZE" not in environ:
         return LaunchEnv()
     rank, world_size = _int_var(environ, "RANK"), _int_var(environ, "WORLD_SIZE")
@@ -77,7 +81,7 @@ def read_launch_env(environ: Mapping[str, str] = os.environ) -> LaunchEnv:
     restarts = _int_var(environ, "TORCHELASTIC_RESTART_COUNT", 0)
     node_rank = _int_var(environ, "NODE_RANK", _int_var(environ, "GROUP_RANK", 0))
     return LaunchEnv(rank, local_rank, world_size, local_world_size, master_addr, master_port, restarts,
-                     "TORCHELASTIC_RUN_ID" in environ, node_rank)
+                     "TORCHELASTIC_RUN_ID" in environ, node_rank, environ.get(HANG_NOTE_VAR, ""))
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,14 +185,45 @@ def _store_prefix(env: LaunchEnv, session: int) -> str:
     return f"distrib/restart_{env.restart_count}/group_{session}"
 
 
-def _peer_watch(env: LaunchEnv, timeout: timedelta, session: int) -> PeerWatch:
-    """Heartbeats over a connection of their own to the launcher's store (the one env:// names); its operations
-    time out in 10 s at most, so a diagnosis never waits long on a store whose host is gone."""
+def _connector(env: LaunchEnv, timeout: timedelta, session: int, name: str) -> Callable[[], dist.Store]:
+    """A connection of its own to the launcher's store (the one env:// names), under this group's keys `name`/; its
+    operations time out in 10 s at most, so a diagnosis never waits long on a store whose host is gone."""
     def connect() -> dist.Store:
         store = dist.TCPStore(env.master_addr, env.master_port, is_master=False,
                               timeout=min(timeout, timedelta(seconds=10)))
-        return dist.PrefixStore(f"{_store_prefix(env, session)}/peers", store)
-    return PeerWatch(connect, env.rank, env.world_size, timeout.total_seconds())
+        return dist.PrefixStore(f"{_store_prefix(env, session)}/{name}", store)
+    return connect
+
+
+def recorder_env(backend: str, hang_dir: Path) -> dict[str, str]:
+    """What torch's flight recorder needs before the process group opens: its buffer and, on NCCL, torch's own dump
+    when its watchdog sees a collective time out (it appends the rank to the file name)."""
+    env = {BUFFER_VAR: str(BUFFER_ENTRIES)}
+    if backend == "nccl":
+        prefix = str(hang_dir / "rank_")
+        env.update(TORCH_NCCL_DUMP_ON_TIMEOUT="1", TORCH_FR_DUMP_TEMP_FILE=prefix,
+                   TORCH_NCCL_DEBUG_INFO_TEMP_FILE=prefix)
+    return env
+
+
+def _recorded(hang_dir: Path, backend: str) -> Path:
+    """hang_dir, once torch's flight recorder is set to record (read as the group opens; a user's settings stand)."""
+    for key, value in recorder_env(backend, hang_dir).items():
+        os.environ.setdefault(key, value)
+    return hang_dir
+
+
+def _watches(env: LaunchEnv, timeout: timedelta, session: int, backend: str,
+             hang_dir: Path | None) -> tuple[PeerWatch, HangWatch | None]:
+    """The heartbeats and, with a run folder, the hang dumps (distrib's on gloo, torch's own on NCCL)."""
+    hangs = None
+    if hang_dir is not None:
+        note = Path(env.hang_note) if env.hang_note else None
+        hangs = HangWatch(_connector(env, timeout, session, "hang"), env.rank, timeout.total_seconds(), hang_dir,
+                          dumps=backend != "nccl", note=note).start()
+    peers = PeerWatch(_connector(env, timeout, session, "peers"), env.rank, env.world_size, timeout.total_seconds(),
+                      on_failure=hangs.failed if hangs is not None else None)
+    return peers.start(), hangs
 
 
 def _init_process_group(env: LaunchEnv, device: torch.device, backend: str, timeout: timedelta,
@@ -228,9 +263,11 @@ def adopted_backend(env: LaunchEnv, backend: str) -> bool:
 
 
 @contextlib.contextmanager
-def open_runtime(config: DistConfig, env: LaunchEnv | None = None) -> Iterator[Runtime]:
+def open_runtime(config: DistConfig, env: LaunchEnv | None = None, run_dir: Path | None = None) -> Iterator[Runtime]:
     """Opens the process group for this worker and always closes it, also when training raises. A group already open
-    (Ray Train's) is adopted and left open for its owner: no heartbeats then, and its own timeout holds."""
+    (Ray Train's) is adopted and left open for its owner: no heartbeats then, and its own timeout holds. With
+    run_dir, a collective that outwaits the timeout leaves every rank's trace in run_dir/hang (distrib.distributed.
+    hang)."""
     env = env or read_launch_env()
     if env.elastic:
         # A worker of torchrun or distrib launch ends when its launcher does, even by SIGKILL (distrib launch's
@@ -246,13 +283,14 @@ def open_runtime(config: DistConfig, env: LaunchEnv | None = None) -> Iterator[R
     adopted = adopted_backend(env, backend)
     timeout = timedelta(seconds=config.timeout_s)
     session = next(_OPENED)
+    # The watches connect to the store distrib's own group uses; an adopted group's store is its owner's.
+    watched = env.launched and env.world_size > 1 and not adopted
+    hang_dir = _recorded(Path(run_dir) / "hang", backend) if watched and run_dir is not None else None
     if not adopted:
         _init_process_group(env, device, backend, timeout, session)
-    ok, peers = False, None
+    ok, peers, hangs = False, None, None
     try:
-        # The heartbeats connect to the store distrib's own group uses; an adopted group's store is its owner's.
-        watched = env.launched and env.world_size > 1 and not adopted
-        peers = _peer_watch(env, timeout, session).start() if watched else None
+        peers, hangs = _watches(env, timeout, session, backend, hang_dir) if watched else (None, None)
         yield Runtime(env.rank, env.local_rank, env.world_size, env.local_world_size, device, backend,
                       env.restart_count, peers)
         ok = True
@@ -260,8 +298,9 @@ def open_runtime(config: DistConfig, env: LaunchEnv | None = None) -> Iterator[R
         ok = True  # every rank stopped at the same step boundary, after the same save: all reach the barrier
         raise
     finally:
-        if peers is not None:
-            peers.stop()
+        for watch in (peers, hangs):
+            if watch is not None:
+                watch.stop()
         close_process_group(barrier=ok, destroy=not adopted)
 
 

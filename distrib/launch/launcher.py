@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
 
@@ -22,7 +23,14 @@ from distrib.errors import EXIT_PREEMPTED, UserError, say
 from distrib.launch import clusters
 from distrib.launch.allocator import worker_preload
 from distrib.launch.clusters import in_skypilot, in_slurm
-from distrib.launch.reporting import REPORTS_VAR, cause_of, failure_lines, quiet_torch_failure_lines
+from distrib.launch.reporting import (
+    HANG_NOTE_VAR,
+    REPORTS_VAR,
+    cause_of,
+    failure_lines,
+    hang_line,
+    quiet_torch_failure_lines,
+)
 
 # Flags whose defaults we choose ourselves; None after parsing means neither the flag nor its PET_* form was given.
 _OUR_DEFAULTS = ("nnodes", "nproc_per_node", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "node_rank", "master_addr")
@@ -289,7 +297,8 @@ def exit_code(error) -> int:
 @contextlib.contextmanager
 def lifelines(args: argparse.Namespace) -> Iterator[Path]:
     """Starts every worker under distrib.lifeline (it dies with this process and records its exit code in the
-    folder yielded) through torchrun's PYTHON_EXEC: the interpreter torch's agent runs workers with."""
+    folder yielded) through torchrun's PYTHON_EXEC: the interpreter torch's agent runs workers with. The workers'
+    HANG_NOTE_VAR names the file `hang_note` beside that folder."""
     with tempfile.TemporaryDirectory(prefix="distrib-launch-") as folder:
         status = Path(folder, "status")
         status.mkdir()
@@ -301,16 +310,18 @@ def lifelines(args: argparse.Namespace) -> Iterator[Path]:
                            f"--parent {os.getpid()} --status {shlex.quote(str(status))} {shlex.quote(python)} "
                            '"$@"\n')
         wrapper.chmod(0o755)
-        previous = os.environ.get("PYTHON_EXEC")
+        previous = {key: os.environ.get(key) for key in ("PYTHON_EXEC", HANG_NOTE_VAR)}
         # --no-python and --run-path start no interpreter of ours: those workers run without a lifeline.
         os.environ["PYTHON_EXEC"] = str(wrapper)
+        os.environ[HANG_NOTE_VAR] = str(Path(folder, "hang_note"))
         try:
             yield status
         finally:
-            if previous is None:
-                os.environ.pop("PYTHON_EXEC", None)
-            else:
-                os.environ["PYTHON_EXEC"] = previous
+            for key, value in previous.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
 
 
 def run_agent(args: argparse.Namespace) -> int:
@@ -328,6 +339,7 @@ def run_agent(args: argparse.Namespace) -> int:
     def signal_exception(signum: int) -> SignalException:  # what torch's own handler raises
         return SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
 
+    started_ns = time.time_ns()
     with lifelines(args) as status, stop_handlers(signal_exception), quiet_torch_failure_lines(), \
             rendezvous.registered():
         try:
@@ -339,7 +351,9 @@ def run_agent(args: argparse.Namespace) -> int:
             say(_stopped_line(int(e.sigval), codes, code))
             return code
         except ChildFailedError as e:
-            say("\n".join(failure_lines(e, {worker.pid: worker.worker_pid for worker in read_statuses(status)})))
+            lines = failure_lines(e, {worker.pid: worker.worker_pid for worker in read_statuses(status)})
+            hang = hang_line(status.parent / "hang_note", started_ns, fixed_world_size(args))  # where ranks diverged
+            say("\n".join(lines + ([hang] if hang else [])))
             return exit_code(e)
         except RendezvousError as e:
             raise UserError(f"rendezvous {args.rdzv_backend} at {args.rdzv_endpoint!r} (id {args.rdzv_id}) failed: "

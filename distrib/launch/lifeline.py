@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -20,7 +21,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 # Signals the elastic agent, SLURM or a user send to stop a worker; the lifeline relays them to the worker.
@@ -44,6 +45,19 @@ def die_with_parent(parent_pid: int | None = None) -> bool:
     if parent == 1 or (parent_pid is not None and parent != parent_pid):
         os.kill(os.getpid(), signal.SIGKILL)
     return True
+
+
+def tied_to_parent(parent_pid: int, target: Callable, *args) -> None:
+    """target(*args) in a helper process of a worker that multiprocessing started (spawn) with the STOP_SIGNALS
+    blocked: SIGKILLed when parent_pid ends, deaf to the stop signals (a launcher or a scheduler signals the whole
+    process group, and the worker decides: a preempted one waits for the write in flight), quiet below warnings.
+    The entry point of the checkpoint process (distrib.checkpoint.process), whose torch code logs each save."""
+    die_with_parent(parent_pid)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # one sent while it started is dropped now
+    logging.disable(logging.INFO)
+    target(*args)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+from pathlib import Path
 from typing import Iterator, Mapping
 
 from distrib.errors import EXIT_PREEMPTED, UserError
@@ -15,6 +16,9 @@ from distrib.errors import EXIT_PREEMPTED, UserError
 # Set by distrib launch for its workers: it prints their errors (from torch's error file) in its last line, once for
 # all ranks that share one, so a worker on its last attempt writes its error there instead of to stderr.
 REPORTS_VAR = "DISTRIB_LAUNCH_REPORTS"
+# Set by distrib launch for its workers: a file of its own in which a worker that dumps its flight recorder on a hang
+# writes the folder of the dumps (run.dir/hang), so that the launcher compares them once the workers ended.
+HANG_NOTE_VAR = "DISTRIB_HANG_NOTE"
 
 
 def errors_reported(environ: Mapping[str, str] = os.environ) -> bool:
@@ -105,6 +109,21 @@ def failure_lines(error, worker_pids: Mapping[int, int] | None = None) -> list[s
         lines.append(f"distrib launch: the run was preempted; exit {EXIT_PREEMPTED}: requeue the job and it resumes "
                      "from its last checkpoint")
     return lines
+
+
+def hang_line(note: Path, since_ns: int, world_size: int | None) -> str | None:
+    """After the workers ended: where the ranks diverged, from the hang dumps named in `note` (HANG_NOTE_VAR) that
+    were written since `since_ns`, or None when no rank dumped."""
+    try:
+        folder = Path(note.read_text())
+    except OSError:
+        return None
+    from distrib.launch.hang_traces import divergence, read_traces
+
+    traces = read_traces(folder, since_ns)
+    if not traces:
+        return None
+    return f"distrib launch: hang: {divergence(traces, world_size)}; every rank's trace: {folder}"
 
 
 @contextlib.contextmanager

@@ -28,6 +28,7 @@ from distrib.distributed.strategies.materialise import initialises_itself
 from distrib.distributed.tensor_parallel import layers_split
 from distrib.models.build import build_model
 from distrib.plan.cost import startup_memory, step_traffic
+from distrib.plan.experts import MetaRouting, expert_plan, expert_rows, held_experts
 from distrib.plan.fixes import Run, Step, fixes
 from distrib.plan.host import (  # noqa: F401 - distrib.plan's names too
     KEPT_SLACK,
@@ -151,11 +152,12 @@ def meta_model(config: Config, info) -> nn.Module:
 
 
 def _sharded_state(config: Config, strategy: Strategy, info, machine: Machine, device: torch.device
-                   ) -> tuple[dict, int]:
+                   ) -> tuple[dict, int, dict]:
     """Rank 0's bytes of parameters, gradients and optimizer state (the fullest rank: shards are chunks, rank 0's
-    the largest), and the parameters it holds."""
+    the largest), the parameters it holds, and its part of the experts (distrib.plan.experts.held_experts)."""
     model, optimizer = planned_rank(config, strategy, info, machine, device, 0)
-    return state_parts_planned(model, optimizer, strategy, device), local_parameters(model)
+    return (state_parts_planned(model, optimizer, strategy, device), local_parameters(model),
+            held_experts(model, optimizer))
 
 
 def planned_rank(config: Config, strategy: Strategy, info, machine: Machine, device: torch.device, rank: int
@@ -303,18 +305,24 @@ def plan_run(config: Config, machine: Machine) -> dict:
     from distrib.plan.pipeline import no_pipeline, plan_pipeline  # (it builds on this module's helpers)
 
     pipeline = None
-    with fake_process_group(machine.world_size):
+    with fake_process_group(machine.world_size), MetaRouting():  # MetaRouting: an MoE layer's meta passes
         if shape.pipeline > 1:  # every pipeline rank's stages: the fullest rank's state
             pipeline = plan_pipeline(config, strategy, data.info, machine, device, batches)
-            parts, local_params = pipeline["parts"], pipeline["local_parameters"]
+            parts, local_params, held = pipeline["parts"], pipeline["local_parameters"], pipeline["experts"]
         else:
-            parts, local_params = _sharded_state(config, strategy, data.info, machine, device)
-    model = meta_model(config, data.info)
-    inputs, targets = meta_batch(tuple(data.info.input_shape), data.info.num_classes, batches.micro_batch_size)
-    whole, recomputed = activation_bytes(model, inputs, targets, fsdp.find_blocks(model, config.dist.shard_modules))
+            parts, local_params, held = _sharded_state(config, strategy, data.info, machine, device)
+        model = meta_model(config, data.info)
+        inputs, targets = meta_batch(tuple(data.info.input_shape), data.info.num_classes, batches.micro_batch_size)
+        whole, recomputed = activation_bytes(model, inputs, targets,
+                                             fsdp.find_blocks(model, config.dist.shard_modules))
     compute_bytes = 2 if config.train.precision == "bf16" else 4
     intra, inter = step_traffic(shape, config.dist, machine.nproc_per_node, local_params, compute_bytes,
                                 config.train.grad_accum_steps, _tp_activations(model, shape, inputs) * compute_bytes)
+    experts = expert_plan(held, shape, machine.nproc_per_node, inputs.numel() if inputs.dim() == 2 else 0,
+                          compute_bytes, config.train.grad_accum_steps,
+                          config.speed.activation_checkpointing == "blocks")
+    intra += experts["all_to_all_bytes_per_step_intra_node"]
+    inter += experts["all_to_all_bytes_per_step_inter_node"]
     state = sum(parts.values())
     activations = recomputed if config.speed.activation_checkpointing == "blocks" else whole
     peak = peak_terms(config, strategy, model, activations, local_params, device, parts["gradients"])
@@ -338,7 +346,7 @@ def plan_run(config: Config, machine: Machine) -> dict:
             "collective_bytes_per_step_intra_node": intra, "collective_bytes_per_step_inter_node": inter,
             "device_memory_bytes": machine.device_memory, "memory_bytes_per_rank": needed, **peak,
             "host_allocator": described_allocator(strategy, model) if device.type == "cpu" else "",
-            **memory, **staged, "fixes": fixed,
+            **memory, **staged, **experts, "fixes": fixed,
             "step_seconds_lower_bound": max(intra / machine.intra_node_bandwidth,
                                             inter / machine.inter_node_bandwidth)}
 
@@ -380,6 +388,7 @@ def table(figures: dict, machine: Machine) -> str:
         ("activations / micro-batch", f"{_size(f['activation_bytes_per_micro_batch'])}; with activation "
                                       f"checkpointing {_size(f['activation_bytes_per_micro_batch_checkpointed'])}"),
         *_pipeline_rows(f),
+        *expert_rows(f, _size),
         ("batch", f"global {f['global_batch_size']} = {f['data_parallel_size']} data-parallel ranks x "
                   f"{f['grad_accum_steps']} grad-accum steps x micro-batch {f['micro_batch_size']}"),
         ("collectives / step", f"{_size(f['collective_bytes_per_step_intra_node'])} intra-node, "

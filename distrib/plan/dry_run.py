@@ -33,6 +33,7 @@ from distrib.distributed.strategies.base import StepLoss
 from distrib.distributed.strategies.materialise import build_on_meta
 from distrib.models.build import build_model
 from distrib.plan import Machine, _size, fake_process_group, meta_batch, meta_model
+from distrib.plan.experts import MetaRouting
 from distrib.plan.pipeline import in_flight
 from distrib.training.evaluation import autocast
 from distrib.training.losses import build_loss, forward, step_loss
@@ -59,7 +60,8 @@ def dry_run(config: Config, machine: Machine) -> dict:
     batches = BatchPlan(data.train.num_samples, config.train.global_batch_size, config.train.grad_accum_steps, 0,
                         dims.data_parallel, config.train.seed)
     ranks = sorted({dims.rank_at(pp=0), dims.rank_at(pp=dims.pipeline - 1)})  # every other coordinate 0: the fullest
-    with fake_process_group(machine.world_size):  # one for all ranks: torch's meshes outlive a destroyed group
+    # one group for all ranks (torch's meshes outlive a destroyed group); MetaRouting: an MoE layer's fake step
+    with fake_process_group(machine.world_size), MetaRouting():
         measured = [measure_rank(config, machine, data.info, batches, rank) for rank in ranks]
     top = max(measured, key=lambda figures: figures["peak_bytes"])
     return {"dry_run_peak_bytes_per_rank": top["peak_bytes"], "dry_run_rank": top["rank"],

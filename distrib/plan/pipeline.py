@@ -30,6 +30,7 @@ from distrib.plan import (
     saved_bytes,
     state_parts_planned,
 )
+from distrib.plan.experts import held_experts
 
 
 def bubble_share(pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
@@ -176,7 +177,8 @@ def plan_pipeline(config: Config, strategy: Strategy, info, machine: Machine, de
                    "activation_bytes_per_microbatch": passes[s][key], "microbatches_in_flight": count}
                   for s, count in zip(mine, counts)]
         ranks.append({"pipeline_rank": pipeline_rank, **figures, "sent_bytes_per_step_intra_node": intra,
-                      "sent_bytes_per_step_inter_node": inter, "stages": stages, "_parts": parts, "_local": local})
+                      "sent_bytes_per_step_inter_node": inter, "stages": stages, "_parts": parts, "_local": local,
+                      "_experts": held_experts(held, optimizer)})
     return _fullest(ranks, pp, microbatches, per_rank, dist_config.pipeline_schedule)
 
 
@@ -187,7 +189,8 @@ def _fullest(ranks: list[dict], pp: int, microbatches: int, per_rank: int, sched
     by_peak = max(ranks, key=lambda rank: rank["memory_bytes"])
     by_sends = max(ranks, key=lambda rank: rank["sent_bytes_per_step_intra_node"]
                    + rank["sent_bytes_per_step_inter_node"])
-    return {"parts": by_state["_parts"], "local_parameters": by_state["_local"],
+    by_experts = max(ranks, key=lambda rank: rank["_experts"]["expert_state_bytes_per_rank"])
+    return {"parts": by_state["_parts"], "local_parameters": by_state["_local"], "experts": by_experts["_experts"],
             "memory_bytes_per_rank": by_peak["memory_bytes"],
             "peak": {"gathered_bytes_per_rank": by_peak["gathered_bytes"],
                      "optimizer_temporary_bytes_per_rank": by_peak["optimizer_temporary_bytes"],

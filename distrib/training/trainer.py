@@ -28,6 +28,7 @@ from distrib.training.callbacks import Callbacks
 from distrib.training.early_stop import EarlyStopping
 from distrib.training.ema import EMA
 from distrib.training.evaluation import autocast, evaluate
+from distrib.training.experts import ExpertLoad
 from distrib.training.extra_losses import ExtraLosses
 from distrib.training.losses import Loss, forward, step_loss
 from distrib.training.optimizers import chunked_steps, param_groups, user_optimizer
@@ -169,6 +170,7 @@ class Trainer:
     on_step_end: Callable[[int], None] | None = None  # called with the step after each step's bookkeeping
     callbacks: Callbacks = field(default_factory=Callbacks)  # the user's hooks (distrib.training.callbacks)
     extra_losses: ExtraLosses = field(default_factory=ExtraLosses)  # the model's aux_loss and such: logged
+    experts: ExpertLoad | None = None  # a mixture of experts' load: counted, balanced and logged each step
     last_eval: tuple[int, dict] | None = field(default=None, init=False)  # (step, metrics) of the latest evaluation
 
     def step(self, micro_batches: list[Batch]) -> torch.Tensor:
@@ -177,10 +179,14 @@ class Trainer:
         over the global batch (the same on every rank) on sync steps (log steps among them), and this rank's share on
         the others."""
         step = self.state.progress.step + 1
+        if self.experts is not None:
+            self.experts.start(len(micro_batches))
         local = self.state.strategy.forward_backward(self.state.model, micro_batches, self._step_loss(micro_batches))
         self._check_finite(step)
         loss = self._agree(local, step) if self.is_sync_step(step) else local
         self._optimizer_step()
+        if self.experts is not None:
+            self.experts.after_step(self.is_log_step(step))
         return loss
 
     def _step_loss(self, micro_batches: list[Batch]) -> StepLoss:
@@ -240,7 +246,8 @@ class Trainer:
             loss_value = loss.item()  # host sync: only on log steps, so the step times are honest here
             self.meter.step_done()
             self.recorder.log_step(progress.step, progress.epoch, loss_value,
-                                   self.state.scheduler.get_last_lr()[0], self.extra_losses.logged(),
+                                   self.state.scheduler.get_last_lr()[0],
+                                   {**self.extra_losses.logged(), **(self.experts.logged() if self.experts else {})},
                                    **self.meter.window())
         else:
             self.meter.step_done()

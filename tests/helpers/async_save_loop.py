@@ -21,7 +21,7 @@ if __name__ == "__main__":
         model = parallelize(nn.Linear(2048, 2048), strategy.dims, strategy.config, runtime)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         progress = {"step": 0}
-        checkpointer = Checkpoints(ShardedStorage(runtime, async_save=True), sys.argv[1], runtime,
+        checkpointer = Checkpoints(ShardedStorage(runtime, async_save="thread"), sys.argv[1], runtime,
                                    lambda: {**strategy.training_state(model, optimizer), "progress": dict(progress)},
                                    every_steps=1, keep_last=2)
         while True:

@@ -1,6 +1,7 @@
 """A tiny Hugging Face Llama for the model.init_from tests (nothing downloaded): saved by save_pretrained into several
 safetensors files, built from its config with random weights (`model.factory = tests.helpers.pretrained:llama`, for
-model.init_from), or loaded by from_pretrained in the factory itself (the reference); and byte windows as dict
+model.init_from), or loaded by from_pretrained in the factory itself (the reference); a tiny Mixtral and Qwen3-MoE
+likewise; and byte windows as dict
 samples (input_ids, attention_mask, labels) for `data.factory = tests.helpers.pretrained:token_dicts`."""
 
 from __future__ import annotations
@@ -50,6 +51,41 @@ def qwen2(**changes):
 def save_qwen2(folder: Path, seed: int = 7) -> Path:
     torch.manual_seed(seed)
     qwen2().save_pretrained(folder)
+    return Path(folder)
+
+
+# Tiny mixtures of experts of transformers' own classes: 2 layers, dim 64, 4 experts, top 2, the router's aux loss
+# in outputs.loss (output_router_logits). save_pretrained writes the Hub's per-expert tensors; the model holds them
+# fused (mlp.experts.gate_up_proj, down_proj), which model.init_from reaches through transformers' conversion.
+MOE_SIZES = dict(SIZES, hidden_size=64, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02)
+
+
+def mixtral(**changes):
+    """A Mixtral (block_sparse_moe.experts.N.w1/w2/w3 in the Hub's files), random weights."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(**{**MOE_SIZES, "num_local_experts": 4, **changes}))
+
+
+def qwen3_moe(**changes):
+    """A Qwen3-MoE (mlp.experts.N.gate_proj/up_proj/down_proj in the Hub's files), random weights."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**MOE_SIZES, "num_experts": 4, "moe_intermediate_size": 32,
+                                                 "head_dim": 16, **changes}))
+
+
+def moe_from_pretrained(folder: str):
+    """The reference: the folder's model, loaded by from_pretrained (whichever of the two it is)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder)
+
+
+def save_moe(folder: Path, family: str = "mixtral", seed: int = 7, max_shard_size: str = "10MB") -> Path:
+    """A mixture of experts of seeded weights saved by save_pretrained (the Hub's layout); returns the folder."""
+    torch.manual_seed(seed)
+    {"mixtral": mixtral, "qwen3_moe": qwen3_moe}[family]().save_pretrained(folder, max_shard_size=max_shard_size)
     return Path(folder)
 
 

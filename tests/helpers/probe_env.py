@@ -1,6 +1,6 @@
 """A plain torchrun-style script for the launcher tests: writes the launch variables its worker sees to
 OUT_DIR/rank<R>.json after one all-reduce, and can die on purpose: probe_env.py OUT_DIR [exit|kill RANK], or wait
-to be stopped: probe_env.py OUT_DIR sleep. Also model.factory functions whose rank 1 stalls, hangs or dies."""
+to be stopped: probe_env.py OUT_DIR sleep. Also model.factory functions whose rank 1 stalls, pauses, hangs or dies."""
 
 import json
 import os
@@ -48,6 +48,16 @@ def hanging_network():
         sys.stderr.flush()
         time.sleep(600)
     return _network_that(hang)
+
+
+def pausing_network():
+    """model.factory: rank 1 says so on stderr, then pauses for 15 s in its third forward, outside any collective: a
+    test stops it there (SIGSTOP), and once continued it goes on at once (the pause's end has passed)."""
+    def pause():
+        sys.stderr.write("probe: rank 1 pauses\n")
+        sys.stderr.flush()
+        time.sleep(15)
+    return _network_that(pause)
 
 
 def dying_network():

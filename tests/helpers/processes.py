@@ -116,14 +116,16 @@ def kill_tree(proc: subprocess.Popen) -> None:
 
 
 def worker_pid(marker: str, local_rank: int) -> int | None:
-    """The training worker whose command line holds `marker` and whose LOCAL_RANK is `local_rank`."""
+    """The training worker whose command line holds `marker` and whose LOCAL_RANK is `local_rank` (not its lifeline,
+    whose command line holds the worker's)."""
     for entry in Path("/proc").iterdir():
         try:
             cmdline = (entry / "cmdline").read_bytes().decode()
             environ = (entry / "environ").read_bytes().split(b"\0")
         except (OSError, ValueError):
             continue
-        if marker in cmdline and f"LOCAL_RANK={local_rank}".encode() in environ:
+        if marker in cmdline and "distrib.launch.lifeline" not in cmdline \
+                and f"LOCAL_RANK={local_rank}".encode() in environ:
             return int(entry.name)
     return None
 

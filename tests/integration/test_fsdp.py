@@ -1,6 +1,7 @@
 """The fsdp strategy against references: ddp and one process (weights, metrics, model.pt, memory per rank), exact
-and resharded resume from sharded checkpoints, a killed worker, a broken checkpoint, asynchronous writes cut short,
-and the finite check when only one rank's shard goes NaN."""
+and resharded resume from sharded checkpoints, a killed worker, a broken checkpoint, asynchronous writes (a thread's,
+a checkpoint process's under fsdp and hsdp) cut short by SIGKILL and SIGTERM, and the finite check when only one
+rank's shard goes NaN."""
 
 import json
 import os
@@ -9,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ from distrib.checkpoint.policy import choose
 from distrib.checkpoint.sharded import list_sharded
 from distrib.config import load_config
 from distrib.worker import run_training
-from tests.helpers.processes import EVENT_S, wait_for, worker_pid
+from tests.helpers.processes import EVENT_S, Launches, clean_env, descendants, wait_for, worker_pid
 from tests.helpers.support import REPO, assert_ok, free_port, kill_tree, load_weights, max_relative_diff, torchrun_train
 
 # 203 test samples in batches of 50: 5 evaluation batches, 2 and 3 per rank at world size 2, so fsdp pads one.
@@ -162,6 +164,99 @@ def test_a_kill_during_an_async_write_is_never_resumed_from(tmp_path):
     shards = {"model": {"weight": torch.zeros(2048, 2048), "bias": torch.zeros(2048)}}
     dcp.load(shards, checkpoint_id=path)
     assert bool((shards["model"]["weight"] == state["progress"]["step"]).all())  # staged whole, not mid-update
+
+
+def _alive(pid: int) -> bool:
+    """Running or stopped, not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _read(pid: int, name: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/{name}").read_bytes()
+    except OSError:
+        return b""
+
+
+def _checkpoint_processes(pid: int) -> list[int]:
+    """The checkpoint processes (multiprocessing's spawn) below process pid."""
+    return [child for child in descendants(pid) if b"spawn_main" in _read(child, "cmdline")]
+
+
+def _of_launch(variable: bytes) -> list[int]:
+    """Every process on the machine, wherever it was reparented, whose environment holds `variable` (NAME=VALUE)."""
+    return [int(entry.name) for entry in Path("/proc").glob("[0-9]*")
+            if variable in _read(int(entry.name), "environ").split(b"\0")]
+
+
+def _write_in_flight(run_dir: Path, marker: str, launch: subprocess.Popen) -> tuple[str, int]:
+    """Once a run saves through its checkpoint processes (a checkpoint committed, the next one's folder there):
+    rank 0's checkpoint process stopped (SIGSTOP), so that the write in flight stays in flight. Returns the
+    folder's name and that process's pid."""
+    directory = run_dir / "checkpoints"
+    wait_for(lambda: list_sharded(directory), EVENT_S, f"a checkpoint of {run_dir.name}", [launch])
+    child = wait_for(lambda: (rank0 := worker_pid(marker, 0)) and next(iter(_checkpoint_processes(rank0)), None),
+                     EVENT_S, "rank 0's checkpoint process", [launch])
+    while True:
+        partial = wait_for(lambda: list(directory.glob(".step_*.tmp")), EVENT_S, f"a write of {run_dir.name}",
+                           [launch], poll_s=0.005)
+        os.kill(child, signal.SIGSTOP)
+        if partial[0].exists():  # else it was committed in between: the next one
+            return partial[0].name, child
+        os.kill(child, signal.SIGCONT)
+
+
+@pytest.mark.timeout(900)
+def test_process_saves_cut_by_sigkill_and_sigterm_are_never_torn_and_resume_bitwise(tmp_path, fsdp_whole):
+    """checkpoint.async_save = process under fsdp, then hsdp 1 x 2 (a 2-D mesh, fsdp's arithmetic), in one launch of
+    2 workers (train_runs.py, --max-restarts 2). Worker 1 SIGKILLed while fsdp's write is in flight: the restart
+    removes the partial write and resumes fsdp from the one before. SIGTERM to both workers' process groups (their
+    checkpoint processes' too) while hsdp's write is in flight: the write is finished, the run checkpoints and ends
+    with 75, the restart resumes it. No checkpoint process outlives its rank or its run, and both runs end bitwise
+    equal to the uninterrupted one."""
+    runs = [[name, {}, [*BASE, f"run.dir={tmp_path / name}", *strategy, "checkpoint.async_save=process",
+                        "checkpoint.every_steps=5"]]
+            for name, strategy in (("fsdp", FSDP), ("hsdp", ["dist.strategy=hsdp", "dist.shard_size=2"]))]
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
+    marker = str(tmp_path / "runs.json")
+    cmd = [sys.executable, "-m", "distrib", "launch", "--nproc-per-node=2", "--max-restarts=2",
+           str(REPO / "tests" / "helpers" / "train_runs.py"), marker]
+    env = clean_env(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")  # one thread, as fsdp_whole's torchrun workers
+    with Launches(tmp_path) as launches:
+        launch = launches.procs[launches.start(cmd, env)][0]
+        torn, stopped = _write_in_flight(tmp_path / "fsdp", marker, launch)
+        writers = _checkpoint_processes(launch.pid)
+        # distrib launch's file for hang dumps, in a folder of its own: every process of this launch inherits it
+        note = next(item for item in _read(stopped, "environ").split(b"\0") if item.startswith(b"DISTRIB_HANG_NOTE="))
+        os.kill(worker_pid(marker, 1), signal.SIGKILL)
+        wait_for(lambda: not any(map(_alive, writers)), EVENT_S, "the end of the killed attempt's checkpoint processes")
+        in_flight, stopped = _write_in_flight(tmp_path / "hsdp", marker, launch)
+        writers = _checkpoint_processes(launch.pid)
+        for rank in (0, 1):
+            os.killpg(worker_pid(marker, rank), signal.SIGTERM)  # each worker leads its process group (its lifeline)
+        time.sleep(1)  # the signal lands while the write is in flight, which then goes on
+        os.kill(stopped, signal.SIGCONT)
+        wait_for(lambda: not any(map(_alive, writers)), EVENT_S, "the end of the preempted run's checkpoint processes")
+        [done] = launches.wait(timeout=EVENT_S)
+    assert done.returncode == 0 and not _of_launch(note), done.text()  # no checkpoint process outlived its run
+    said = done.stderr
+    assert f"removed {torn}, left by a writer that died" in said and said.count("left by a writer that died") == 1, \
+        done.text()  # fsdp's partial write; hsdp's in-flight one was finished
+    preempted = re.search(r"preempted at step (\d+); checkpoint \S+/hsdp/checkpoints/step_0*\1;", said)
+    assert preempted and int(preempted[1]) > _step(in_flight), done.text()
+    fsdp_summary, hsdp_summary = _summary(tmp_path / "fsdp"), _summary(tmp_path / "hsdp")
+    assert fsdp_summary["restart_count"] == 1 and fsdp_summary["resumed_from_step"] == _step(torn) - 5
+    assert hsdp_summary["restart_count"] == 2 and hsdp_summary["resumed_from_step"] == int(preempted[1])
+    for name in ("fsdp", "hsdp"):
+        _assert_bitwise(load_weights(tmp_path / name), load_weights(fsdp_whole))
+
+
+def _step(name: str) -> int:
+    """.step_00000010.tmp -> 10"""
+    return int(re.search(r"step_(\d+)", name)[1])
 
 
 @pytest.mark.timeout(900)

@@ -28,7 +28,7 @@ def _sets(run_dir, *overrides) -> list[str]:
 
 @pytest.mark.parametrize("overrides, message", [
     (["dist.strategy=fsdp", "train.precision=fp16"], "train.precision = 'fp16': not supported with dist.strategy"),
-    (["checkpoint.async_save=true"], "checkpoint.async_save = true: asynchronous saves write sharded"),
+    (["checkpoint.async_save=true"], "checkpoint.async_save = 'process': background saves write sharded"),
     (["dist.cpu_offload=true"], "dist.cpu_offload = True: offloads FSDP shards"),
     (["dist.strategy=zero"], "dist.strategy = 'zero': must be one of ddp, fsdp"),
     (["speed.activation_checkpointing=all"], "speed.activation_checkpointing = 'all': must be one of none, blocks"),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from distrib.config import Config, DistConfig
 from distrib.distributed import pipeline
-from distrib.distributed.mesh import ParallelDims, data_parallel_size
+from distrib.distributed.mesh import ParallelDims, check_expert_parallel, data_parallel_size
 from distrib.distributed.runtime import Runtime
 from distrib.distributed.strategies.base import Build, LoadWeights, StepLoss, Strategy, registered, strategy_named
 from distrib.distributed.strategies.ddp import DDPStrategy
@@ -31,13 +31,15 @@ def check_config(config: Config) -> None:
 
 
 def parallel_dims(config: DistConfig, world_size: int, local_world_size: int) -> ParallelDims:
-    """The degrees dist.strategy, dist.pipeline_parallel, dist.shard_size and dist.tensor_parallel ask for at this
-    world size, or a one-line ConfigError naming the value that does not tile the world and the fix."""
+    """The degrees dist.strategy, dist.pipeline_parallel, dist.shard_size, dist.tensor_parallel and
+    dist.expert_parallel ask for at this world size, or a one-line ConfigError naming the value that does not tile the
+    world and the fix."""
     data_parallel = data_parallel_size(config, world_size, local_world_size)
     named = strategy_named(config.strategy)
     replicate, shard = named.replicas_and_shards(config, data_parallel, world_size, local_world_size)
+    check_expert_parallel(config, shard)
     return ParallelDims(replicate, shard, config.tensor_parallel, config.pipeline_parallel,
-                        fully_shard=strategy_class(config).sharded_state)
+                        fully_shard=strategy_class(config).sharded_state, expert_parallel=config.expert_parallel)
 
 
 def make_strategy(config: DistConfig, world_size: int, local_world_size: int) -> Strategy:

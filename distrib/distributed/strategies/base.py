@@ -121,9 +121,10 @@ class Strategy(ABC):
         if cls.sharded_state and config.train.precision == "fp16":  # GradScaler would skip per shard
             raise ConfigError(f"train.precision = 'fp16': not supported with {cls.described(config.dist)} (a "
                               "GradScaler's skip decision would differ between shards); use --set train.precision=bf16")
-        if config.checkpoint.async_save and not cls.sharded_state:
-            raise ConfigError("checkpoint.async_save = true: asynchronous saves write sharded (fsdp) checkpoints; "
-                              "set --set dist.strategy=fsdp or --set checkpoint.async_save=false")
+        if config.checkpoint.async_save != "off" and not cls.sharded_state:
+            raise ConfigError(f"checkpoint.async_save = '{config.checkpoint.async_save}': background saves write "
+                              "sharded (fsdp, hsdp) checkpoints; set --set dist.strategy=fsdp or "
+                              "--set checkpoint.async_save=off")
 
     @classmethod
     def check_keys(cls, config: DistConfig) -> None:

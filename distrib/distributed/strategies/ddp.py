@@ -46,6 +46,10 @@ class DDPStrategy(Strategy):
         if config.tensor_parallel > 1:
             raise ConfigError(f"dist.tensor_parallel = {config.tensor_parallel}: composes with fsdp or hsdp on the "
                               "data-parallel ranks, and dist.strategy is ddp; set --set dist.strategy=fsdp (or hsdp)")
+        if config.expert_parallel > 1:
+            raise ConfigError(f"dist.expert_parallel = {config.expert_parallel}: splits the experts over the ranks of "
+                              "a shard group, and dist.strategy is ddp (a whole replica on every rank); set --set "
+                              "dist.strategy=fsdp (or hsdp), or --set dist.expert_parallel=1")
 
     @classmethod
     def replicas_and_shards(cls, config: DistConfig, data_parallel: int, world_size: int,

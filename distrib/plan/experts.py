@@ -1,0 +1,128 @@
+"""What a model's experts add to `distrib plan`: each rank's expert bytes (of the layout the run builds), expert
+parallel's all-to-all bytes per step, and the rows a rank's experts take when routing is at its worst; and the meta
+passes through MoE layers, whose routing has no meta kernels (shape-only stand-ins, MetaRouting)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+
+from distrib.distributed.expert_parallel import grouped_experts
+from distrib.distributed.mesh import ParallelDims
+from distrib.distributed.parallel import local_tensor
+
+
+def _shapes_only(tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return isinstance(tensor, torch.Tensor) and (tensor.is_meta or is_fake(tensor))
+
+
+class MetaRouting(TorchFunctionMode):
+    """The MoE layers' routing on meta and fake tensors (the plan's passes, the dry run's step): torch has no meta
+    kernel for bincount (its length depends on the values: here minlength, every expert id below it), and its
+    grouped_mm's refuses fp32 (it checks a GPU's dtypes). Each is replaced by one of its shape that saves for backward
+    what it does (grouped_mm: its two operands)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.bincount and _shapes_only(args[0]) and kwargs.get("weights") is None:
+            ids, size = args[0], kwargs.get("minlength", args[2] if len(args) > 2 else 0)
+            return torch.zeros(size, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
+        if func is torch._grouped_mm and _shapes_only(args[0]) and args[0].dim() == 2 and args[1].dim() == 3:
+            return args[0] @ args[1][0]  # [rows, in] x [in, out] of one expert: the output's shape, the same saves
+        return func(*args, **kwargs)
+
+
+def expert_layers(model: nn.Module) -> list[dict]:
+    """Each MoE layer's experts module the model holds (distrib.distributed.expert_parallel's form): its experts,
+    width, hidden width, and the top_k of the layer around it (1 where it says none)."""
+    modules = dict(model.named_modules())
+    found = []
+    for name, experts in grouped_experts(model).items():
+        parent = modules.get(name.rpartition(".")[0], model)
+        n_experts, hidden, dim = experts.w1.shape
+        found.append({"name": name, "n_experts": n_experts, "dim": dim, "hidden": hidden,
+                      "top_k": getattr(parent, "top_k", 1), "capacity_factor": getattr(parent, "capacity_factor", 0)})
+    return found
+
+
+def held_experts(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """This rank's part of the experts, from its laid-out model (its local shards, as the run holds them): the bytes of
+    their parameters, and of their parameters, gradients and optimizer state; and their layers (expert_layers)."""
+    params = [p for experts in grouped_experts(model).values() for p in experts.parameters()]
+    parameters = sum(local_tensor(p).nbytes for p in params)
+    gradients = sum(local_tensor(p).nbytes for p in params if p.requires_grad)
+    optimizer_bytes = sum(local_tensor(value).nbytes for p in params for value in optimizer.state.get(p, {}).values()
+                          if isinstance(value, torch.Tensor))
+    return {"expert_parameter_bytes_per_rank": parameters,
+            "expert_state_bytes_per_rank": parameters + gradients + optimizer_bytes, "layers": expert_layers(model)}
+
+
+def all_to_all_split(dims: ParallelDims, per_node: int, nbytes: float) -> tuple[float, float]:
+    """(intra-node, inter-node) bytes one rank sends in an all-to-all of nbytes over its expert-parallel group, the
+    rows spread evenly over the group's ranks: ep is the inner part of the shard dimension, its ranks tensor-parallel
+    degree apart (ranks numbered node by node)."""
+    size, stride = dims.expert_parallel, dims.tensor_parallel
+    local = max(1, min(size, per_node // stride)) if per_node % stride == 0 else 1
+    return nbytes * (local - 1) / size, nbytes * (size - local) / size
+
+
+def expert_plan(held: dict, dims: ParallelDims, per_node: int, tokens: int, compute_bytes: int, grad_accum: int,
+                recomputed: bool) -> dict:
+    """The experts' figures of plan_run: held's bytes; under expert parallel the all-to-all bytes each rank sends
+    per step (every MoE layer, each micro-step: its rows to their experts and back in forward, their gradients in
+    backward, the forward again where blocks are recomputed); and the rows a rank's experts take per layer and
+    micro-batch, balanced and at worst (every routed token of its ep group to its experts, or as many as capacity
+    keeps), with their activations at the worst (the row and SwiGLU's four intermediates; measured: tests)."""
+    layers = held["layers"]
+    figures = {"expert_parallel": dims.expert_parallel, "moe_layers_per_rank": len(layers),
+               "expert_parameter_bytes_per_rank": held["expert_parameter_bytes_per_rank"],
+               "expert_state_bytes_per_rank": held["expert_state_bytes_per_rank"]}
+    passes = 4 + (2 if recomputed else 0)
+    sent = sum(tokens * layer["top_k"] * layer["dim"] * compute_bytes for layer in layers) * passes * grad_accum
+    intra, inter = all_to_all_split(dims, per_node, sent) if dims.expert_parallel > 1 else (0, 0)
+    rows = max((tokens * layer["top_k"] for layer in layers), default=0)
+    worst = [_worst_rows(layer, tokens, dims.expert_parallel) for layer in layers]
+    widest = max(layers, key=lambda layer: layer["dim"] + 4 * layer["hidden"], default=None)
+    per_row = (widest["dim"] + 4 * widest["hidden"]) * compute_bytes if widest else 0
+    return {**figures, "all_to_all_bytes_per_step_intra_node": intra, "all_to_all_bytes_per_step_inter_node": inter,
+            "expert_rows_per_micro_batch": rows, "expert_rows_per_micro_batch_worst": max(worst, default=0),
+            "expert_activation_bytes_worst": max(worst, default=0) * per_row,
+            "expert_capacity_factor": max((layer["capacity_factor"] for layer in layers), default=0)}
+
+
+def _worst_rows(layer: dict, tokens: int, expert_parallel: int) -> int:
+    """The most rows one rank's experts of this layer take in a micro-batch: every routed token of its ep group, or
+    with a capacity factor each of its experts full from every rank of the group (MoE.dispatch's capacity, per
+    rank and call)."""
+    rows = tokens * layer["top_k"]
+    if layer["capacity_factor"] > 0:
+        capacity = math.ceil(layer["capacity_factor"] * rows / layer["n_experts"])
+        return min(expert_parallel * rows, layer["n_experts"] * capacity)
+    return expert_parallel * rows
+
+
+def expert_rows(f: dict, size) -> list[tuple[str, str]]:
+    """distrib plan's lines for a model with experts: each rank's expert bytes, expert parallel's all-to-all, and the
+    worst-case imbalance."""
+    if not f.get("moe_layers_per_rank"):
+        return []
+    ep = f["expert_parallel"]
+    rows = [("experts / rank", f"{size(f['expert_state_bytes_per_rank'])} of parameters, gradients and optimizer "
+                               f"state ({size(f['expert_parameter_bytes_per_rank'])} of parameters; "
+                               f"{f['moe_layers_per_rank']} MoE layers" + (f", 1/{ep} of each one's experts"
+                                                                          if ep > 1 else "") + ")")]
+    if ep > 1:
+        rows.append(("all-to-all / step", f"{size(f['all_to_all_bytes_per_step_intra_node'])} intra-node, "
+                                          f"{size(f['all_to_all_bytes_per_step_inter_node'])} inter-node per rank "
+                                          "(tokens to their experts and back; in the collectives' figures)"))
+    worst, balanced = f["expert_rows_per_micro_batch_worst"], f["expert_rows_per_micro_batch"]
+    limit = f"capacity_factor {f['expert_capacity_factor']:g}" if f["expert_capacity_factor"] else "dropless"
+    rows.append(("expert imbalance", f"a rank's experts take {balanced:,} rows per layer and micro-batch when "
+                                     f"balanced, at worst {worst:,} ({worst / max(balanced, 1):.1f}x, {limit}): "
+                                     f"{size(f['expert_activation_bytes_worst'])} of activations in one layer"))
+    return rows

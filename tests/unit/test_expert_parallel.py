@@ -1,0 +1,130 @@
+"""Expert parallel in one process: the rows an all-to-all delivers put in local-expert order (against a brute force),
+the dispatch on one rank is the MoE layer's own forward and backward bitwise (the all-to-alls move nothing, the order
+is the identity), the refusals before any worker starts, and distrib plan's expert bytes, all-to-all bytes and worst
+imbalance. (Against one process at world size 4: tests/integration/test_moe_gpt.py.)"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from distrib.config import DistConfig, load_config
+from distrib.distributed.expert_parallel import apply_expert_parallel, check_model, inverse, local_expert_order
+from distrib.distributed.mesh import ParallelDims
+from distrib.distributed.strategies import check_config, parallel_dims
+from distrib.errors import ConfigError
+from distrib.models.gpt import GPT
+from distrib.models.moe import MoE
+from distrib.plan import Machine, plan_run, saved_bytes, table
+from distrib.plan.experts import all_to_all_split
+from distrib.plan.layout import check_layout
+
+
+def test_received_rows_go_in_local_expert_order_each_expert_s_rows_by_source():
+    torch.manual_seed(0)
+    by_source = torch.randint(0, 4, (3, 2))  # 3 sources x 2 local experts, rows per block
+    labels = [(source, expert) for source in range(3) for expert in range(2)
+              for _ in range(by_source[source, expert])]  # as they arrive: source-major, in order
+    arrived = list(enumerate(labels))
+    order = local_expert_order(by_source).tolist()
+    wanted = sorted(arrived, key=lambda item: (item[1][1], item[1][0], item[0]))  # expert, then source, stable
+    assert [arrived[i] for i in order] == wanted
+    assert inverse(torch.tensor(order))[torch.tensor(order)].tolist() == list(range(len(labels)))
+
+
+@pytest.fixture
+def one_rank():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_on_one_rank_the_dispatch_is_the_layer_itself_forward_and_backward(one_rank):
+    torch.manual_seed(0)
+    reference = MoE(16, 32, 4, 2, aux_loss_coef=0.01)
+    for param in reference.parameters():
+        torch.nn.init.normal_(param, std=0.2)
+    routed = MoE(16, 32, 4, 2, aux_loss_coef=0.01)
+    routed.load_state_dict(reference.state_dict())
+    assert apply_expert_parallel(routed, one_rank) == [routed.experts]
+    assert isinstance(routed.experts.w1, DTensor)
+    x = torch.randn(3, 5, 16)
+    outs = [moe(x) for moe in (reference, routed)]
+    assert torch.equal(outs[0], outs[1])
+    for moe, out in zip((reference, routed), outs):
+        (out.square().sum() + moe.aux_loss).backward()
+    for (name, param), theirs in zip(reference.named_parameters(), routed.parameters()):
+        grad = theirs.grad.full_tensor() if isinstance(theirs.grad, DTensor) else theirs.grad
+        assert torch.equal(param.grad, grad), name
+
+
+GPT_MOE = ["model.name=gpt", "model.kwargs={n_layers = 2, n_heads = 4, dim = 64, n_experts = 8, top_k = 2, "
+           "expert_hidden_dim = 64}", "data.name=text", "data.root=/usr/share/common-licenses/GPL-3", "data.seq_len=32",
+           "train.global_batch_size=16", "train.optimizer=adamw", "dist.device=cpu", "dist.strategy=fsdp"]
+
+
+@pytest.mark.parametrize("overrides, world, says", [
+    (["dist.strategy=ddp", "dist.expert_parallel=2"], 4, "dist.expert_parallel = 2: splits the experts over the ranks "
+                                                         "of a shard group, and dist.strategy is ddp"),
+    (["dist.expert_parallel=3"], 4, "dist.expert_parallel = 3: does not divide the 4 ranks of the fsdp ranks"),
+    (["dist.strategy=hsdp", "dist.shard_size=2", "dist.expert_parallel=4"], 4,
+     "dist.expert_parallel = 4: does not divide the 2 ranks of hsdp's shard groups (dist.shard_size)"),
+    (["dist.expert_parallel=2", "model.kwargs={n_layers = 2, n_heads = 4, dim = 64}"], 4,
+     "dist.expert_parallel = 2: the model (GPT) has no experts to split"),
+    (["dist.expert_parallel=4", "model.kwargs={n_layers = 2, n_heads = 4, dim = 64, n_experts = 6}"], 4,
+     "dist.expert_parallel = 4: layers.0.moe.experts holds 6 experts, which 4 ranks cannot split evenly"),
+])
+def test_what_expert_parallel_cannot_run_is_one_line_before_any_worker(overrides, world, says):
+    config = load_config(None, [*GPT_MOE, *overrides])
+    with pytest.raises(ConfigError) as raised:
+        check_config(config)
+        check_layout(config, world, world)
+    assert says in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_the_degree_is_taken_from_the_shard_group():
+    dims = parallel_dims(DistConfig(strategy="hsdp", shard_size=4, tensor_parallel=2, expert_parallel=2), 16, 8)
+    assert dims == ParallelDims(2, 4, 2, expert_parallel=2) and dims.world_size == 16 and dims.data_parallel == 8
+    assert [dims.coordinate(rank)["ep"] for rank in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]  # shard % 2, tp inside
+    with pytest.raises(ConfigError):
+        check_model(GPT(n_layers=1, n_heads=2, dim=16), 2)
+
+
+def test_plan_counts_each_rank_s_experts_the_all_to_all_and_the_worst_imbalance(tmp_path):
+    config = load_config(None, [*GPT_MOE, f"run.dir={tmp_path}", "dist.expert_parallel=2"])
+    planned = plan_run(config, Machine(1, 4))
+    # each rank holds 1/2 of each layer's 8 experts (ep), sharded over the other 2 ranks of its shard group
+    whole = 2 * 3 * 8 * 64 * 64 * 4
+    assert planned["expert_parameter_bytes_per_rank"] == whole // 4 and planned["moe_layers_per_rank"] == 2
+    # AdamW: parameters, gradients, two moments, and a step count per tensor (6 of them)
+    assert planned["expert_state_bytes_per_rank"] == 4 * whole // 4 + 6 * 4
+    fsdp = plan_run(load_config(None, [*GPT_MOE, f"run.dir={tmp_path}"]), Machine(1, 4))
+    assert fsdp["expert_parameter_bytes_per_rank"] == whole // 4 and fsdp["all_to_all_bytes_per_step_intra_node"] == 0
+    assert planned["state_bytes_per_rank"] == fsdp["state_bytes_per_rank"]  # the same shares, cut another way
+    # per layer and micro-batch: 4 x 32 tokens x top-2 rows of 64 fp32, to the experts and back, forward and backward;
+    # half of them stay on the rank
+    sent = 2 * 4 * (4 * 32 * 2 * 64 * 4)
+    assert planned["all_to_all_bytes_per_step_intra_node"] == sent / 2
+    assert planned["collective_bytes_per_step_intra_node"] == fsdp["collective_bytes_per_step_intra_node"] + sent / 2
+    assert planned["expert_rows_per_micro_batch"] == 256 and planned["expert_rows_per_micro_batch_worst"] == 512
+    assert planned["expert_activation_bytes_worst"] == 512 * (64 + 4 * 64) * 4
+    lines = table(planned, Machine(1, 4))
+    assert "all-to-all / step" in lines and "at worst 512 (2.0x, dropless)" in lines
+    assert "(shard_mod_ep 2 x ep 2)" in lines
+
+
+def test_the_worst_case_activations_are_what_the_experts_save_per_row():
+    torch.manual_seed(0)
+    experts = MoE(64, 128, 4, 2).experts
+    rows = torch.randn(100, 64, requires_grad=True)
+    saved, _, _ = saved_bytes(lambda: experts(rows, torch.tensor([10, 20, 30, 40])), experts, [])
+    assert saved - 4 * 4 == 100 * (64 + 4 * 128) * 4  # the row and SwiGLU's four intermediates (and 4 int32 offsets)
+
+
+def test_an_all_to_all_crosses_nodes_for_the_ranks_of_its_group_elsewhere():
+    dims = ParallelDims(1, 8, 2, expert_parallel=4)  # ep ranks 2 apart: 2 of the 4 on an 4-rank node
+    assert all_to_all_split(dims, 4, 800) == (200, 400)
+    assert all_to_all_split(dims, 8, 800) == (600, 0)
