@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench_launch import launch_workers, report  # scripts/ is on the path: this file's folder
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # measure this checkout, whichever one is installed
@@ -127,22 +127,11 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "results.json"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-               "--worker", "--out", str(out), "--saves", str(args.saves), "--steps-between", str(args.steps_between),
-               "--layers", str(args.layers), "--width", str(args.width)]
-        done = subprocess.run(cmd, env=env, timeout=args.timeout)
-        if done.returncode or not out.exists():
-            sys.exit(f"bench_checkpoint: the workers failed (exit code {done.returncode}; see the errors above)")
-        results = json.loads(out.read_text())
+    settings = ["--saves", str(args.saves), "--steps-between", str(args.steps_between), "--layers", str(args.layers),
+                "--width", str(args.width)]
+    results = launch_workers(__file__, 2, settings, args.timeout)
     summary = summarise(results)
-    print(table(summary, args.layers * (args.width + 1) * args.width * 4 / 1e6))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"settings": vars(args), "runs": results, "summary": summary}, indent=1))
-        print(f"written to {args.json}")
-    return 0
+    return report(args, results, summary, table(summary, args.layers * (args.width + 1) * args.width * 4 / 1e6))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_launch import report  # scripts/ is on the path: this file's folder
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # measure this checkout, whichever one is installed
 LR = 1e-3
@@ -386,11 +388,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         results = {row: launch(args, row, Path(tmp)) for row in rows}
     summary = summarise(results)
-    print(table(summary, args.rounds))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"settings": vars(args), "runs": results, "summary": summary}, indent=1))
-        print(f"written to {args.json}")
-    return 0
+    return report(args, results, summary, table(summary, args.rounds))
 
 
 if __name__ == "__main__":

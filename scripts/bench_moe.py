@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
+from bench_launch import launch_workers, report  # scripts/ is on the path: this file's folder
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # measure this checkout, whichever one is installed
@@ -218,22 +216,9 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "results.json"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "scripts"),
-                                                            os.environ.get("PYTHONPATH", "")])}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", __file__,
-               "--worker", "--out", str(out), *_settings(args)]
-        done = subprocess.run(cmd, env=env, timeout=args.timeout)
-        if done.returncode or not out.exists():
-            sys.exit(f"bench_moe: the workers failed (exit code {done.returncode}; see the errors above)")
-        results = json.loads(out.read_text())
+    results = launch_workers(__file__, 4, _settings(args), args.timeout)
     summary = summarise(results)
-    print(table(summary, args.rounds))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"settings": vars(args), "runs": results, "summary": summary}, indent=1))
-        print(f"written to {args.json}")
-    return 0
+    return report(args, results, summary, table(summary, args.rounds))
 
 
 if __name__ == "__main__":

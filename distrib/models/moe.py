@@ -83,8 +83,9 @@ class GroupedExperts(nn.Module):
         return torch.cat(outs) if outs else x.new_zeros(0, self.dim)
 
 
-class SharedExperts(nn.Module):
-    """The experts every token goes through (DeepSeek's), one SwiGLU of n_shared x the expert width."""
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x): the GPT's dense MLP, and the experts every token goes through (DeepSeek's
+    shared experts, n_shared x the expert width)."""
 
     def __init__(self, dim: int, hidden_dim: int):
         super().__init__()
@@ -124,7 +125,7 @@ class MoE(nn.Module):
         self.bias_update_rate = bias_update_rate  # applied after each optimizer step (distrib.training.experts)
         self.gate = nn.Linear(dim, n_experts, bias=False)
         self.experts = GroupedExperts(n_experts, dim, hidden_dim)
-        self.shared_experts = SharedExperts(dim, hidden_dim * n_shared_experts) if n_shared_experts else None
+        self.shared_experts = FeedForward(dim, hidden_dim * n_shared_experts) if n_shared_experts else None
         self.register_buffer("expert_bias", torch.zeros(n_experts))  # DeepSeek-V3's: in the checkpoint
         # int64: a float buffer would follow the model into bf16 and miscount past 256
         self.register_buffer("tokens_per_expert", torch.zeros(n_experts, dtype=torch.int64), persistent=False)
