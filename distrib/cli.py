@@ -4,6 +4,7 @@
     distrib launch [torchrun options] SCRIPT|-m MODULE [args ...]
     distrib plan [--config FILE] [--set ...] (--nnodes N --nproc-per-node N | --world-size N) [--json] [--dry-run]
     distrib doctor
+    distrib lighthouse [--min-replicas M] [--bind HOST:PORT] [--join-timeout-ms MS]
     distrib config [SECTION] [--toml | --markdown]
     distrib plot RUN_DIR [--out FILE]
     distrib eval RUN_DIR|CHECKPOINT [--config FILE] [--set ...] [--nproc-per-node N] [--out FILE]
@@ -19,7 +20,7 @@ import sys
 from typing import NoReturn, Sequence
 
 from distrib.errors import EXIT_PREEMPTED, UserError, hard_exit, say
-from distrib.launch.clusters import check_pod, wants_launcher
+from distrib.launch.clusters import check_pod, is_worker, wants_launcher
 from distrib.launch.launcher import add_train_flags, launch_trainer, train_flags, usage_error, without_train_flags
 from distrib.launch.reporting import reported_by_launcher
 
@@ -28,16 +29,20 @@ EXIT_USER_ERROR = 2
 
 def _train(args: argparse.Namespace) -> int:
     from distrib.config import load_config
+    from distrib.distributed.fault_tolerance import group_config
+    from distrib.distributed.runtime import read_launch_env
     from distrib.distributed.strategies import check_config
     from distrib.launch.rundir import check_folders
     from distrib.metrics import require_loggers
 
     config = load_config(args.config, args.set)  # fail on a bad config before starting any worker
+    config = group_config(config, read_launch_env().replica_group)  # a fault-tolerant replica group's own folders
     check_config(config)  # and on a rule of its strategy (imports torch, as the launcher does anyway)
     _check_nproc(args.nproc_per_node)
     check_folders(config, probe_locks=True)  # writable and not another live run's (rank 0 then locks them)
     require_loggers(config.metrics)  # a missing tracker package: one line here, not one per worker
     launch_flags = train_flags(args)  # --nproc-per-node, --max-restarts, --nnodes, --rdzv-*: as for distrib launch
+    launch_flags += _group_flags(config.dist)
     if launch_flags or wants_launcher(os.environ):  # PET_* (a Kubeflow TrainJob) or SkyPilot: as distrib launch
         return launch_trainer(launch_flags, args.argv, _before_workers(config))
     check_pod(os.environ)
@@ -54,6 +59,15 @@ def _train(args: argparse.Namespace) -> int:
         return record(_worker)(config)  # under a launcher, a failing rank's exception reaches its summary
 
 
+def _group_flags(dist) -> list[str]:
+    """dist.fault_tolerant_groups as distrib launch's flags: the launcher starts the Lighthouse and the groups (or,
+    given --replica-group or DISTRIB_REPLICA_GROUP, runs as one group of a run across nodes). A worker launches
+    nothing."""
+    if dist.fault_tolerant_groups == 1 or is_worker(os.environ):
+        return []
+    return ["--replica-groups", str(dist.fault_tolerant_groups), "--min-replicas", str(dist.min_replicas)]
+
+
 def _before_workers(config):
     """What the launcher checks once, before any worker starts: the device each worker would get (CUDA present,
     enough GPUs), the layout at this world size (every parallel degree; the heads under tensor parallel) and the
@@ -66,7 +80,7 @@ def _before_workers(config):
         select_device(config.dist.device, nproc_per_node - 1)  # the last local rank's device: all of them exist
         if world_size is not None:
             dims = check_layout(config, world_size, nproc_per_node)
-            check_world_size(config.train.global_batch_size, config.train.grad_accum_steps, dims.data_parallel)
+            check_world_size(config.train.global_batch_size, config.train.grad_accum_steps, dims.batch_ranks)
     return check
 
 
@@ -121,6 +135,12 @@ def _doctor(args: argparse.Namespace) -> int:
 
     _check_nproc(args.nproc_per_node)
     return doctor(args.nproc_per_node)
+
+
+def _lighthouse(args: argparse.Namespace) -> int:
+    from distrib.launch.lighthouse import serve
+
+    return serve(args.min_replicas, args.bind, args.join_timeout_ms)
 
 
 def _config(args: argparse.Namespace) -> int:
@@ -204,6 +224,20 @@ def _generate_parser(commands) -> None:
     generate.set_defaults(func=_generate)
 
 
+def _lighthouse_parser(commands) -> None:
+    from distrib.launch.lighthouse import DEFAULT_BIND, JOIN_TIMEOUT_MS
+
+    lighthouse = commands.add_parser("lighthouse", help="torchft's Lighthouse for fault-tolerant replica groups "
+                                                        "(dist.fault_tolerant_groups) across nodes, until stopped")
+    lighthouse.add_argument("--min-replicas", type=int, default=1, help="dist.min_replicas: the fewest replica groups "
+                                                                        "a step may commit with (default 1)")
+    lighthouse.add_argument("--bind", default=DEFAULT_BIND, metavar="HOST:PORT",
+                            help=f"where to listen (default {DEFAULT_BIND}: every interface, as torchft_lighthouse)")
+    lighthouse.add_argument("--join-timeout-ms", type=int, default=JOIN_TIMEOUT_MS,
+                            help="how long a quorum waits for a live group that has not joined yet")
+    lighthouse.set_defaults(func=_lighthouse)
+
+
 def _use_parser(commands, name: str, help_text: str) -> argparse.ArgumentParser:
     use = commands.add_parser(name, help=help_text)
     use.add_argument("source", metavar="RUN_DIR|CHECKPOINT",
@@ -262,6 +296,7 @@ def _parser() -> argparse.ArgumentParser:
     doctor.add_argument("--nproc-per-node", type=int, default=None,
                         help="workers per node you plan to launch (default: from the environment, else GPUs)")
     doctor.set_defaults(func=_doctor)
+    _lighthouse_parser(commands)
     config = commands.add_parser("config", help="every config key with its type, default and meaning (one section "
                                                 "with SECTION); --toml: a complete commented config of the defaults")
     config.add_argument("section", nargs="?", metavar="SECTION", help="data, model, train, run, dist, checkpoint, "

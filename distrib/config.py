@@ -451,6 +451,17 @@ class DistConfig:
         "conditional branches): `auto` turns it on when the model has experts lists (a `ModuleList` named `*experts`) "
         "or the first batch leaves a trainable parameter without a gradient, and the log says so; `true`, `false`. "
         "fsdp and hsdp need no key: FSDP2 reduces zeros for such parameters")
+    fault_tolerant_groups: int = key(1,
+        "replica groups of the data-parallel replicate degree run under torchft (`pip install distrib[ft]`): each "
+        "group is its own world of world size / G ranks (ddp or fsdp inside), the groups all-reduce their gradients "
+        "through torchft, and a failed group is restarted alone and heals from a live one while the others train on; "
+        "1 = off (see docs/fault_tolerance.md)")
+    min_replicas: int = key(1,
+        "fault-tolerant groups: the fewest groups a step may commit with (the first step waits for all of them)")
+    fault_tolerant_timeout_s: float = key(10.0,
+        "fault-tolerant groups: how long the all-reduce across the groups waits for a group before the step is taken "
+        "again without it (a group killed inside it stalls the others this long); quorums, heals and the rest wait "
+        "`dist.timeout_s`")
 
     def __post_init__(self):
         """The keys' own ranges and choices. The rules of a strategy (which keys it takes, which precision and
@@ -470,6 +481,13 @@ class DistConfig:
             _fail("dist", "find_unused_parameters", self.find_unused_parameters, "must be auto, true or false",
                   "e.g. --set dist.find_unused_parameters=true")
         self._check_pipeline()
+        _at_least("dist", self, "fault_tolerant_groups", 1)
+        _at_least("dist", self, "min_replicas", 1)
+        _positive("dist", self, "fault_tolerant_timeout_s", 10)
+        if self.min_replicas > self.fault_tolerant_groups:
+            _fail("dist", "min_replicas", self.min_replicas, f"more than the dist.fault_tolerant_groups = "
+                  f"{self.fault_tolerant_groups} groups, so no step could commit",
+                  f"set it to {self.fault_tolerant_groups} or fewer")
 
     MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zbv", "dualpipev")
 

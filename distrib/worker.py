@@ -17,7 +17,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distrib.checkpoint import BestCheckpoints, Checkpointer, CheckpointError, committing, make_checkpointer
-from distrib.checkpoint.format import set_rng_state
 from distrib.checkpoint.init_from import check_weights, clear_weights, load_weights, open_source
 from distrib.checkpoint.policy import resumable
 from distrib.checkpoint.weights import WEIGHTS_DIR, write_run_weights
@@ -25,6 +24,7 @@ from distrib.config import Config, to_dict, write_resolved
 from distrib.data import Data, load_data, make_plan
 from distrib.data.batching import load_source_state, source_state
 from distrib.data.split import split_validation
+from distrib.distributed import fault_tolerance
 from distrib.distributed.agreement import RankAgreement
 from distrib.distributed.mesh import ParallelDims
 from distrib.distributed.parallel import memory_report, sync_batchnorm, unwrap
@@ -131,7 +131,7 @@ def _resume(state: TrainState, config: Config, runtime: Runtime, checkpointer: C
     if state.best and config.checkpoint.resume == "auto":
         state.best.drop_abandoned(state.progress.step, checkpointer.run_id)
     if loaded["world_size"] == runtime.world_size:  # per-rank RNG streams only map onto the same ranks
-        set_rng_state(loaded["rng"][runtime.rank], runtime)
+        runtime.set_rng_state(loaded["rng"][runtime.rank])
     notes.append(f"resumed at step {state.progress.step} (epoch {state.progress.epoch}) from a checkpoint taken at "
                  f"world size {loaded['world_size']}; restart count {runtime.restart_count}")
     return state.progress.step
@@ -324,7 +324,8 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
             with stop_on_signals(parse_signals(config.checkpoint.signals)) as stop, \
                     collective_timeouts(config.dist.timeout_s, lambda: f"after step {state.progress.step}",
                                         runtime.peers), \
-                    committing(checkpointer):
+                    committing(checkpointer), \
+                    fault_tolerance.replica_groups(config, runtime, state, plan, recorder) as replicas:
                 agreement = RankAgreement(stop, runtime.device, runtime.world_size, synced_at=state.progress.step,
                                           loss_ranks=dims.loss_ranks)
                 evaluator = _evaluator(config, runtime, dims, data, loss, task)
@@ -334,7 +335,8 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
                                   meter=meter,
                                   agreement=agreement, checkpointer=checkpointer,
                                   on_step_end=_after_step(runtime, on_step_end), callbacks=hooks,
-                                  extra_losses=extra_losses, experts=ExpertLoad.of(wrapped, strategy, runtime.device))
+                                  extra_losses=extra_losses, experts=ExpertLoad.of(wrapped, strategy, runtime.device),
+                                  replicas=replicas)
                 metrics = trainer.train(data.train)
         except BaseException as e:  # flush metrics and trackers now: the CLI's os._exit skips finalisers
             recorder.close("preempted" if isinstance(e, Preempted) else "failed")

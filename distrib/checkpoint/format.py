@@ -9,7 +9,6 @@ import errno
 import fcntl
 import hashlib
 import os
-import random
 import re
 import shutil
 from pathlib import Path
@@ -252,19 +251,6 @@ class FileStorage:
 
     def close(self) -> None:
         """Nothing held."""
-
-
-# ---------------------------------------------------------------- random number generators
-
-
-def rng_state(runtime: Runtime) -> dict:
-    return {"python": random.getstate(), "torch": torch.get_rng_state(), "device": runtime.device_rng_state()}
-
-
-def set_rng_state(state: dict, runtime: Runtime) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"].cpu())
-    runtime.set_device_rng_state(state["device"])
 
 
 def save_atomic_text(text: str, path: Path) -> None:

@@ -31,7 +31,6 @@ from distrib.checkpoint.format import (
     FileStorage,
     checkpoint_name,
     read_checkpoint,
-    rng_state,
 )
 from distrib.checkpoint.sharded import TRAINER, ShardedStorage, load_shards
 from distrib.config import CheckpointConfig
@@ -226,7 +225,7 @@ class Checkpoints:
         """Every rank: gathers the RNG states, then the storage writes; rank 0 prunes once the new one is in place."""
         self.storage.wait()  # the previous write (and its pruning) is done before the next one begins
         rngs = [None] * self.runtime.world_size
-        dist.all_gather_object(rngs, rng_state(self.runtime))
+        dist.all_gather_object(rngs, self.runtime.rng_state())
         path = self.storage.target(self.directory, self.name(step, best=best))
         verdict = [None, ""]
         if self.runtime.is_main:

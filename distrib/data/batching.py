@@ -115,10 +115,11 @@ class BatchPlan:
 def make_plan(num_samples: int | None, train: TrainConfig, runtime: Runtime,
               dims: ParallelDims | None = None) -> BatchPlan:
     """This rank's share of every global batch: its index on the batch mesh (the ranks of one tensor-parallel group,
-    and a pipeline's stages, read the same micro-batches); without dims every rank a replica."""
+    and a pipeline's stages, read the same micro-batches), in its fault-tolerant replica group; without dims every rank
+    a replica."""
     dims = dims or ParallelDims.replicas(runtime.world_size)
-    return BatchPlan(num_samples, train.global_batch_size, train.grad_accum_steps, dims.batch_rank(runtime.rank),
-                     dims.data_parallel, train.seed)
+    return BatchPlan(num_samples, train.global_batch_size, train.grad_accum_steps,
+                     dims.batch_rank(runtime.rank, runtime.replica_group), dims.batch_ranks, train.seed)
 
 
 def eval_batches(num_samples: int, batch_size: int, rank: int, world_size: int) -> list[torch.Tensor]:

@@ -39,6 +39,9 @@ class ParallelDims:
     pipeline: int = 1
     fully_shard: bool = True
     expert_parallel: int = 1
+    # dist.fault_tolerant_groups: replica groups outside torch's mesh (each its own world, kept in step by torchft:
+    # distrib.distributed.fault_tolerance). The mesh spans one group; the groups read different micro-batches.
+    fault_tolerant_groups: int = 1
     # The DeviceMesh once built (build_mesh), by device type: not a size, so not compared.
     _built: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -109,10 +112,16 @@ class ParallelDims:
             rank = rank * size + coordinate.get(name, 0)
         return rank
 
-    def batch_rank(self, rank: int) -> int:
-        """Which micro-batch stream a rank reads: its index on the batch mesh (replicate x shard)."""
+    def batch_rank(self, rank: int, group: int = 0) -> int:
+        """Which micro-batch stream a rank reads: its index on the batch mesh (replicate x shard), after the streams
+        of the fault-tolerant replica groups before its `group` (a group restarted reads what it read before)."""
         at = self.coordinate(rank)
-        return at[REPLICATE] * self.shard + at[SHARD]
+        return group * self.data_parallel + at[REPLICATE] * self.shard + at[SHARD]
+
+    @property
+    def batch_ranks(self) -> int:
+        """The micro-batch streams of a step: the batch mesh's, in every fault-tolerant replica group."""
+        return self.fault_tolerant_groups * self.data_parallel
 
     def pipeline_rank(self, rank: int) -> int:
         """Which pipeline rank (which stages) a rank holds."""

@@ -10,6 +10,7 @@ import gc
 import itertools
 import os
 import platform
+import random
 import re
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,6 +26,8 @@ from distrib.distributed.host_heap import keep_freed_memory, return_freed_memory
 from distrib.distributed.peers import PeerWatch
 from distrib.errors import CollectiveTimeoutError, PeerLostError, Preempted, UserError
 from distrib.launch.lifeline import die_with_parent
+from distrib.launch.replica_groups import GROUP_VAR as REPLICA_GROUP_VAR
+from distrib.launch.replica_groups import LIGHTHOUSE_VAR
 from distrib.launch.reporting import HANG_NOTE_VAR
 
 
@@ -42,6 +45,8 @@ class LaunchEnv:
     elastic: bool = False  # started by torch's elastic agent (torchrun, distrib launch): it dies with the agent
     node_rank: int = 0  # NODE_RANK (Ray Train) or GROUP_RANK (torchrun's agent); said, not used to compute ranks
     hang_note: str = ""  # distrib launch's file for the folder of hang dumps (distrib.distributed.hang)
+    replica_group: int = 0  # REPLICA_GROUP_VAR: which fault-tolerant replica group this world is
+    lighthouse: str = ""  # LIGHTHOUSE_VAR: the torchft Lighthouse's address
 
     @property
     def launched(self) -> bool:
@@ -63,9 +68,11 @@ def _int_var(environ: Mapping[str, str], key: str, default: int | None = None) -
 
 def read_launch_env(environ: Mapping[str, str] = os.environ) -> LaunchEnv:
     """The single reader of RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK and MASTER_* (as torchrun, distrib
-    launch and Ray Train's TorchTrainer set them), and of distrib launch's HANG_NOTE_VAR; no env means one process."""
+    launch and Ray Train's TorchTrainer set them), of distrib launch's HANG_NOTE_VAR, and of a fault-tolerant replica
+    group's REPLICA_GROUP_VAR and LIGHTHOUSE_VAR; no env means one process."""
     if "RANK" not in environ and "WORLD_SIZE" not in environ:
-        return LaunchEnv()
+        return LaunchEnv(replica_group=_int_var(environ, REPLICA_GROUP_VAR, 0),
+                         lighthouse=environ.get(LIGHTHOUSE_VAR, ""))
     rank, world_size = _int_var(environ, "RANK"), _int_var(environ, "WORLD_SIZE")
     local_rank = _int_var(environ, "LOCAL_RANK", rank)
     local_world_size = _int_var(environ, "LOCAL_WORLD_SIZE", world_size)
@@ -80,8 +87,13 @@ def read_launch_env(environ: Mapping[str, str] = os.environ) -> LaunchEnv:
                         "need 0 <= LOCAL_RANK < LOCAL_WORLD_SIZE <= WORLD_SIZE; fix the launcher")
     restarts = _int_var(environ, "TORCHELASTIC_RESTART_COUNT", 0)
     node_rank = _int_var(environ, "NODE_RANK", _int_var(environ, "GROUP_RANK", 0))
+    replica_group = _int_var(environ, REPLICA_GROUP_VAR, 0)
+    if replica_group < 0:
+        raise UserError(f"{REPLICA_GROUP_VAR}={replica_group}: must be 0 or more (the replica group's index); fix the "
+                        "launcher or job script")
     return LaunchEnv(rank, local_rank, world_size, local_world_size, master_addr, master_port, restarts,
-                     "TORCHELASTIC_RUN_ID" in environ, node_rank, environ.get(HANG_NOTE_VAR, ""))
+                     "TORCHELASTIC_RUN_ID" in environ, node_rank, environ.get(HANG_NOTE_VAR, ""), replica_group,
+                     environ.get(LIGHTHOUSE_VAR, ""))
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +108,9 @@ class Runtime:
     backend: str
     restart_count: int = 0
     peers: PeerWatch | None = None  # the other ranks' heartbeats; None in one process
+    replica_group: int = 0  # under dist.fault_tolerant_groups: this world's group, and the Lighthouse and this
+    lighthouse: str = ""  # group's store (host:port, the launcher's) that torchft's Manager connects to
+    store: str = ""
 
     @property
     def is_main(self) -> bool:
@@ -131,12 +146,24 @@ class Runtime:
         do now. On a GPU the large transient tensors live on the device: nothing."""
         return self.device.type == "cpu" and return_freed_memory()
 
-    def device_rng_state(self) -> torch.Tensor | None:
-        return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+    def rng_state(self) -> dict:
+        """This worker's random state: Python's, torch's CPU generator and its device's (what a resume or a healed
+        replica group restores)."""
+        device = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return {"python": random.getstate(), "torch": torch.get_rng_state(), "device": device}
 
-    def set_device_rng_state(self, state: torch.Tensor | None) -> None:
-        if self.device.type == "cuda" and state is not None:
-            torch.cuda.set_rng_state(state.cpu(), self.device)
+    def set_rng_state(self, state: dict) -> None:
+        random.setstate(state["python"])
+        torch.set_rng_state(state["torch"].cpu())
+        if self.device.type == "cuda" and state["device"] is not None:
+            torch.cuda.set_rng_state(state["device"].cpu(), self.device)
+
+    def replica_process_group(self, timeout: timedelta):
+        """torchft's reconfigurable process group for the all-reduce across replica groups, of this worker's backend
+        (torchft is an optional extra: imported here, only when fault-tolerant replica groups run)."""
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        return (ProcessGroupNCCL if self.backend == "nccl" else ProcessGroupGloo)(timeout=timeout)
 
     def peak_memory_bytes(self) -> int | None:
         """The most device memory this worker's tensors held at once (CUDA's caching allocator); None on the CPU."""
@@ -292,7 +319,8 @@ def open_runtime(config: DistConfig, env: LaunchEnv | None = None, run_dir: Path
     try:
         peers, hangs = _watches(env, timeout, session, backend, hang_dir) if watched else (None, None)
         yield Runtime(env.rank, env.local_rank, env.world_size, env.local_world_size, device, backend,
-                      env.restart_count, peers)
+                      env.restart_count, peers, env.replica_group, env.lighthouse,
+                      f"{env.master_addr}:{env.master_port}" if env.launched else "")
         ok = True
     except Preempted:
         ok = True  # every rank stopped at the same step boundary, after the same save: all reach the barrier

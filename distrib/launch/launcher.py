@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
 
 from distrib.errors import EXIT_PREEMPTED, UserError, say
-from distrib.launch import clusters
+from distrib.launch import clusters, replica_groups
 from distrib.launch.allocator import worker_preload
 from distrib.launch.clusters import in_skypilot, in_slurm
 from distrib.launch.reporting import (
@@ -51,11 +51,13 @@ def usage_error(prog: str, message: str) -> UserError:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    """torchrun's own parser: every flag and PET_* variable (from os.environ) means what it means to torchrun."""
+    """torchrun's own parser: every flag and PET_* variable (from os.environ) means what it means to torchrun; and
+    distrib launch's own replica-group flags (replica_groups.add_flags)."""
     from torch.distributed.run import get_args_parser
 
     parser = get_args_parser()
     parser.prog = "distrib launch"
+    replica_groups.add_flags(parser)
 
     def error(message: str):
         raise usage_error(parser.prog, message)
@@ -348,12 +350,12 @@ def run_agent(args: argparse.Namespace) -> int:
             # The agent has already passed the signal on to the workers and waited for them.
             codes = [worker.code for worker in read_statuses(status)]
             code = signal_exit_code(int(e.sigval), codes)
-            say(_stopped_line(int(e.sigval), codes, code))
+            say(replica_groups.tagged(args, _stopped_line(int(e.sigval), codes, code)))
             return code
         except ChildFailedError as e:
             lines = failure_lines(e, {worker.pid: worker.worker_pid for worker in read_statuses(status)})
             hang = hang_line(status.parent / "hang_note", started_ns, fixed_world_size(args))  # where ranks diverged
-            say("\n".join(lines + ([hang] if hang else [])))
+            say(replica_groups.tagged(args, "\n".join(lines + ([hang] if hang else []))))
             return exit_code(e)
         except RendezvousError as e:
             raise UserError(f"rendezvous {args.rdzv_backend} at {args.rdzv_endpoint!r} (id {args.rdzv_id}) failed: "
@@ -410,14 +412,16 @@ def main(argv: Sequence[str], check: Callable[[int, int | None], None] | None = 
     """`distrib launch [torchrun options] SCRIPT|-m MODULE [args]`; returns the exit code. A stop signal from the
     first moment on ends it with the preemption code (the job is requeued), also before torch is imported.
     check(workers on this node, world_size) runs before any worker starts (world_size None when the node count is
-    elastic)."""
+    elastic). With --replica-groups G > 1 this node's workers run as G replica groups (replica_groups.run_groups)."""
     with stop_handlers():
         args = apply_defaults(parse_args(argv), os.environ)
         check_rendezvous(args, os.environ)
         check_program(args)
-        if check is not None:
-            check(local_world_size(args.nproc_per_node), fixed_world_size(args))
         num_gpus, num_workers = visible_gpu_count(), local_world_size(args.nproc_per_node)
+        replica_groups.settle(args, num_workers, os.environ)
+        if check is not None:  # a replica group is a world of its own: its layout is checked at its size
+            check(num_workers, num_workers // args.replica_groups if replica_groups.starts_groups(args)
+                  else fixed_world_size(args))
         warning = oversubscribed(num_workers, num_gpus)
         if warning:
             say(warning)
@@ -427,6 +431,9 @@ def main(argv: Sequence[str], check: Callable[[int, int | None], None] | None = 
             os.environ["OMP_NUM_THREADS"] = threads
         os.environ.update(worker_preload(os.environ, num_gpus))  # the workers' host allocator: tcmalloc if installed
         os.environ.update(private_sockets(os.environ, _max_nodes(args.nnodes)))
+        if replica_groups.starts_groups(args):  # each group's launch sets the rest of its workers' environment
+            return replica_groups.run_groups(args, argv, num_workers, num_gpus)
+        os.environ.update(replica_groups.worker_env(args))  # this launch is one group: DISTRIB_REPLICA_GROUP, ...
         with _reporting_env():
             return run_agent(args)
 

@@ -168,6 +168,7 @@ class Throughput:
         self.peak_flops_per_device: float | None = None
         self.step_seconds = array("d")
         self.wait_seconds = array("d")
+        self.step_shares = array("d")  # the share of the global batch (and of the devices) that took part
         self._last = self._ready = None
         self._window_from = 0
 
@@ -178,24 +179,27 @@ class Throughput:
     def data_ready(self) -> None:
         self._ready = time.perf_counter()
 
-    def step_done(self) -> None:
+    def step_done(self, share: float = 1.0) -> None:
+        """The step ended; `share`: the part of its global batch and of world_size that took part (fault-tolerant
+        replica groups: the groups in its quorum over all of them)."""
         now = time.perf_counter()
         if self._last is None:  # no restart_clock() yet: count from the data
             self._last = self._ready if self._ready is not None else now
         ready = self._ready if self._ready is not None else self._last
         self.step_seconds.append(now - self._last)
         self.wait_seconds.append(max(0.0, ready - self._last))
+        self.step_shares.append(share)
         self._last, self._ready = now, None
 
     def _stats(self, lo: int) -> dict:
-        steps, waits = self.step_seconds[lo:], self.wait_seconds[lo:]
+        steps, waits, shares = self.step_seconds[lo:], self.wait_seconds[lo:], self.step_shares[lo:]
         total = sum(steps)
         if not steps or total <= 0:
             return dict.fromkeys(("samples_per_second", "samples_per_second_per_device", "step_time_p50_s",
                                   "step_time_p95_s", "data_wait_share", "mfu", *self._token_keys()))
         ordered = sorted(steps)
-        per_second = len(steps) * self.global_batch_size / total
-        per_device = per_second / self.world_size
+        per_second = sum(shares) * self.global_batch_size / total
+        per_device = per_second / (self.world_size * sum(shares) / len(shares))
         mfu = None
         if self.flops_per_sample and self.peak_flops_per_device:
             mfu = self.flops_per_sample * per_device / self.peak_flops_per_device
@@ -223,7 +227,9 @@ class Throughput:
 
 def meter_for(config: Config, runtime: Runtime) -> Throughput:
     """The run's meter, with the peak FLOP/s of this worker's device (None, so no MFU, when unknown)."""
-    meter = Throughput(config.train.global_batch_size, runtime.world_size, config.metrics.timing_skip_steps)
+    # Fault-tolerant replica groups: each group's meter counts the whole job's samples over all its devices.
+    devices = runtime.world_size * config.dist.fault_tolerant_groups
+    meter = Throughput(config.train.global_batch_size, devices, config.metrics.timing_skip_steps)
     meter.peak_flops_per_device = peak_flops(runtime.device.type, runtime.device_name(), config.train.precision,
                                              config.metrics.peak_flops)
     return meter

@@ -19,6 +19,7 @@ from distrib.config import TrainConfig
 from distrib.data import Batch, BatchPlan, epoch_steps
 from distrib.data.samples import named
 from distrib.distributed.agreement import RankAgreement
+from distrib.distributed.fault_tolerance import ReplicaGroups
 from distrib.distributed.parallel import local_tensor, unwrap
 from distrib.distributed.strategies import DDPStrategy, StepLoss, Strategy
 from distrib.errors import ConfigError, UserError
@@ -124,8 +125,11 @@ class TrainState:
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         saved = state["progress"]
-        # Position in the epoch by samples, so a changed global batch (forced) lands on the right sample.
-        self.progress = Progress(saved["step"], saved["epoch"], saved["samples_in_epoch"] // global_batch_size)
+        # Position in the epoch by samples, so a changed global batch (forced) lands on the right sample. In place:
+        # the training loop holds the object (a replica group healed mid-run reads on from the loaded progress).
+        progress = self.progress
+        progress.step, progress.epoch = saved["step"], saved["epoch"]
+        progress.step_in_epoch = saved["samples_in_epoch"] // global_batch_size
         for name, part in self._parts().items():
             if name in state:
                 part.load_state_dict(state[name])
@@ -171,17 +175,33 @@ class Trainer:
     callbacks: Callbacks = field(default_factory=Callbacks)  # the user's hooks (distrib.training.callbacks)
     extra_losses: ExtraLosses = field(default_factory=ExtraLosses)  # the model's aux_loss and such: logged
     experts: ExpertLoad | None = None  # a mixture of experts' load: counted, balanced and logged each step
+    replicas: ReplicaGroups | None = None  # dist.fault_tolerant_groups > 1: the groups' quorum, all-reduce, commit
     last_eval: tuple[int, dict] | None = field(default=None, init=False)  # (step, metrics) of the latest evaluation
 
-    def step(self, micro_batches: list[Batch]) -> torch.Tensor:
+    def step(self, micro_batches: list[Batch]) -> torch.Tensor | None:
         """One optimizer step, top to bottom: the strategy's forward and backward of the micro-batches (gradients
         synced in the last), the finite check, the rank agreement on sync steps, the update. Returns the loss averaged
         over the global batch (the same on every rank) on sync steps (log steps among them), and this rank's share on
-        the others."""
+        the others. Under fault-tolerant replica groups each try starts with the groups' quorum, and a try the groups
+        do not commit is taken again on the same samples; None: the quorum healed this group (its state is now a live
+        group's, further on: the caller reads on from its progress)."""
+        while True:
+            if self.replicas is not None and self.replicas.start_step():
+                return None
+            loss = self._try_step(micro_batches)
+            if loss is not None:
+                return loss
+
+    def _try_step(self, micro_batches: list[Batch]) -> torch.Tensor | None:
         step = self.state.progress.step + 1
         if self.experts is not None:
             self.experts.start(len(micro_batches))
         local = self.state.strategy.forward_backward(self.state.model, micro_batches, self._step_loss(micro_batches))
+        if self.replicas is not None:  # the gradients (and the loss) averaged over the groups that took part
+            local = self.replicas.average(self.state.model, local)
+            if not self.replicas.commit():
+                self.state.optimizer.zero_grad(set_to_none=True)
+                return None
         self._check_finite(step)
         loss = self._agree(local, step) if self.is_sync_step(step) else local
         self._optimizer_step()
@@ -242,15 +262,14 @@ class Trainer:
     def _end_step(self, loss: torch.Tensor) -> None:
         """Time, log and checkpoint the step just taken: the save is not step time (the clock restarts after it)."""
         progress = self.state.progress
-        if self.is_log_step(progress.step):
-            loss_value = loss.item()  # host sync: only on log steps, so the step times are honest here
-            self.meter.step_done()
-            self.recorder.log_step(progress.step, progress.epoch, loss_value,
-                                   self.state.scheduler.get_last_lr()[0],
-                                   {**self.extra_losses.logged(), **(self.experts.logged() if self.experts else {})},
+        logged = self.is_log_step(progress.step)
+        loss_value = loss.item() if logged else None  # host sync: only on log steps, so their step times are honest
+        self.meter.step_done(self.replicas.share if self.replicas else 1.0)
+        if logged:
+            self.recorder.log_step(progress.step, progress.epoch, loss_value, self.state.scheduler.get_last_lr()[0],
+                                   {**self.extra_losses.logged(), **(self.experts.logged() if self.experts else {}),
+                                    **(self.replicas.logged() if self.replicas else {})},
                                    **self.meter.window())
-        else:
-            self.meter.step_done()
         if self.agreement.stop_agreed:
             path = self.checkpointer.save(progress.step) if self.checkpointer else None
             raise Preempted(progress.step, path, announce=self.recorder.enabled)  # rank 0's recorder says it once
@@ -333,6 +352,9 @@ class Trainer:
             for micro_batches in epoch_steps(train_source, self.plan, progress.epoch, progress.step_in_epoch):
                 self.meter.data_ready()  # the time since the previous step ended was spent getting this batch
                 loss = self.step(micro_batches)
+                if loss is None:  # healed from a live replica group: read on from its progress
+                    ran_out = False
+                    break
                 progress.step, progress.step_in_epoch = progress.step + 1, progress.step_in_epoch + 1
                 bar.update(1)
                 self._end_step(loss)

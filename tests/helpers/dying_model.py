@@ -4,10 +4,14 @@
 DISTRIB_TEST_DIE_AT=N: the worker with RANK=DISTRIB_TEST_DIE_RANK (default 1) sends itself DISTRIB_TEST_DIE_SIGNAL
 (default SIGKILL) in its Nth training forward, i.e. inside optimizer step N with one micro-step: a signal at an exact
 step, however fast or slow the machine. DISTRIB_TEST_DIE_ONCE=PATH: only if PATH does not exist yet (it is created
-first), so a restarted worker lives. Unset: the plain model."""
+first), so a restarted worker lives. DISTRIB_TEST_DIE_GROUP=G: only in fault-tolerant replica group G (whose ranks
+repeat those of the others); DISTRIB_TEST_REVIVE_WHEN=PATH: that group's restarted workers wait for PATH before they
+build the model (so that the other groups go on without it for as long as a test needs), then touch PATH.RANK.
+Unset: the plain model."""
 
 import os
 import signal
+import time
 from pathlib import Path
 
 from distrib.models.gpt import GPT
@@ -45,9 +49,30 @@ class _DyingGPT(_DiesAt, GPT):
     pass
 
 
+def _in_dying_group() -> bool:
+    group = os.environ.get("DISTRIB_REPLICA_GROUP", "0")
+    return os.environ.get("DISTRIB_TEST_DIE_GROUP", group) == group
+
+
+def _dies_here() -> bool:
+    """Whether this worker is the one to die: its rank (and replica group, when one is named)."""
+    return os.environ.get("RANK", "0") == os.environ.get("DISTRIB_TEST_DIE_RANK", "1") and _in_dying_group()
+
+
+def _hold_after_death(limit_s: float = 600.0) -> None:
+    revive, marker = os.environ.get("DISTRIB_TEST_REVIVE_WHEN"), os.environ.get("DISTRIB_TEST_DIE_ONCE")
+    if not (revive and marker and Path(marker).exists() and _in_dying_group()):
+        return
+    deadline = time.monotonic() + limit_s
+    while not Path(revive).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    Path(f"{revive}.{os.environ.get('RANK', '0')}").touch()  # this restarted worker is up (tests.helpers.ft_pace)
+
+
 def _build(plain, dying, **kwargs):
     die_at = int(os.environ.get("DISTRIB_TEST_DIE_AT", "0"))
-    if not (die_at and os.environ.get("RANK", "0") == os.environ.get("DISTRIB_TEST_DIE_RANK", "1")):
+    _hold_after_death()
+    if not (die_at and _dies_here()):
         return plain(**kwargs)
     model = dying(**kwargs)
     model.die_at, model.signum = die_at, signal.Signals[os.environ.get("DISTRIB_TEST_DIE_SIGNAL", "SIGKILL")]
@@ -62,7 +87,8 @@ def dying(model):
     """Any model, killing its process as _DiesAt does (a forward pre-hook: any forward signature); as it is when
     DISTRIB_TEST_DIE_AT is unset or this is not the rank to die."""
     die_at = int(os.environ.get("DISTRIB_TEST_DIE_AT", "0"))
-    if not (die_at and os.environ.get("RANK", "0") == os.environ.get("DISTRIB_TEST_DIE_RANK", "1")):
+    _hold_after_death()
+    if not (die_at and _dies_here()):
         return model
     signum, forwards = signal.Signals[os.environ.get("DISTRIB_TEST_DIE_SIGNAL", "SIGKILL")], [0]
 

@@ -47,6 +47,19 @@ def test_meter_quantiles_data_wait_and_skipped_steps(monkeypatch):
     assert meter.window()["step_time_p95_s"] == pytest.approx(10)  # a log window includes the warm-up step
 
 
+def test_a_step_with_fewer_replica_groups_counts_their_samples_over_their_devices(monkeypatch):
+    """Fault-tolerant replica groups: a step that one of two groups missed counts half the global batch, and its
+    samples per device are those of the group that took part (not diluted over the missing one's devices)."""
+    meter = Throughput(global_batch_size=100, world_size=4, skip_steps=0)  # 2 groups of 2 workers
+    _fake_clock(monkeypatch, [0, 1, 2])
+    meter.restart_clock()
+    meter.step_done(1.0)
+    meter.step_done(0.5)
+    summary = meter.summary()
+    assert summary["samples_per_second"] == pytest.approx(75)  # 150 samples in 2 s
+    assert summary["samples_per_second_per_device"] == pytest.approx(75 / 3)  # 4 devices, then 2: 3 on average
+
+
 def test_meter_restart_clock_keeps_evaluation_out(monkeypatch):
     meter = Throughput(global_batch_size=10, world_size=1, skip_steps=0)
     _fake_clock(monkeypatch, [0, 0, 1, 50, 50, 51])  # a 49 s evaluation between the two steps

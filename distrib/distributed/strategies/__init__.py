@@ -6,7 +6,7 @@ mesh's (distrib.distributed.mesh), applied by the one parallelize."""
 from __future__ import annotations
 
 from distrib.config import Config, DistConfig
-from distrib.distributed import pipeline
+from distrib.distributed import fault_tolerance, pipeline
 from distrib.distributed.mesh import ParallelDims, check_expert_parallel, data_parallel_size
 from distrib.distributed.runtime import Runtime
 from distrib.distributed.strategies.base import Build, LoadWeights, StepLoss, Strategy, registered, strategy_named
@@ -28,6 +28,8 @@ def check_config(config: Config) -> None:
     if config.dist.pipeline_parallel > 1:
         pipeline.check_keys(config.dist)
     strategy_class(config.dist).check(config)
+    if config.dist.fault_tolerant_groups > 1:
+        fault_tolerance.check(config)
 
 
 def parallel_dims(config: DistConfig, world_size: int, local_world_size: int) -> ParallelDims:
@@ -39,7 +41,8 @@ def parallel_dims(config: DistConfig, world_size: int, local_world_size: int) ->
     replicate, shard = named.replicas_and_shards(config, data_parallel, world_size, local_world_size)
     check_expert_parallel(config, shard)
     return ParallelDims(replicate, shard, config.tensor_parallel, config.pipeline_parallel,
-                        fully_shard=strategy_class(config).sharded_state, expert_parallel=config.expert_parallel)
+                        fully_shard=strategy_class(config).sharded_state, expert_parallel=config.expert_parallel,
+                        fault_tolerant_groups=config.fault_tolerant_groups)
 
 
 def make_strategy(config: DistConfig, world_size: int, local_world_size: int) -> Strategy:

@@ -1,0 +1,251 @@
+"""The fault-tolerant replicate degree (dist.fault_tolerant_groups = G): G replica groups, each its own world with its
+own rendezvous and restarts, kept in step by torchft: a quorum per step, one all-reduce of the gradients across the
+groups that took part, a commit, and a restarted group healed from a live one's state (docs/fault_tolerance.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from distrib.distributed.parallel import local_tensor
+from distrib.distributed.runtime import LIGHTHOUSE_VAR, REPLICA_GROUP_VAR, Runtime
+from distrib.errors import ConfigError, UserError
+
+GROUP_FOLDER = "replica_group_{}"  # group g > 0 writes under run.dir/replica_group_g (group 0: run.dir itself)
+# What torchft's Manager keeps, unprefixed, in its group's store: a restarted group must not read its dead self's.
+_MANAGER_KEYS = ("manager_addr", "replica_id")
+# Parts of the training state that belong to one group's folders and trackers, not sent to a healing group.
+_OWN_PARTS = ("trackers", "best")
+# The degrees a replica group cannot hold yet: each rank's local gradient would all-reduce alike across the groups,
+# but the heal of their state and the pipeline's schedule are not built.
+_NOT_INSIDE = ("pipeline_parallel", "tensor_parallel", "expert_parallel")
+
+
+def check(config) -> None:
+    """A one-line ConfigError for what a fault-tolerant replica group cannot hold (or torchft missing), before any
+    worker starts."""
+    groups, dist_config = config.dist.fault_tolerant_groups, config.dist
+    for name in _NOT_INSIDE:
+        value = getattr(dist_config, name)
+        if value > 1:
+            raise ConfigError(f"dist.{name} = {value}: not inside fault-tolerant replica groups "
+                              f"(dist.fault_tolerant_groups = {groups}) yet: ddp, fsdp or hsdp only; set --set "
+                              f"dist.{name}=1 or --set dist.fault_tolerant_groups=1")
+    if importlib.util.find_spec("torchft") is None:
+        raise ConfigError(f"dist.fault_tolerant_groups = {groups}: needs torchft, which is not installed; "
+                          "pip install 'distrib[ft]' (or torchft), or --set dist.fault_tolerant_groups=1")
+
+
+def group_config(config, group: int):
+    """The config replica group `group` runs: group 0 writes run.dir (and checkpoint.dir) as given, group g > 0 a folder
+    of its own in them (replica_group_g), so that every group keeps its own log, metrics and checkpoints."""
+    if config.dist.fault_tolerant_groups == 1 or group == 0:
+        return config
+    folder = GROUP_FOLDER.format(group)
+    checkpoint = config.checkpoint
+    if checkpoint.dir:
+        checkpoint = dataclasses.replace(checkpoint, dir=str(Path(checkpoint.dir) / folder))
+    return dataclasses.replace(config, run=dataclasses.replace(config.run, dir=str(Path(config.run.dir) / folder)),
+                               checkpoint=checkpoint)
+
+
+def _check_launch(groups: int, runtime: Runtime) -> None:
+    """A one-line UserError for a worker that is not launched as a replica group."""
+    if not runtime.lighthouse or not runtime.store:
+        raise UserError(f"dist.fault_tolerant_groups = {groups}: each replica group is a world of its own, launched "
+                        f"by distrib launch or torchrun with {LIGHTHOUSE_VAR} (the torchft Lighthouse's "
+                        f"http://host:port) and {REPLICA_GROUP_VAR} (0 to {groups - 1}) set; launch with distrib "
+                        "train (which starts them on one node) or see docs/fault_tolerance.md")
+    if runtime.replica_group >= groups:
+        raise UserError(f"{REPLICA_GROUP_VAR}={runtime.replica_group}: dist.fault_tolerant_groups = {groups} has "
+                        f"groups 0 to {groups - 1}; fix the job script, or raise dist.fault_tolerant_groups")
+
+
+def _local(tree):
+    """A state whose DTensors (this rank's shards) are plain tensors, copied: what goes to a healing group's same rank,
+    which holds the same shards."""
+    if isinstance(tree, dict):
+        return {key: _local(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_local(value) for value in tree)
+    return local_tensor(tree).detach().clone() if isinstance(tree, torch.Tensor) else tree
+
+
+def _like(tree, template):
+    """A received state's local tensors back as DTensors where this rank's own state (template) holds DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tree, dict) and isinstance(template, dict):
+        return {key: _like(value, template.get(key)) for key, value in tree.items()}
+    if isinstance(template, DTensor):
+        return DTensor.from_local(tree, template.device_mesh, template.placements, shape=template.shape,
+                                  stride=template.stride())
+    return tree
+
+
+class ReplicaGroups:
+    """This group's seat in the groups' quorum (torchft's Manager): the trainer's collaborator for the start of each
+    step (the quorum, and a heal from a live group), the all-reduce of the gradients across the groups, and the
+    commit. Every rank of the group makes the same calls; torchft pairs rank r of each group."""
+
+    def __init__(self, manager, groups: int, group: int, state, global_batch_size: int, runtime: Runtime,
+                 recorder, timeout_s: float):
+        self.manager, self.groups, self.group = manager, groups, group
+        self.state, self.global_batch_size, self.runtime = state, global_batch_size, runtime
+        self.recorder, self.timeout_s = recorder, timeout_s
+        self.participants = 0  # groups in this step's quorum
+        self._starting = True  # the job's first step waits for every group
+        self._healed_from: int | None = None
+        self._held = False  # a heal's quorum, held for the step the healed state takes next
+
+    def start_step(self) -> bool:
+        """The step's quorum (the job's first: every group, a start barrier); True when it healed this group: the
+        state is then a live group's, at its progress, and that quorum holds for the step read from there (the other
+        groups are in it already)."""
+        if self._held:
+            self._held = False
+            return False
+        self._healed_from, started = None, time.perf_counter()
+        self.manager.start_quorum()
+        deadline = time.monotonic() + self.timeout_s
+        while self._starting and self._healed_from is None and self.manager.num_participants() < self.groups:
+            if time.monotonic() > deadline:
+                raise UserError(f"only {self.manager.num_participants()} of dist.fault_tolerant_groups = "
+                                f"{self.groups} replica groups joined within dist.timeout_s = {self.timeout_s:g} s at "
+                                "the start; start every group (each one's log says why it did not), or raise "
+                                "dist.timeout_s")
+            self.manager.start_quorum()
+        self._starting = False
+        self._note(time.perf_counter() - started)
+        self._held = self._healed_from is not None
+        return self._held
+
+    def _note(self, seconds: float) -> None:
+        """The log and metrics.jsonl: a heal, and each change in the groups that take part."""
+        step, count = self.state.progress.step, self.manager.num_participants()
+        if self._healed_from is not None:
+            self.recorder.write({"step": step, "event": "healed", "from_group": self._healed_from,
+                                 "seconds": seconds, "time": time.time()})
+            self.recorder.info(f"replica group {self.group} healed from group {self._healed_from} at step {step} in "
+                               f"{seconds:.2f} s")
+        if count != self.participants:
+            self.recorder.write({"step": step + 1, "event": "replica_groups", "participants": count,
+                                 "groups": self.groups, "time": time.time()})
+            self.recorder.info(f"step {step + 1}: {count} of {self.groups} replica groups take part")
+        self.participants = count
+
+    def average(self, model: nn.Module, local_loss: torch.Tensor) -> torch.Tensor:
+        """Each rank's gradients (its shards, under fsdp) summed over the groups in the quorum and divided by their
+        count, once, in one flat buffer that carries this rank's loss too (returned, averaged alike). On a failure
+        inside it torchft records the error and the commit says no."""
+        from torch.distributed import ReduceOp
+
+        grads = [local_tensor(param.grad) for param in model.parameters() if param.grad is not None]
+        dtypes = {grad.dtype for grad in grads}
+        dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+        flat = torch.cat([*(grad.reshape(-1).to(dtype) for grad in grads),
+                          local_loss.detach().reshape(1).to(dtype)])
+        self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+        flat /= self.participants
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+        return flat[-1].to(local_loss.dtype)
+
+    def commit(self) -> bool:
+        """Whether every group rank's step went through with enough groups (dist.min_replicas): the update is taken
+        only then; else the same samples again after a new quorum."""
+        return self.manager.should_commit()
+
+    @property
+    def share(self) -> float:
+        """The part of the global batch that this step's groups read."""
+        return self.participants / self.groups
+
+    def logged(self) -> dict:
+        return {"replica_groups": self.participants}
+
+    def state_dict(self) -> dict:
+        """What a healing group loads (called in torchft's quorum thread while the main thread waits for the quorum):
+        the training state, copied, this rank's RNG, and which group sent it."""
+        train = self.state.state_dict(self.global_batch_size)
+        for part in _OWN_PARTS:
+            train.pop(part, None)
+        return {"train": _local(train), "rng": self.runtime.rng_state(), "group": self.group}
+
+    def load_state_dict(self, received: dict) -> None:
+        train = received["train"]
+        if self.state.strategy.sharded_state:
+            train = _like(train, self.state.state_dict(self.global_batch_size))
+        self.state.load_state_dict(train, self.global_batch_size)
+        self.runtime.set_rng_state(received["rng"])
+        self._healed_from = received["group"]
+
+
+def _forget_dead_manager(runtime: Runtime) -> None:
+    """The keys torchft's Manager leaves in the launcher's store, which outlives a restart: rank 0 deletes them before
+    its new Manager writes them again, and the group's barrier keeps the others from reading the old ones."""
+    if runtime.world_size == 1:
+        return
+    if runtime.is_main:
+        host, port = runtime.store.rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
+        for name in _MANAGER_KEYS:
+            store.delete_key(name)
+    dist.barrier()
+
+
+@contextlib.contextmanager
+def replica_groups(config, runtime: Runtime, state, plan, recorder) -> Iterator[ReplicaGroups | None]:
+    """This group's ReplicaGroups for the training steps (None: dist.fault_tolerant_groups = 1), its torchft Manager
+    shut down after them."""
+    groups = config.dist.fault_tolerant_groups
+    if groups == 1:
+        yield None
+        return
+    _check_launch(groups, runtime)
+    if plan.num_samples is None:
+        raise UserError(f"dist.fault_tolerant_groups = {groups}: the training data is a stream, whose position a "
+                        "healed group cannot take from a live one yet; use map-style data, or --set "
+                        "dist.fault_tolerant_groups=1")
+    manager = _manager(config, runtime)
+    replicas = ReplicaGroups(manager, groups, runtime.replica_group, state, plan.global_batch_size, runtime, recorder,
+                             config.dist.timeout_s)
+    manager.register_state_dict_fn("distrib", replicas.load_state_dict, replicas.state_dict)
+    manager.load_state_dict({"step": state.progress.step, "batches_committed": 0})  # resumed: the checkpoint's step
+    try:
+        yield replicas
+    finally:
+        manager.shutdown(wait=False)
+
+
+def _manager(config, runtime: Runtime):
+    """torchft's Manager of this group: synchronous quorums (a heal is applied before the step's forward, so the
+    healed group takes part in that very step), no initial sync (every group builds the same weights from
+    train.seed), dist.fault_tolerant_timeout_s for the all-reduce across the groups, dist.timeout_s for the rest."""
+    # torchft's Rust side logs every quorum and commit at INFO (read once, at its import): warnings and errors only,
+    # unless the user asks for more.
+    os.environ.setdefault("RUST_LOG", "warn")
+    from torchft.manager import Manager
+
+    _forget_dead_manager(runtime)
+    timeout = timedelta(seconds=config.dist.timeout_s)
+    host, port = runtime.store.rsplit(":", 1)
+    collectives = timedelta(seconds=config.dist.fault_tolerant_timeout_s)
+    return Manager(pg=runtime.replica_process_group(collectives), load_state_dict=None, state_dict=None,
+                   min_replica_size=config.dist.min_replicas, use_async_quorum=False, timeout=timeout,
+                   quorum_timeout=timeout, connect_timeout=timeout, rank=runtime.rank, world_size=runtime.world_size,
+                   store_addr=host, store_port=int(port), lighthouse_addr=runtime.lighthouse,
+                   replica_id=GROUP_FOLDER.format(runtime.replica_group), init_sync=False)
+

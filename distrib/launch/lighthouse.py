@@ -1,0 +1,72 @@
+"""`distrib lighthouse`: torchft's Lighthouse (the quorum server of fault-tolerant replica groups) in this process
+until a stop signal; what `distrib launch --replica-groups` starts on one node, and a job script's own step."""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+import sys
+import threading
+import types
+
+from distrib.errors import UserError, say
+
+DEFAULT_BIND = "[::]:29510"  # torchft_lighthouse's own default
+# How long a quorum waits for a group that heartbeats but has not asked to join (torchft_lighthouse: 60 s). Short, as
+# the groups that go on wait this long for a restarted group that is still starting; the start barrier (the first
+# quorum waits for every group) is the workers' own.
+JOIN_TIMEOUT_MS = 5000
+HEARTBEAT_TIMEOUT_MS = 5000  # a group silent this long is left out of the next quorum (torchft's default)
+# How often a quorum that waits for groups is checked (torchft_lighthouse: 100 ms): a step whose groups ask at
+# different moments waits for the next tick.
+QUORUM_TICK_MS = 10
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
+
+
+def lighthouse_server_class():
+    """torchft's LighthouseServer, loaded without torchft's package __init__: that imports torch and the rest of
+    torchft (10 s on a loaded machine; 0.3 s without), and the Rust extension needs none of it. This process runs
+    nothing else of torchft."""
+    if "torchft" not in sys.modules:
+        spec = importlib.util.find_spec("torchft")
+        if spec is None or not spec.submodule_search_locations:
+            raise UserError("fault-tolerant replica groups need torchft, which is not installed: "
+                            "pip install 'distrib[ft]' (torchft 0.2.0)")
+        package = types.ModuleType("torchft")
+        package.__path__ = list(spec.submodule_search_locations)
+        sys.modules["torchft"] = package
+    from torchft._torchft import LighthouseServer
+
+    return LighthouseServer
+
+
+def address(bind: str, server_address: str) -> str:
+    """The URL the groups use: the bound host, or this machine's name when bound to every interface."""
+    host, _, _ = bind.rpartition(":")
+    port = server_address.rpartition(":")[2]
+    if host in ("", "[::]", "0.0.0.0", "*"):
+        host = socket.gethostname()
+    return f"http://{host}:{port}"
+
+
+def serve(min_replicas: int, bind: str = DEFAULT_BIND, join_timeout_ms: int = JOIN_TIMEOUT_MS) -> int:
+    """Runs the Lighthouse until SIGTERM, SIGINT or SIGUSR1; says its address on stderr first (one line)."""
+    import signal
+
+    from distrib.launch.preempt import signal_handlers
+
+    if min_replicas < 1:
+        raise UserError(f"--min-replicas {min_replicas}: must be at least 1 (dist.min_replicas)")
+    try:
+        server = lighthouse_server_class()(bind=bind, min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
+                                           quorum_tick_ms=QUORUM_TICK_MS, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
+    except RuntimeError as e:
+        raise UserError(f"distrib lighthouse --bind {bind}: cannot serve there ({e}); give a free HOST:PORT") from None
+    stop = threading.Event()
+    with signal_handlers([getattr(signal, name) for name in STOP_SIGNALS], lambda signum, frame: stop.set()):
+        say(f"distrib lighthouse: listening at {address(bind, server.address())} (min_replicas {min_replicas}, "
+            f"join timeout {join_timeout_ms} ms)")
+        while not stop.wait(1.0):
+            pass
+    server.shutdown()
+    return 0

@@ -1,0 +1,282 @@
+"""Replica groups: `distrib launch --replica-groups G` (and `distrib train` with dist.fault_tolerant_groups = G) on one
+node starts torchft's Lighthouse and G ordinary launches of W/G workers, each restarted on its own; across nodes, each
+group is one `distrib launch --replica-group g --lighthouse URL`. The workers' side: distrib.distributed.runtime."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from distrib.errors import EXIT_PREEMPTED, UserError, say
+
+# What a worker of replica group g reads (runtime.read_launch_env): its group, and where the Lighthouse is.
+GROUP_VAR = "DISTRIB_REPLICA_GROUP"
+LIGHTHOUSE_VAR = "TORCHFT_LIGHTHOUSE"
+LIGHTHOUSE_START_S = 120.0  # `distrib lighthouse` imports no torch: under a second on a quiet machine
+FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # passed on to every group's launcher
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """distrib launch's own flags beside torchrun's (any order before the script, like them)."""
+    group = parser.add_argument_group("replica groups (torchft fault tolerance; distrib launch's own flags)")
+    group.add_argument("--replica-groups", type=int, default=1, metavar="G",
+                       help="on this node: torchft's Lighthouse and G replica groups of --nproc-per-node / G workers, "
+                            "each a world of its own, restarted on its own (--max-restarts each) while the others "
+                            "go on; distrib train takes G from dist.fault_tolerant_groups")
+    group.add_argument("--min-replicas", type=int, default=1, metavar="M",
+                       help="replica groups a step needs after the first (the Lighthouse's min_replicas; "
+                            "dist.min_replicas); default 1")
+    group.add_argument("--replica-group", type=int, default=None, metavar="INDEX",
+                       help="this launch is replica group INDEX of a run across nodes (default: "
+                            "$DISTRIB_REPLICA_GROUP); needs --lighthouse")
+    group.add_argument("--lighthouse", default=None, metavar="URL",
+                       help="a running torchft Lighthouse, http://HOST:PORT (default: $TORCHFT_LIGHTHOUSE); with "
+                            "--replica-groups on one node none is started")
+
+
+def settle(args: argparse.Namespace, num_workers: int, environ: Mapping[str, str]) -> None:
+    """Fills --replica-group and --lighthouse from the environment, then checks the group flags against the launch:
+    one line each (exit 2), before anything starts."""
+    if args.replica_group is None and environ.get(GROUP_VAR, "") != "":
+        args.replica_group = _whole(environ[GROUP_VAR], GROUP_VAR)
+    args.lighthouse = args.lighthouse or environ.get(LIGHTHOUSE_VAR) or None
+    groups, minimum = args.replica_groups, args.min_replicas
+    if groups < 1:
+        raise UserError(f"dist.fault_tolerant_groups = {groups} (--replica-groups {groups}): must be at least 1; "
+                        "1 runs without torchft")
+    if groups > 1 and not 1 <= minimum <= groups:
+        raise UserError(f"dist.min_replicas = {minimum} (--min-replicas {minimum}): must be between 1 and the "
+                        f"{groups} replica groups (dist.fault_tolerant_groups); 1 lets one live group go on alone")
+    if args.replica_group is not None:
+        _check_one_group(args)
+    elif groups > 1:
+        _check_local_groups(args, num_workers)
+
+
+def _whole(text: str, source: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise UserError(f"{source}={text!r}: not a whole number; give the replica group's index, e.g. 0") from None
+
+
+def _check_one_group(args: argparse.Namespace) -> None:
+    index, groups = args.replica_group, args.replica_groups
+    if index < 0 or (groups > 1 and index >= groups):
+        raise UserError(f"--replica-group {index} ({GROUP_VAR}): must be 0 .. {max(groups, 1) - 1}, one index per "
+                        f"group of the {groups} (dist.fault_tolerant_groups)")
+    if not args.lighthouse:
+        raise UserError(f"--replica-group {index} ({GROUP_VAR}) without a Lighthouse: give --lighthouse "
+                        f"http://HOST:29510 ({LIGHTHOUSE_VAR}), the address of the one the job started "
+                        "(torchft_lighthouse --min_replicas M)")
+
+
+def _check_local_groups(args: argparse.Namespace, num_workers: int) -> None:
+    groups = args.replica_groups
+    if num_workers % groups:
+        fits = ", ".join(str(d) for d in range(1, num_workers + 1) if num_workers % d == 0)
+        raise UserError(f"dist.fault_tolerant_groups = {groups} (--replica-groups {groups}) does not divide the "
+                        f"{num_workers} workers of --nproc-per-node {num_workers}: each replica group takes W / G of "
+                        f"them; give a G that divides {num_workers} ({fits}) or --nproc-per-node "
+                        f"{groups * max(1, -(-num_workers // groups))}")
+    if args.nnodes.split(":")[-1] != "1":
+        raise UserError(f"--replica-groups {groups} with --nnodes {args.nnodes}: one distrib launch starts the groups "
+                        "of one node; across nodes run one distrib launch per group with --replica-group INDEX "
+                        f"({GROUP_VAR}) and --lighthouse URL ({LIGHTHOUSE_VAR}): see docs/clusters.md")
+    if not args.standalone:
+        raise UserError(f"--replica-groups {groups} with --rdzv-endpoint or --master-port: each replica group takes a "
+                        "private rendezvous on a free port of its own, so one address cannot serve them all; leave "
+                        "it out")
+
+
+def starts_groups(args: argparse.Namespace) -> bool:
+    """Whether this launch starts G replica groups of its own (else it is one ordinary launch)."""
+    return args.replica_groups > 1 and args.replica_group is None
+
+
+def worker_env(args: argparse.Namespace) -> dict[str, str]:
+    """What the workers of one replica group get, beside torchrun's variables (empty when this launch is no group)."""
+    if args.replica_group is None:
+        return {}
+    return {GROUP_VAR: str(args.replica_group), LIGHTHOUSE_VAR: args.lighthouse}
+
+
+def tagged(args: argparse.Namespace, text: str) -> str:
+    """The launcher's lines about its workers, naming the replica group they belong to (ranks repeat per group)."""
+    if args.replica_group is None:
+        return text
+    return re.sub(r"^distrib launch: ", f"distrib launch: replica group {args.replica_group}: ", text, flags=re.M)
+
+
+def group_argv(argv: Sequence[str], args: argparse.Namespace, group: int, per_group: int, lighthouse: str) -> list[str]:
+    """The `distrib launch` arguments of replica group `group`: the user's, with its share of the workers, its index,
+    the Lighthouse and a role named after it (torch's agent logs restarts as "[ROLE] Worker group FAILED"). Later
+    flags win in argparse, so they go right before the script (also the user's abbreviations and PET_* lose)."""
+    script_at = len(argv) - 1 - len(args.training_script_args)
+    return [*argv[:script_at], "--nproc-per-node", str(per_group), "--replica-group", str(group),
+            "--lighthouse", lighthouse, "--role", f"replica_group_{group}", *argv[script_at:]]
+
+
+def group_env(environ: Mapping[str, str], group: int, per_group: int, num_gpus: int) -> dict[str, str]:
+    """Replica group `group`'s own GPUs: its slice of the visible ones (each group's local ranks start at 0)."""
+    if not num_gpus:
+        return {}
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(index) for index in range(num_gpus)]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(devices[group * per_group:(group + 1) * per_group])}
+
+
+def shell_code(returncode: int) -> int:
+    """A child's exit as a shell reports it: 128 + N for signal N."""
+    return returncode if returncode >= 0 else 128 - returncode
+
+
+def combined_exit_code(codes: Sequence[int]) -> int:
+    """The run's exit code from its groups' (in the order they ended): the first failure's (the cause; the others were
+    stopped because of it), else EXIT_PREEMPTED when a group was preempted (the job script requeues), else 0."""
+    failed = [code for code in codes if code not in (0, EXIT_PREEMPTED)]
+    if failed:
+        return failed[0]
+    return EXIT_PREEMPTED if EXIT_PREEMPTED in codes else 0
+
+
+def _tied_to_this_process():
+    """A child's setup between fork and exec: a process group of its own (a terminal's Ctrl-C reaches this launcher
+    alone, which passes it on once) and a SIGKILL when this launcher dies, as each worker's lifeline has."""
+    parent = os.getpid()
+
+    def setup() -> None:
+        from distrib.launch.lifeline import die_with_parent
+
+        os.setpgid(0, 0)
+        die_with_parent(parent)
+    return setup
+
+
+def start_lighthouse(min_replicas: int, folder: Path) -> tuple[subprocess.Popen, str]:
+    """`distrib lighthouse` on a free loopback port (no other machine reaches it), its log in folder; returns the
+    process and its address once it listens. A process of its own: it logs every quorum, which stays out of the
+    run's output."""
+    log = folder / "lighthouse.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "distrib", "lighthouse", "--bind", "127.0.0.1:0",
+                                 "--min-replicas", str(min_replicas)], stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT, preexec_fn=_tied_to_this_process())
+    deadline = time.monotonic() + LIGHTHOUSE_START_S
+    while time.monotonic() < deadline and proc.poll() is None:
+        listening = re.search(rb"distrib lighthouse: listening at (\S+)", log.read_bytes())
+        if listening:
+            return proc, listening.group(1).decode()
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+    last = log.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
+    raise UserError(f"torchft's Lighthouse did not start (exit {proc.wait()}: {last[0]}); its log: {log}")
+
+
+class ReplicaGroups:
+    """The launches of the groups and the Lighthouse, as one run: a stop signal goes on to every group; a group that
+    ends with an error (its restarts spent) ends the run, the others stopped as a preemption stops them."""
+
+    def __init__(self, lighthouse: subprocess.Popen | None):
+        self.lighthouse, self.groups = lighthouse, []
+        self.stop_signal: int | None = None  # set by the handler: the run was asked to stop
+        self.stopping = False  # the other groups were told to stop, after a failure
+        self.lost = False  # the Lighthouse ended while groups ran
+
+    def start(self, cmd: list[str], env: Mapping[str, str]) -> None:
+        self.groups.append(subprocess.Popen(cmd, env=dict(env), stdin=subprocess.DEVNULL,
+                                            preexec_fn=_tied_to_this_process()))
+
+    def forward(self, signum, frame=None) -> None:
+        """The signal handler: passes the signal on to every group's launcher (they to their workers)."""
+        self.stop_signal = self.stop_signal or signum
+        self._signal_all(signum)
+
+    def _signal_all(self, signum: int) -> None:
+        for proc in self.groups:
+            proc.send_signal(signum)  # none to one that ended (Popen checks)
+
+    def _stop_after(self, why: str) -> None:
+        if self.stop_signal is None and not self.stopping:
+            say(f"distrib launch: {why}; stopping the other replica groups (SIGTERM: they checkpoint and stop)")
+            self.stopping = True
+            self._signal_all(signal.SIGTERM)
+
+    def wait(self, poll_s: float = 0.1) -> list[tuple[str, int]]:
+        """(who, exit code: 128 + N for signal N) of each group, and of a Lighthouse that ended before them, in the
+        order they ended."""
+        ended, running = [], dict(enumerate(self.groups))
+        while running:
+            for index, proc in list(running.items()):
+                if proc.poll() is not None:
+                    del running[index]
+                    ended.append((f"group {index}", shell_code(proc.returncode)))
+                    if ended[-1][1] != 0:
+                        self._stop_after(f"replica group {index} ended with exit {ended[-1][1]} (its --max-restarts "
+                                         "spent, or stopped)")
+            if running and self.lighthouse is not None and self.lighthouse.poll() is not None and not self.lost:
+                self.lost = True
+                ended.append(("the Lighthouse", shell_code(self.lighthouse.returncode) or 1))
+                self._stop_after(f"torchft's Lighthouse ended (exit {ended[-1][1]}): no group goes on without it")
+            if running:
+                time.sleep(poll_s)
+        return ended
+
+    def close(self) -> None:
+        """Ends what is still running (the Lighthouse, or every group when this launcher is leaving early)."""
+        for proc in [*self.groups, *([self.lighthouse] if self.lighthouse else [])]:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                proc.wait()
+
+
+def run_groups(args: argparse.Namespace, argv: Sequence[str], num_workers: int, num_gpus: int) -> int:
+    """The Lighthouse (unless --lighthouse names one) and args.replica_groups launches of this node's workers, each
+    `distrib launch` with its own rendezvous, restarts and reports; returns the run's exit code once all ended."""
+    from distrib.launch.preempt import signal_handlers
+
+    num_groups = args.replica_groups
+    per_group = num_workers // num_groups
+    folder = Path(tempfile.mkdtemp(prefix="distrib-lighthouse-"))
+    lighthouse, address = (None, args.lighthouse) if args.lighthouse else start_lighthouse(args.min_replicas, folder)
+    run = ReplicaGroups(lighthouse)
+    try:
+        with signal_handlers(FORWARDED, run.forward):
+            say(f"distrib launch: {num_groups} replica groups of {per_group} workers, torchft's Lighthouse at "
+                f"{address}" + (f" (min_replicas {args.min_replicas}; its log: {folder / 'lighthouse.log'})"
+                                if lighthouse else ""))
+            for group in range(num_groups):
+                if run.stop_signal is None:
+                    run.start([sys.executable, "-m", "distrib", "launch",
+                               *group_argv(argv, args, group, per_group, address)],
+                              {**os.environ, **group_env(os.environ, group, per_group, num_gpus)})
+            ended = run.wait()
+    finally:
+        run.close()
+    code = EXIT_PREEMPTED if run.stop_signal and not ended else combined_exit_code([code for _, code in ended])
+    if code == 0 or lighthouse is None:  # a failed run's Lighthouse log stays, named in the last line
+        shutil.rmtree(folder, ignore_errors=True)
+    if code != 0:
+        say(end_line(run.stop_signal, ended, code, folder if lighthouse else None))
+    return code
+
+
+def end_line(stop_signal: int | None, ended: Sequence[tuple[str, int]], code: int, folder: Path | None) -> str:
+    """The parent's last line when the run did not simply finish: how each group ended, in order, and the code."""
+    how = (f"stopped by {signal.Signals(stop_signal).name}, passed on to every replica group" if stop_signal
+           else "the run of replica groups ended")
+    order = ", ".join(f"{who} exit {code}" for who, code in ended) or "no group had started"
+    log = f"; the Lighthouse's log: {folder / 'lighthouse.log'}" if folder else ""
+    return f"distrib launch: {how} (in the order they ended: {order}){log}; exit {code}"

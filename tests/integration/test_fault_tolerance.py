@@ -1,0 +1,169 @@
+"""Fault-tolerant replica groups. Three groups of one worker (dist.fault_tolerant_groups = 3): torchft's Lighthouse
+in this process and one `distrib launch` per group with DISTRIB_REPLICA_GROUP and TORCHFT_LIGHTHOUSE set, as a
+multi-node job script starts them, each restarted by its own launcher (--max-restarts 1): every group killed and
+resumed from its checkpoint (against one process without fault tolerance), and one group killed inside a step, which
+the others outlive and which heals from them. Two groups of fsdp 2 started by `distrib train --nproc-per-node 4`:
+a rank killed inside a step, its group healed shard by shard."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.processes import EVENT_S, Launches, clean_env, wait_for
+from tests.helpers.support import SMALL, load_weights, max_relative_diff, sets
+
+pytest.importorskip("torchft")
+
+GROUPS = 3
+# AdamW on the plain Network (no attention, so no key bias whose zero gradient AdamW would blow up from noise); the
+# dying factory is the plain model unless DISTRIB_TEST_DIE_AT is set.
+RUN = (*SMALL, "train.epochs=0", "train.log_every=1", "train.optimizer=adamw", "train.lr=0.01",
+       "train.global_batch_size=24", "model.factory=tests.helpers.dying_model:network")
+PACED = 'train.callbacks=["tests.helpers.ft_pace:PaceUntilFile"]'  # live groups step on while a killed one restarts
+
+
+@contextlib.contextmanager
+def lighthouse():
+    from torchft._torchft import LighthouseServer
+
+    # distrib's own Lighthouse settings (distrib.launch.lighthouse), a quorum tick of 10 ms
+    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=5000, quorum_tick_ms=10,
+                              heartbeat_timeout_ms=5000)
+    try:
+        yield server.address()
+    finally:
+        server.shutdown()
+
+
+def start_groups(launches: Launches, address: str, run_dir: Path, overrides: tuple, env_of) -> None:
+    for group in range(GROUPS):
+        env = clean_env(DISTRIB_REPLICA_GROUP=str(group), TORCHFT_LIGHTHOUSE=address, OMP_NUM_THREADS="1",
+                        **env_of(group))
+        launches.start([sys.executable, "-m", "distrib", "launch", "--nproc-per-node", "1", "--standalone",
+                        "--max-restarts", "1", "-m", "distrib", "train",
+                        *sets(*RUN, f"run.dir={run_dir}", f"dist.fault_tolerant_groups={GROUPS}", *overrides)], env)
+
+
+def group_dir(run_dir: Path, group: int) -> Path:
+    return run_dir if group == 0 else run_dir / f"replica_group_{group}"
+
+
+def records(run_dir: Path, group: int) -> list[dict]:
+    path = group_dir(run_dir, group) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def summary(run_dir: Path, group: int) -> dict:
+    return json.loads((group_dir(run_dir, group) / "summary.json").read_text())
+
+
+def assert_groups_equal(run_dir: Path, groups: int = GROUPS) -> None:
+    first = load_weights(group_dir(run_dir, 0))
+    for group in range(1, groups):
+        other = load_weights(group_dir(run_dir, group))
+        assert all(torch.equal(first[name], other[name]) for name in first), f"group {group} differs from group 0"
+
+
+def test_all_groups_killed_resume_bitwise_and_match_one_process(tmp_path):
+    """Every group killed in step 8: each launcher restarts it, it resumes from its step-6 checkpoint, the start
+    barrier waits for all three, and steps 7 and 8 are the same bits again; the end is within 1e-5 of one process
+    without fault tolerance (torchft sums, then divides by the groups; DDP's order differs) and the same bits in
+    every group."""
+    run_dir, reference = tmp_path / "groups", tmp_path / "reference"
+    overrides = ("train.max_steps=12", "checkpoint.every_steps=6")
+    with lighthouse() as address, Launches(tmp_path) as launches:
+        start_groups(launches, address, run_dir, overrides, lambda group: dict(
+            DISTRIB_TEST_DIE_AT="8", DISTRIB_TEST_DIE_RANK="0", DISTRIB_TEST_DIE_ONCE=str(tmp_path / f"died_{group}")))
+        launches.start([sys.executable, "-m", "distrib", "train", *sets(*RUN, f"run.dir={reference}", *overrides)],
+                       clean_env(OMP_NUM_THREADS="1"))
+        done = launches.wait(EVENT_S)
+    assert all(result.returncode == 0 for result in done), "\n".join(result.text() for result in done)
+    for group in range(GROUPS):
+        assert (tmp_path / f"died_{group}").exists() and summary(run_dir, group)["resumed_from_step"] == 6
+        lines = records(run_dir, group)
+        resume = next(index for index, record in enumerate(lines) if record.get("event") == "resume")
+        before = {r["step"]: r["loss"] for r in lines[:resume] if "loss" in r and r["step"] > 6}
+        after = {r["step"]: r["loss"] for r in lines[resume:] if "loss" in r and r["step"] in before}
+        assert before and before == after, (group, before, after)  # the resumed steps, the same bits
+        assert all(r["replica_groups"] == GROUPS for r in lines if "loss" in r)
+    assert_groups_equal(run_dir)
+    assert max_relative_diff(load_weights(run_dir), load_weights(reference)) < 1e-5
+
+
+def paced(healed: Path, revive: Path, hold_at: int) -> dict[str, str]:
+    """tests.helpers.ft_pace's variables: 0.2 s steps until the heal; the live groups wait at step hold_at until the
+    restarted group's rank 0 is up (dying_model touches revive.0), then have 60 paced steps (12 s) to heal it in."""
+    return dict(DISTRIB_TEST_PACE_UNTIL=str(healed), DISTRIB_TEST_PACE_S="0.2", DISTRIB_TEST_PACE_HOLD_AT=str(hold_at),
+                DISTRIB_TEST_PACE_HOLD_FOR=f"{revive}.0")
+
+
+def alone_then_healed(run_dir: Path, groups: int, dying: int, revive: Path, healed: Path, procs) -> dict:
+    """Waits until the groups other than `dying` have logged two steps without it, lets the dying group's restarted
+    workers go on (revive), waits for its heal, and ends the pacing (healed); returns the heal's record."""
+    def stepped_alone() -> bool:
+        return sum(r.get("replica_groups") == groups - 1 for r in records(run_dir, 0) if "loss" in r) >= 2
+
+    wait_for(stepped_alone, EVENT_S, "two steps of the live groups without the killed one", procs)
+    revive.touch()
+    heal = wait_for(lambda: next((r for r in records(run_dir, dying) if r.get("event") == "healed"), None),
+                    EVENT_S, f"heal of group {dying}", procs)
+    healed.touch()  # the groups run to the end at full speed
+    return heal
+
+
+def assert_outlived(run_dir: Path, groups: int, dying: int, heal: dict, died_at: int, max_steps: int) -> None:
+    """The live groups never restarted, stepped through the loss of `dying` within 10 s, counted every step once,
+    took the steps between with one group less; the healed group came from a live one; all end with the same bits."""
+    assert heal["from_group"] != dying and summary(run_dir, dying)["restart_count"] == 1
+    for group in set(range(groups)) - {dying}:
+        lines = records(run_dir, group)
+        assert summary(run_dir, group)["restart_count"] == 0 and not any(r.get("event") == "resume" for r in lines)
+        counts = [r["participants"] for r in lines if r.get("event") == "replica_groups"]
+        assert counts == [groups, groups - 1, groups], counts
+        steps = {r["step"]: r for r in lines if "loss" in r}
+        assert sorted(steps) == list(range(1, max_steps + 1))  # none skipped, none twice
+        stall = steps[died_at]["step_time_p50_s"]  # the step whose all-reduce lost the group, retried without it
+        assert stall < 10, stall
+        print(f"group {group}: step {died_at} took {stall:.2f} s; group {dying} healed in {heal['seconds']:.2f} s")
+    assert_groups_equal(run_dir, groups)
+
+
+def test_group_killed_in_a_step_heals_while_the_others_go_on(tmp_path):
+    """Group 2 kills itself inside step 10 (after the step's quorum, while the others are in the gradient all-reduce
+    that loses it): groups 0 and 1 retry that step without it within 10 s, go on as two, and never restart; group 2's
+    launcher restarts it, it heals from a live group and ends with the same bits as both."""
+    run_dir, revive, healed = tmp_path / "groups", tmp_path / "revive", tmp_path / "healed"
+    dying = dict(DISTRIB_TEST_DIE_AT="10", DISTRIB_TEST_DIE_RANK="0", DISTRIB_TEST_DIE_ONCE=str(tmp_path / "died"),
+                 DISTRIB_TEST_REVIVE_WHEN=str(revive))
+    overrides = ("train.max_steps=73", "dist.fault_tolerant_timeout_s=5", PACED)
+    with lighthouse() as address, Launches(tmp_path) as launches:
+        start_groups(launches, address, run_dir, overrides, lambda group: dict(
+            **paced(healed, revive, hold_at=13), **(dying if group == 2 else {})))
+        heal = alone_then_healed(run_dir, GROUPS, 2, revive, healed, [proc for proc, _, _ in launches.procs])
+        done = launches.wait(EVENT_S)
+    assert all(result.returncode == 0 for result in done), "\n".join(result.text() for result in done)
+    assert_outlived(run_dir, GROUPS, 2, heal, 10, 73)
+
+
+def test_two_groups_of_fsdp_started_by_distrib_train_heal_a_killed_rank(tmp_path):
+    """`distrib train --nproc-per-node 4` with dist.fault_tolerant_groups = 2 under fsdp: the launcher starts the
+    Lighthouse and two groups of fsdp 2; rank 1 of group 1 dies inside step 6, its launcher restarts the group, which
+    heals (each rank the shards of its peer rank in group 0) while group 0 goes on alone."""
+    run_dir, revive, healed = tmp_path / "groups", tmp_path / "revive", tmp_path / "healed"
+    env = clean_env(DISTRIB_TEST_DIE_AT="6", DISTRIB_TEST_DIE_RANK="1", DISTRIB_TEST_DIE_GROUP="1",
+                    DISTRIB_TEST_DIE_ONCE=str(tmp_path / "died"), DISTRIB_TEST_REVIVE_WHEN=str(revive),
+                    **paced(healed, revive, hold_at=9))
+    with Launches(tmp_path) as launches:
+        launches.start([sys.executable, "-m", "distrib", "train", "--nproc-per-node", "4", "--max-restarts", "1",
+                        *sets(*RUN, f"run.dir={run_dir}", "dist.strategy=fsdp", "dist.fault_tolerant_groups=2",
+                              "dist.fault_tolerant_timeout_s=5", "train.max_steps=69", PACED)], env)
+        heal = alone_then_healed(run_dir, 2, 1, revive, healed, [proc for proc, _, _ in launches.procs])
+        done = launches.wait(EVENT_S)
+    assert all(result.returncode == 0 for result in done), "\n".join(result.text() for result in done)
+    assert_outlived(run_dir, 2, 1, heal, 6, 69)

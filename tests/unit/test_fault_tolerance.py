@@ -1,0 +1,142 @@
+"""Fault-tolerant replica groups, in process: the config's keys and refusals, the launch environment, each group's
+folders, the data rank as a function of (group, rank in group), and ReplicaGroups against a stand-in for torchft's
+Manager (the start barrier, the average over the groups that took part, a heal's state and its held quorum)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+
+from distrib.config import DistConfig, TrainConfig
+from distrib.data import make_plan
+from distrib.distributed.fault_tolerance import ReplicaGroups, group_config
+from distrib.distributed.mesh import ParallelDims
+from distrib.distributed.runtime import Runtime, read_launch_env
+from distrib.distributed.strategies import check_config, parallel_dims
+from distrib.errors import ConfigError, UserError
+from distrib.training.trainer import new_state
+from tests.helpers.support import small_config
+
+CPU = torch.device("cpu")
+
+
+def runtime(rank: int = 0, world_size: int = 1, group: int = 0) -> Runtime:
+    return Runtime(rank, rank, world_size, world_size, CPU, "gloo", replica_group=group)
+
+
+def test_keys_are_checked_in_one_line():
+    with pytest.raises(ConfigError, match=r"dist.min_replicas = 3: more than the dist.fault_tolerant_groups = 2"):
+        DistConfig(fault_tolerant_groups=2, min_replicas=3)
+    with pytest.raises(ConfigError, match=r"dist.fault_tolerant_groups = 0"):
+        DistConfig(fault_tolerant_groups=0)
+    with pytest.raises(ConfigError, match=r"dist.fault_tolerant_timeout_s"):
+        DistConfig(fault_tolerant_timeout_s=0)
+
+
+@pytest.mark.parametrize("key", ["pipeline_parallel", "tensor_parallel", "expert_parallel"])
+def test_degrees_a_group_cannot_hold_are_refused(tmp_path, key):
+    config = small_config(tmp_path, "dist.strategy=fsdp", "dist.fault_tolerant_groups=2", f"dist.{key}=2")
+    with pytest.raises(ConfigError, match=rf"dist.{key} = 2: not inside fault-tolerant replica groups"):
+        check_config(config)
+
+
+def test_the_launch_environment_names_the_group_and_the_lighthouse():
+    env = read_launch_env({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "5",
+                           "DISTRIB_REPLICA_GROUP": "2", "TORCHFT_LIGHTHOUSE": "http://h:29510"})
+    assert (env.replica_group, env.lighthouse) == (2, "http://h:29510")
+    assert read_launch_env({}).replica_group == 0
+    with pytest.raises(UserError, match="DISTRIB_REPLICA_GROUP=-1"):
+        read_launch_env({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "h", "MASTER_PORT": "5",
+                         "DISTRIB_REPLICA_GROUP": "-1"})
+
+
+def test_each_group_but_the_first_writes_a_folder_of_its_own(tmp_path):
+    config = small_config(tmp_path / "run", "dist.fault_tolerant_groups=3", f"checkpoint.dir={tmp_path / 'ckpt'}")
+    assert group_config(config, 0) is config
+    second = group_config(config, 2)
+    assert Path(second.run.dir) == tmp_path / "run" / "replica_group_2"
+    assert Path(second.checkpoint.dir) == tmp_path / "ckpt" / "replica_group_2"
+
+
+def test_a_group_reads_the_samples_of_its_ranks_in_one_world(tmp_path):
+    """Three groups of one rank read what the three ranks of one world read; two groups of fsdp 2 what four ranks
+    read, group by group."""
+    train = TrainConfig(global_batch_size=24, max_steps=2)
+    whole = [make_plan(240, train, runtime(rank, 3), ParallelDims.replicas(3)) for rank in range(3)]
+    dims = parallel_dims(DistConfig(fault_tolerant_groups=3), 1, 1)
+    groups = [make_plan(240, train, runtime(0, 1, group), dims) for group in range(3)]
+    order = whole[0].order(0)
+    for plan, reference in zip(groups, whole):
+        assert all(torch.equal(a, b) for a, b in zip(plan.micro_batches(order, 1), reference.micro_batches(order, 1)))
+    fsdp = parallel_dims(DistConfig(strategy="fsdp", fault_tolerant_groups=2), 2, 2)
+    assert [fsdp.batch_rank(rank, group) for group in range(2) for rank in range(2)] == [0, 1, 2, 3]
+    assert fsdp.batch_ranks == 4 and fsdp.world_size == 2
+
+
+class FakeManager:
+    """torchft's Manager as ReplicaGroups uses it: quorums whose sizes are given, an all-reduce whose peers hold the
+    same tensor, a commit that says yes, and a heal that loads a given state."""
+
+    def __init__(self, sizes: list[int], heal_with: dict | None = None):
+        self.sizes, self.heal_with, self.quorums, self.load = list(sizes), heal_with, 0, None
+
+    def start_quorum(self) -> None:
+        self.quorums += 1
+        self.size = self.sizes.pop(0) if self.sizes else self.size
+        if self.heal_with is not None:
+            self.load(self.heal_with)
+            self.heal_with = None
+
+    def num_participants(self) -> int:
+        return self.size
+
+    def allreduce(self, tensor, reduce_op):
+        tensor *= self.size  # every group holds the same numbers
+        return SimpleNamespace(wait=lambda: True)
+
+
+def replicas(manager: FakeManager, state, groups: int = 3) -> ReplicaGroups:
+    recorder = SimpleNamespace(write=lambda record: None, info=lambda line: None)
+    groups_ = ReplicaGroups(manager, groups, 0, state, 24, runtime(), recorder, timeout_s=30)
+    manager.load = groups_.load_state_dict
+    return groups_
+
+
+def small_state(seed: int):
+    torch.manual_seed(seed)
+    model = nn.Linear(3, 2)
+    return new_state(model, TrainConfig(optimizer="adamw", lr=0.1, max_steps=4), 4, CPU)
+
+
+def test_the_first_step_waits_for_every_group_and_the_gradients_are_averaged_once():
+    state = small_state(0)
+    manager = FakeManager([1, 2, 3, 2])
+    groups = replicas(manager, state)
+    assert not groups.start_step() and manager.quorums == 3 and groups.participants == 3  # the start barrier
+    assert not groups.start_step() and manager.quorums == 4 and groups.participants == 2  # later: as many as came
+    for param in state.model.parameters():
+        param.grad = torch.full_like(param, 0.5)
+    loss = groups.average(state.model, torch.tensor(2.0))
+    assert loss.item() == 2.0 and all(torch.equal(p.grad, torch.full_like(p, 0.5)) for p in state.model.parameters())
+
+
+def test_a_heal_loads_the_live_group_s_state_and_holds_its_quorum_for_the_next_step():
+    source, healing = small_state(0), small_state(1)
+    source.model(torch.ones(4, 3)).sum().backward()
+    source.optimizer.step()
+    source.scheduler.step()
+    source.progress.step, source.progress.step_in_epoch = 5, 5
+    sent = replicas(FakeManager([3]), source).state_dict()
+    manager = FakeManager([3], heal_with=sent)
+    groups = replicas(manager, healing)
+    assert groups.start_step() and healing.progress.step == 5  # healed: the caller reads on from step 5
+    assert not groups.start_step() and manager.quorums == 1  # the heal's quorum holds for that step
+    for name, tensor in source.model.state_dict().items():
+        assert torch.equal(tensor, healing.model.state_dict()[name])
+    moments = [state.optimizer.state_dict()["state"][0]["exp_avg"] for state in (source, healing)]
+    assert torch.equal(*moments)
+    assert healing.scheduler.state_dict() == source.scheduler.state_dict()
