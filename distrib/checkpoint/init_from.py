@@ -300,6 +300,8 @@ def load_weights(model: nn.Module, pretrained: Pretrained) -> str:
     targets = {original: state[name] for name, original in pretrained.names.items()}
     mine = pretrained.source.load(targets)
     whole = sum(_nbytes(tensor.shape, tensor) for tensor in targets.values())
+    if targets:  # under pipeline parallel, the other stages' tensors too, in this stage's dtype: the whole model
+        whole += sum(_nbytes(shape, next(iter(targets.values()))) for shape in _other_stages(model, state).values())
     per_rank = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
         per_rank = [0] * dist.get_world_size()

@@ -149,8 +149,10 @@ class Relay:
                 self.relay()
 
 
-def _child_setup(lifeline_pid: int):
-    def setup() -> None:  # runs in the child between fork and exec
+def child_setup(lifeline_pid: int):
+    """A child's setup between fork and exec: a process group of its own (a terminal's Ctrl-C reaches its parent
+    alone, which passes it on) and a SIGKILL when lifeline_pid dies."""
+    def setup() -> None:
         os.setpgid(0, 0)
         die_with_parent(lifeline_pid)
     return setup
@@ -163,7 +165,7 @@ def supervise(parent_pid: int, status_dir: Path, command: Sequence[str]) -> int:
     relay = Relay()
     for signum in STOP_SIGNALS:  # before the child exists: a stop request must never end this process alone
         signal.signal(signum, relay)
-    child = subprocess.Popen(list(command), preexec_fn=_child_setup(os.getpid()))
+    child = subprocess.Popen(list(command), preexec_fn=child_setup(os.getpid()))
     relay.start(child)
     write_status(status_dir, attempt, Status(os.getpid(), child.pid, None))
     code = relay.wait()

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from distrib.errors import EXIT_PREEMPTED, UserError, say
+from distrib.launch.lifeline import child_setup
 
 # What a worker of replica group g reads (runtime.read_launch_env): its group, and where the Lighthouse is.
 GROUP_VAR = "DISTRIB_REPLICA_GROUP"
@@ -150,19 +151,6 @@ def combined_exit_code(codes: Sequence[int]) -> int:
     return EXIT_PREEMPTED if EXIT_PREEMPTED in codes else 0
 
 
-def _tied_to_this_process():
-    """A child's setup between fork and exec: a process group of its own (a terminal's Ctrl-C reaches this launcher
-    alone, which passes it on once) and a SIGKILL when this launcher dies, as each worker's lifeline has."""
-    parent = os.getpid()
-
-    def setup() -> None:
-        from distrib.launch.lifeline import die_with_parent
-
-        os.setpgid(0, 0)
-        die_with_parent(parent)
-    return setup
-
-
 def start_lighthouse(min_replicas: int, folder: Path) -> tuple[subprocess.Popen, str]:
     """`distrib lighthouse` on a free loopback port (no other machine reaches it), its log in folder; returns the
     process and its address once it listens. A process of its own: it logs every quorum, which stays out of the
@@ -171,7 +159,7 @@ def start_lighthouse(min_replicas: int, folder: Path) -> tuple[subprocess.Popen,
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "distrib", "lighthouse", "--bind", "127.0.0.1:0",
                                  "--min-replicas", str(min_replicas)], stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT, preexec_fn=_tied_to_this_process())
+                                stderr=subprocess.STDOUT, preexec_fn=child_setup(os.getpid()))
     deadline = time.monotonic() + LIGHTHOUSE_START_S
     while time.monotonic() < deadline and proc.poll() is None:
         listening = re.search(rb"distrib lighthouse: listening at (\S+)", log.read_bytes())
@@ -196,7 +184,7 @@ class ReplicaGroups:
 
     def start(self, cmd: list[str], env: Mapping[str, str]) -> None:
         self.groups.append(subprocess.Popen(cmd, env=dict(env), stdin=subprocess.DEVNULL,
-                                            preexec_fn=_tied_to_this_process()))
+                                            preexec_fn=child_setup(os.getpid())))
 
     def forward(self, signum, frame=None) -> None:
         """The signal handler: passes the signal on to every group's launcher (they to their workers)."""

@@ -3,6 +3,8 @@ into stages (balanced by blocks, or at dist.pipeline_split) and the one-line ref
 model's names and share its tensors, a stage's initialisation drawing what one process draws, and the keys' checks.
 (Training against one process: tests/integration/test_pipeline.py.)"""
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -202,8 +204,11 @@ def test_init_from_under_pipeline_parallel_reads_each_stages_own_tensors(tmp_pat
     saved = _gpt()
     torch.save(saved.state_dict(), tmp_path / "model.pt")
     held = _held(build_on_meta(_gpt, 0), stage)
-    load_weights(held, check_weights(held, open_source(str(tmp_path / "model.pt"))))
+    line = load_weights(held, check_weights(held, open_source(str(tmp_path / "model.pt"))))
     assert len(held.state_dict()) < len(saved.state_dict())
+    mib = lambda tensors: sum(t.numel() * t.element_size() for t in tensors) / 2**20  # noqa: E731
+    read, whole = map(float, re.search(r"each rank read ([\d.]+) MiB of ([\d.]+) MiB", line).groups())
+    assert (read, whole) == (round(mib(held.state_dict().values()), 2), round(mib(saved.state_dict().values()), 2))
     assert all(torch.equal(tensor, saved.state_dict()[name]) for name, tensor in held.state_dict().items())
     # another stage's tensor of another shape is refused on this rank too: every rank says the same line
     wider = build_on_meta(lambda: GPT(vocab_size=32, seq_len=8, n_layers=4, n_heads=2, dim=16, hidden_dim=48,
