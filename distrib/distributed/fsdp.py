@@ -119,7 +119,8 @@ def shard(model: nn.Module, runtime: Runtime, config: DistConfig, precision: str
     """fully_shard on each block, then on the root (which takes the rest), over the data-parallel mesh: one dimension
     shards, two replicate over the first and shard over the second. On a model on
     the meta device (as the strategy builds it) nothing is allocated: the shards are materialised afterwards. roots:
-    the modules that run in place of the model (pipeline stages, views of it), each a root of its own. experts: the
+    the modules that run in place of the model (pipeline stages, views of it), each a root of its own that takes
+    all but the blocks and stays gathered from its forward to its backward (FSDP2's default for a root). experts: the
     experts modules expert parallel split, each a unit of its own over their mesh (what remains of the data-parallel
     ranks), and the data-parallel size their gradients are averaged over (torchtitan's).
 
@@ -139,17 +140,23 @@ def shard(model: nn.Module, runtime: Runtime, config: DistConfig, precision: str
     for unit in experts[0] if experts else ():
         _shard_experts(unit, {**options, "mesh": experts[1]}, experts[2])
     blocks = find_blocks(model, config.shard_modules)
-    for unit in [*blocks, *leftover_units(model, blocks)]:
+    # Pipeline stages hold all their units gathered from their first backward to the step's end (torch's schedules
+    # reshard and reduce after the last microbatch), so there an embedding or head of its own, a root resharded after
+    # each forward, or a backward without prefetch lowers no peak: each only adds gathers, every microbatch (pp 2 x
+    # fsdp 2 Llama: 12 all-gathers and 4 reduce-scatters a step on the last stage for the hand loop's 7 and 3).
+    staged = roots is not None
+    for unit in blocks if staged else [*blocks, *leftover_units(model, blocks)]:
         if not any(unit is norm for norm in norms):  # a norm large enough to be a block is sharded already
             fully_shard(unit, **options)
-            if mesh.device_type == "cpu":
+            if mesh.device_type == "cpu" and not staged:
                 # FSDP2 gathers the next block's parameters while a block's backward runs, to overlap the two on an
                 # accelerator's streams; in host memory that is one more block resident at the backward's peak
                 # (0.12x of an 8-block GPT's bytes per rank, measured), so each block prefetches only itself: none.
                 unit.set_modules_to_backward_prefetch([unit])
     roots = roots or [model]  # the model's own root takes the rest; pipeline stages are roots of their own
     for root in roots:
-        fully_shard(root, **options)
+        # a stage root stays gathered from its forward to its backward (FSDP2's own default for a root)
+        fully_shard(root, **{**options, "reshard_after_forward": False} if staged else options)
     # A parameter without a gradient on some ranks (an expert no token reached there) joins its unit's reduce-scatter
     # as zeros, so that every rank's reduction has the same size (without it the sizes differ and the backend aborts).
     for root in roots:
