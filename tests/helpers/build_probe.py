@@ -1,10 +1,12 @@
 """Builds a config's model as its strategy does (distrib.distributed.strategies), under torchrun, and writes what
 rank 0 gathers of the weights (OUT/weights.pt) and each rank's peak resident memory (OUT/rss_RANK.json) after
-building; with --steps N, the weights and the peak after N steps that follow (the byte-level GPT on random tokens, the
+building; with N steps, the weights and the peak after N steps that follow (the byte-level GPT on random tokens, the
 config's optimizer as train builds it, no trainer): for the tests that sharded runs start from one process's weights,
-hold no whole model, and hold what `distrib plan` says.
+hold no whole model, and hold what `distrib plan` says. Several probes run in turn in one launch (its start-up paid
+once), each in a process group of its own; a peak is the process's so far, so a small probe before a large one makes
+the large one's baseline.
 
-argv: OUT [--steps N] --set section.key=value ..."""
+argv: PROBES.json, a list of [OUT, N, [section.key=value, ...]]"""
 
 import json
 import resource
@@ -38,9 +40,7 @@ def train_steps(model: torch.nn.Module, steps: int, config) -> None:
         optimizer.zero_grad(set_to_none=True)
 
 
-if __name__ == "__main__":
-    out, counted = Path(sys.argv[1]), sys.argv[2] == "--steps"
-    steps, overrides = (int(sys.argv[3]), sys.argv[5::2]) if counted else (0, sys.argv[3::2])
+def probe(out: Path, steps: int, overrides: list[str]) -> None:
     config = load_config(None, overrides)
     with open_runtime(config.dist) as runtime:
         strategy = make_strategy(config.dist, runtime.world_size, runtime.local_world_size)
@@ -55,3 +55,8 @@ if __name__ == "__main__":
         if runtime.is_main:
             torch.save(weights, out / "weights.pt")
         (out / f"rss_{runtime.rank}.json").write_text(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    for out, steps, overrides in json.loads(Path(sys.argv[1]).read_text()):
+        probe(Path(out), steps, overrides)

@@ -33,9 +33,10 @@ def runs_relative_diff(run_a: Path, run_b: Path) -> float:
     return max_relative_diff(load_weights(run_a), load_weights(run_b))
 
 
-def train_reference(run_dir: Path, log_dir: Path) -> Path:
-    """One process, no launcher: what every launch of configs/cluster.toml + SMALL must reproduce."""
-    done = run_one(distrib_cmd("train", "--config", CLUSTER_CONFIG, *SMALL, "--set", f"run.dir={run_dir}"),
-                   log_dir, timeout=EVENT_S)
-    assert done.returncode == 0, done.text()
+def train_reference(run_dir: Path) -> Path:
+    """One process, no launcher (`distrib train` in this one, which spares a process start): what every launch of
+    configs/cluster.toml + SMALL must reproduce."""
+    from distrib import cli
+
+    assert cli.main(["train", "--config", str(CLUSTER_CONFIG), *SMALL, "--set", f"run.dir={run_dir}"]) == 0
     return run_dir

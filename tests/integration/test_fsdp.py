@@ -1,7 +1,6 @@
 """The fsdp strategy against references: ddp and one process (weights, metrics, model.pt, memory per rank), exact
-and resharded resume from sharded checkpoints, a killed worker, a broken checkpoint, asynchronous writes (a thread's,
-a checkpoint process's under fsdp and hsdp) cut short by SIGKILL and SIGTERM, and the finite check when only one
-rank's shard goes NaN."""
+and resharded resume from sharded checkpoints, a broken checkpoint, asynchronous writes (a thread's, a checkpoint
+process's) cut short by SIGKILL and SIGTERM, and the finite check when only one rank's shard goes NaN."""
 
 import json
 import os
@@ -20,6 +19,7 @@ from distrib.checkpoint.policy import choose
 from distrib.checkpoint.sharded import list_sharded
 from distrib.config import load_config
 from distrib.worker import run_training
+from tests.helpers.launch_runs import torchrun_runs
 from tests.helpers.processes import EVENT_S, Launches, clean_env, descendants, wait_for, worker_pid
 from tests.helpers.support import REPO, assert_ok, free_port, kill_tree, load_weights, max_relative_diff, torchrun_train
 
@@ -63,27 +63,33 @@ def _flatten(tree, prefix=""):
 
 
 @pytest.fixture(scope="module")
-def fsdp_whole(tmp_path_factory) -> Path:
-    """The uninterrupted 2-worker fsdp run (checkpoints at steps 10, 20, 30) that the others are compared with."""
-    run_dir = tmp_path_factory.mktemp("fsdp_whole")
-    assert_ok(torchrun_train(2, *_sets(run_dir, *FSDP)))
-    return run_dir
+def two_workers(tmp_path_factory) -> Path:
+    """One launch of 2 workers (train_runs.py), two runs: the uninterrupted fsdp run (fsdp/, checkpoints at steps 10,
+    20, 30) that the others are compared with, then ddp with activation checkpointing on named blocks (ddp/)."""
+    root = tmp_path_factory.mktemp("two_workers")
+    assert_ok(torchrun_runs(2, {"fsdp": [*BASE, f"run.dir={root / 'fsdp'}", *FSDP],
+                                "ddp": [*BASE, f"run.dir={root / 'ddp'}", "speed.activation_checkpointing=blocks",
+                                        'dist.shard_modules=["Linear", "Conv2d"]']}, root))
+    return root
+
+
+@pytest.fixture(scope="module")
+def fsdp_whole(two_workers) -> Path:
+    return two_workers / "fsdp"
 
 
 @pytest.mark.timeout(900)
-def test_fsdp_and_ddp_at_world_size_2_equal_one_process(tmp_path, fsdp_whole):
+def test_fsdp_and_ddp_at_world_size_2_equal_one_process(tmp_path, two_workers, fsdp_whole):
     one = run_training(load_config(None, [*BASE, f"run.dir={tmp_path}/one"]))
     # ddp with activation checkpointing on named blocks: recomputing changes memory, not the result
-    assert_ok(torchrun_train(2, *_sets(tmp_path / "ddp", "speed.activation_checkpointing=blocks",
-                                       'dist.shard_modules=["Linear", "Conv2d"]')))
-    ddp, fsdp = _summary(tmp_path / "ddp"), _summary(fsdp_whole)
+    ddp, fsdp = _summary(two_workers / "ddp"), _summary(fsdp_whole)
     reference = load_weights(tmp_path / "one")
-    for run_dir in (tmp_path / "ddp", fsdp_whole):
+    for run_dir in (two_workers / "ddp", fsdp_whole):
         weights = load_weights(run_dir)
         assert list(weights) == list(reference)  # model.pt: the same keys, in order, and shapes as ddp's
         assert {k: v.shape for k, v in weights.items()} == {k: v.shape for k, v in reference.items()}
         assert max_relative_diff(weights, reference) < 1e-5
-    assert max_relative_diff(load_weights(fsdp_whole), load_weights(tmp_path / "ddp")) < 1e-5
+    assert max_relative_diff(load_weights(fsdp_whole), load_weights(two_workers / "ddp")) < 1e-5
     for summary in (ddp, fsdp):  # exact evaluation: every sample once, padded forwards not counted
         assert summary["steps"] == 30 and summary["test_count"] == one["test_count"] == 203
         assert summary["test_loss"] == pytest.approx(one["test_loss"], rel=1e-5)
@@ -95,9 +101,9 @@ def test_fsdp_and_ddp_at_world_size_2_equal_one_process(tmp_path, fsdp_whole):
 
 @pytest.mark.timeout(900)
 def test_sharded_checkpoint_resumes_at_world_sizes_1_and_3(tmp_path, fsdp_whole, capsys):
-    """The step-10 checkpoint of the 2-worker run, resumed at 1 and 3 (float noise; at 2 it is bitwise: the killed
-    worker's test); at world size 1 the step-20 one lacks rank 1's shard file, so it is refused and step 10 used
-    (there with activation checkpointing, which must not change the result)."""
+    """The step-10 checkpoint of the 2-worker run, resumed at 1 and 3 (float noise; at 2 it is bitwise: the process
+    saves' test, whose worker is killed); at world size 1 the step-20 one lacks rank 1's shard file, so it is refused
+    and step 10 used (there with activation checkpointing, which must not change the result)."""
     source = fsdp_whole / "checkpoints"
     for name in ("one", "three"):
         (tmp_path / name / "checkpoints").mkdir(parents=True)
@@ -115,27 +121,6 @@ def test_sharded_checkpoint_resumes_at_world_sizes_1_and_3(tmp_path, fsdp_whole,
     assert_ok(torchrun_train(3, *_sets(tmp_path / "three", *FSDP)))
     assert _summary(tmp_path / "three")["resumed_from_step"] == 10
     assert max_relative_diff(load_weights(tmp_path / "three"), load_weights(fsdp_whole)) < 1e-5
-
-
-@pytest.mark.timeout(900)
-def test_killed_fsdp_worker_is_restarted_and_resumes_bitwise(tmp_path, fsdp_whole):
-    """The launcher stops both workers when one dies and starts them again: a stop after 10 or 20 steps and a resume
-    from the sharded checkpoint at the same world size, ending bitwise equal to the uninterrupted run."""
-    marker = f"run.dir={tmp_path}/killed"
-    cmd = [sys.executable, "-m", "distrib", "launch", "--nproc-per-node=2", "--max-restarts=1", "-m", "distrib",
-           "train", *_sets(tmp_path / "killed", *FSDP)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        wait_for((tmp_path / "killed" / "checkpoints" / "step_00000010").exists, EVENT_S, "checkpoint 10", [proc])
-        os.kill(wait_for(lambda: worker_pid(marker, 1), EVENT_S, "worker 1", [proc]), signal.SIGKILL)
-        out, _ = proc.communicate(timeout=EVENT_S)
-    finally:
-        kill_tree(proc)
-    assert proc.returncode == 0, out[-4000:]
-    summary = _summary(tmp_path / "killed")
-    assert summary["restart_count"] == 1 and summary["resumed_from_step"] in (10, 20), summary
-    _assert_bitwise(_final_shards(tmp_path / "killed", tmp_path), _final_shards(fsdp_whole, tmp_path))
-    _assert_bitwise(load_weights(tmp_path / "killed"), load_weights(fsdp_whole))
 
 
 @pytest.mark.timeout(900)
@@ -211,29 +196,29 @@ def _write_in_flight(run_dir: Path, marker: str, launch: subprocess.Popen) -> tu
 
 @pytest.mark.timeout(900)
 def test_process_saves_cut_by_sigkill_and_sigterm_are_never_torn_and_resume_bitwise(tmp_path, fsdp_whole):
-    """checkpoint.async_save = process under fsdp, then hsdp 1 x 2 (a 2-D mesh, fsdp's arithmetic), in one launch of
-    2 workers (train_runs.py, --max-restarts 2). Worker 1 SIGKILLed while fsdp's write is in flight: the restart
-    removes the partial write and resumes fsdp from the one before. SIGTERM to both workers' process groups (their
-    checkpoint processes' too) while hsdp's write is in flight: the write is finished, the run checkpoints and ends
-    with 75, the restart resumes it. No checkpoint process outlives its rank or its run, and both runs end bitwise
-    equal to the uninterrupted one."""
-    runs = [[name, {}, [*BASE, f"run.dir={tmp_path / name}", *strategy, "checkpoint.async_save=process",
-                        "checkpoint.every_steps=5"]]
-            for name, strategy in (("fsdp", FSDP), ("hsdp", ["dist.strategy=hsdp", "dist.shard_size=2"]))]
-    (tmp_path / "runs.json").write_text(json.dumps(runs))
-    marker = str(tmp_path / "runs.json")
-    cmd = [sys.executable, "-m", "distrib", "launch", "--nproc-per-node=2", "--max-restarts=2",
-           str(REPO / "tests" / "helpers" / "train_runs.py"), marker]
-    env = clean_env(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")  # one thread, as fsdp_whole's torchrun workers
+    """checkpoint.async_save = process under fsdp, one run in one launch of 2 workers (--max-restarts 2). Worker 1
+    SIGKILLed while a write is in flight: the restart removes the partial write and resumes from the one before. Then
+    SIGTERM to both workers' process groups (their checkpoint processes' too) while the next attempt's write is in
+    flight: the write is finished, the run checkpoints and ends with 75, the restart resumes it. No checkpoint process
+    outlives its rank or its run, and the run ends bitwise equal to the uninterrupted one (model.pt, and the sharded
+    model and optimizer). (hsdp saves through the same checkpoint process and group.)"""
+    run_dir = tmp_path / "run"
+    marker = f"run.dir={run_dir}"
+    cmd = [sys.executable, "-m", "distrib", "launch", "--nproc-per-node=2", "--max-restarts=2", "-m", "distrib",
+           "train", *_sets(run_dir, *FSDP, "checkpoint.async_save=process", "checkpoint.every_steps=5")]
+    env = clean_env(OMP_NUM_THREADS="1")  # one thread, as fsdp_whole's torchrun workers
     with Launches(tmp_path) as launches:
         launch = launches.procs[launches.start(cmd, env)][0]
-        torn, stopped = _write_in_flight(tmp_path / "fsdp", marker, launch)
+        stderr = Path(f"{launches.procs[0][1]}.err")
+        torn, stopped = _write_in_flight(run_dir, marker, launch)
         writers = _checkpoint_processes(launch.pid)
         # distrib launch's file for hang dumps, in a folder of its own: every process of this launch inherits it
         note = next(item for item in _read(stopped, "environ").split(b"\0") if item.startswith(b"DISTRIB_HANG_NOTE="))
         os.kill(worker_pid(marker, 1), signal.SIGKILL)
         wait_for(lambda: not any(map(_alive, writers)), EVENT_S, "the end of the killed attempt's checkpoint processes")
-        in_flight, stopped = _write_in_flight(tmp_path / "hsdp", marker, launch)
+        # the restart's first act: the partial write gone (its next write may take the same name)
+        wait_for(lambda: f"removed {torn}," in stderr.read_text(), EVENT_S, f"the removal of {torn}", [launch])
+        in_flight, stopped = _write_in_flight(run_dir, marker, launch)
         writers = _checkpoint_processes(launch.pid)
         for rank in (0, 1):
             os.killpg(worker_pid(marker, rank), signal.SIGTERM)  # each worker leads its process group (its lifeline)
@@ -244,14 +229,14 @@ def test_process_saves_cut_by_sigkill_and_sigterm_are_never_torn_and_resume_bitw
     assert done.returncode == 0 and not _of_launch(note), done.text()  # no checkpoint process outlived its run
     said = done.stderr
     assert f"removed {torn}, left by a writer that died" in said and said.count("left by a writer that died") == 1, \
-        done.text()  # fsdp's partial write; hsdp's in-flight one was finished
-    preempted = re.search(r"preempted at step (\d+); checkpoint \S+/hsdp/checkpoints/step_0*\1;", said)
+        done.text()  # the killed attempt's partial write; the preempted one's in-flight write was finished
+    assert f"resumed at step {_step(torn) - 5} " in said, done.text()  # the one before the torn write
+    preempted = re.search(r"preempted at step (\d+); checkpoint \S+/run/checkpoints/step_0*\1;", said)
     assert preempted and int(preempted[1]) > _step(in_flight), done.text()
-    fsdp_summary, hsdp_summary = _summary(tmp_path / "fsdp"), _summary(tmp_path / "hsdp")
-    assert fsdp_summary["restart_count"] == 1 and fsdp_summary["resumed_from_step"] == _step(torn) - 5
-    assert hsdp_summary["restart_count"] == 2 and hsdp_summary["resumed_from_step"] == int(preempted[1])
-    for name in ("fsdp", "hsdp"):
-        _assert_bitwise(load_weights(tmp_path / name), load_weights(fsdp_whole))
+    summary = _summary(run_dir)
+    assert summary["restart_count"] == 2 and summary["resumed_from_step"] == int(preempted[1])
+    _assert_bitwise(_final_shards(run_dir, tmp_path), _final_shards(fsdp_whole, tmp_path))
+    _assert_bitwise(load_weights(run_dir), load_weights(fsdp_whole))
 
 
 def _step(name: str) -> int:

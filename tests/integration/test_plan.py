@@ -1,7 +1,7 @@
 """distrib plan for real-sized models: GPTs of 1B and 8B parameters at 128 nodes x 8 on the meta device (the process
-never holds their weights) and the table it prints; and under pipeline parallel against real runs (pp 2 x fsdp 2):
-their state_bytes_per_rank exactly, and each pipeline rank's peak. (Its state_bytes_per_rank against other real runs:
-tests/integration/test_resume_matrix.py; its arithmetic and refusals: tests/unit/test_plan.py.)"""
+never holds their weights) and the table it prints. (Its state_bytes_per_rank against real runs:
+tests/integration/test_resume_matrix.py, and under pipeline parallel, with each pipeline rank's peak, in the
+pipeline's launch: tests/integration/test_pipeline.py; its arithmetic and refusals: tests/unit/test_plan.py.)"""
 
 import json
 import sys
@@ -10,10 +10,7 @@ import numpy as np
 import pytest
 
 from distrib.cli import main
-from distrib.config import load_config
-from distrib.plan import Machine, plan_run
-from tests.helpers.launch_runs import torchrun_runs
-from tests.helpers.support import REPO, assert_ok, run
+from tests.helpers.support import REPO, run
 
 # Llama-like shapes: 1B (2048 wide, 16 layers) and 8B (4096 wide, 32 layers, SwiGLU 14336), GPT-2's padded vocabulary.
 GPTS = {"1B": "{n_layers=16, n_heads=16, dim=2048, hidden_dim=8192, tie_weights=true}",
@@ -35,19 +32,35 @@ def _gpt_plan(tokens, size: str, *extra: str) -> list[str]:
     return ["plan", *[a for s in sets for a in ("--set", s)]]
 
 
-# The CLI in a child that reports its own peak resident memory (KiB) on its last stderr line.
-PEAK = ("import resource, sys; from distrib.cli import main; code = main(sys.argv[1:]); "
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); sys.exit(code)")
+# The CLI in one child that plans each [OUT, [ARGS]] of argv[1] (its output to OUT) and says, on a stderr line after
+# each, its exit code and its peak resident memory so far (KiB): the sizes share the child's start-up.
+PEAK = ("import contextlib, json, resource, sys; from distrib.cli import main\n"
+        "for out, args in json.loads(sys.argv[1]):\n"
+        "    with open(out, 'w') as f, contextlib.redirect_stdout(f):\n"
+        "        code = main(args)\n"
+        "    print('peak', code, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr, flush=True)")
+
+
+@pytest.fixture(scope="module")
+def planned(tokens, tmp_path_factory) -> dict[str, tuple[int, int, dict]]:
+    """{size: (exit code, the child's peak resident bytes once it has planned it, its figures)}: the smaller first,
+    so that its peak is its own."""
+    out = tmp_path_factory.mktemp("planned")
+    plans = [[str(out / f"{size}.json"), [*_gpt_plan(tokens, size), "--nnodes", "128", "--nproc-per-node", "8",
+                                          "--json"]] for size in GPTS]
+    done = run([sys.executable, "-c", PEAK, json.dumps(plans)], timeout=500)
+    assert done.returncode == 0, done.stderr
+    peaks = [line.split()[1:] for line in done.stderr.splitlines() if line.startswith("peak ")]
+    assert len(peaks) == len(GPTS), done.stderr
+    return {size: (int(code), int(kib) * 1024, json.loads((out / f"{size}.json").read_text()) if code == "0" else {})
+            for size, (code, kib) in zip(GPTS, peaks)}
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("size, billions", [("1B", 0.9), ("8B", 8.0)])
-def test_a_gpt_at_128_nodes_is_planned_on_the_meta_device(tokens, size, billions):
-    done = run([sys.executable, "-c", PEAK, *_gpt_plan(tokens, size), "--nnodes", "128", "--nproc-per-node", "8",
-                "--json"], timeout=500)
-    assert done.returncode == 0, done.stderr
-    peak_bytes = int(done.stderr.split()[-1]) * 1024
-    figures = json.loads(done.stdout)
+def test_a_gpt_at_128_nodes_is_planned_on_the_meta_device(planned, size, billions):
+    code, peak_bytes, figures = planned[size]
+    assert code == 0
     assert figures["num_parameters"] > billions * 1e9 and figures["world_size"] == 1024
     assert figures["mesh"] == {"replicate": 128, "shard": 8}
     # AdamW on fp32 shards of one node's eighth: parameters, gradients, two moments (and no CPU step counters)
@@ -69,55 +82,3 @@ def test_the_table_names_every_figure(tokens, capsys):
 
 def test_plan_is_a_command_of_the_cli():
     assert "plan" in run([sys.executable, "-m", "distrib", "--help"], timeout=60, cwd=REPO).stdout
-
-
-
-# pp 2 x fsdp 2 at world size 4: a tiny GPT under 1f1b (also the baseline of the peaks), a 25.9M-parameter one (103 MB
-# in fp32, untied: a pipeline splits the embedding from the output layer), the tiny one interleaved (4 stages).
-PP = ["model.name=gpt", "data.name=text", "data.root=/usr/share/common-licenses/GPL-3", "data.seq_len=32",
-      "train.optimizer=adamw", "train.global_batch_size=16", "train.max_steps=2", "train.epochs=0",
-      "train.eval_every_epochs=0", "run.progress=false", "dist.device=cpu", "dist.strategy=fsdp",
-      "dist.pipeline_parallel=2"]
-PP_RUNS = {"tiny": ["model.kwargs={n_layers = 4, n_heads = 4, dim = 32, tie_weights = false}"],
-           "medium": ["model.kwargs={n_layers = 8, n_heads = 8, dim = 512, tie_weights = false}"],
-           "interleaved": ["model.kwargs={n_layers = 4, n_heads = 4, dim = 32, tie_weights = false}",
-                           "dist.pipeline_schedule=interleaved_1f1b"]}
-
-
-@pytest.fixture(scope="module")
-def pipeline_runs(tmp_path_factory) -> dict:
-    """The three runs in one launch of 4 workers (tests/helpers/train_runs.py), each rank's peak resident memory
-    after each: {name: (summary, [peak bytes of rank 0..3])}."""
-    root = tmp_path_factory.mktemp("pipeline")
-    runs = {name: [*PP, *extra, f"run.dir={root / name}"] for name, extra in PP_RUNS.items()}
-    assert_ok(torchrun_runs(4, runs, root, env={"TRAIN_RUNS_PEAKS": str(root)}))
-    peaks = [json.loads((root / f"peaks_{rank}.json").read_text()) for rank in range(4)]
-    return {name: (json.loads((root / name / "summary.json").read_text()), [peak[name] for peak in peaks])
-            for name in runs}
-
-
-@pytest.mark.timeout(900)
-def test_plan_gives_a_pipeline_runs_state_exactly_and_its_bubble(pipeline_runs, capsys):
-    for name, (summary, _) in pipeline_runs.items():
-        assert main(["plan", *[a for s in (*PP, *PP_RUNS[name]) for a in ("--set", s)], "--world-size", "4",
-                     "--json"]) == 0
-        figures = json.loads(capsys.readouterr().out)
-        assert figures["state_bytes_per_rank"] == summary["state_bytes_per_rank"], name
-        # (P - 1) / (M + P - 1), M = 2 stages' microbatches; interleaved (P - 1) / (V M + P - 1), V = 2, M = 4
-        assert figures["bubble_share"] == pytest.approx(1 / 9 if name == "interleaved" else 1 / 3), name
-
-
-@pytest.mark.timeout(900)
-def test_plan_tells_each_pipeline_ranks_peak(pipeline_runs, monkeypatch):
-    """The 25.9M GPT's peak above the tiny one's, on each rank but rank 0 (which also gathers the whole model for
-    model.pt at the end), within 50% of what plan says its pipeline rank holds: its state, its stage's parameters
-    gathered and gradients unsharded through the step, its activations in flight (about 2x the state's 99 MiB)."""
-    monkeypatch.setenv("DISTRIB_HOST_ALLOCATOR", "glibc")  # torchrun's workers: glibc with distrib's thresholds
-    planned = {name: plan_run(load_config(None, [*PP, *PP_RUNS[name]]), Machine(1, 4))["stages"]
-               for name in ("tiny", "medium")}
-    measured = [m - t for m, t in zip(pipeline_runs["medium"][1], pipeline_runs["tiny"][1])]
-    for rank in (1, 2, 3):
-        pipeline_rank = rank // 2  # pp is the outermost dimension
-        expected = planned["medium"][pipeline_rank]["memory_bytes"] - planned["tiny"][pipeline_rank]["memory_bytes"]
-        print(f"rank {rank}: measured {measured[rank] / 2**20:.1f} MiB, plan {expected / 2**20:.1f} MiB")
-        assert abs(measured[rank] - expected) <= 0.5 * measured[rank], (rank, measured, expected)

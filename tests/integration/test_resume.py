@@ -15,7 +15,7 @@ import torch
 
 from distrib.config import load_config
 from distrib.worker import run_training
-from tests.helpers.launch_runs import torchrun_runs
+from tests.helpers.launch_runs import launch_runs, split_runs
 from tests.helpers.processes import EVENT_S, wait_for
 from tests.helpers.support import REPO, assert_ok, kill_tree, max_relative_diff
 from tests.helpers.support import run as run_cmd
@@ -72,9 +72,6 @@ def test_stop_and_resume_is_bitwise_at_world_size_1(tmp_path):
 
 LONG = ["train.max_steps=200", "train.schedule=cosine", "checkpoint.every_steps=20"]
 
-
-# A model that kills its rank 1 in the step DISTRIB_TEST_DIE_AT names (unset: never); a checkpoint every 20 steps.
-DYING = ["train.max_steps=60", "checkpoint.every_steps=20", "model.factory=tests.helpers.dying_model:network"]
 # 16 steps an epoch, DataLoader workers; a model that kills one rank once where model.kwargs says (no marker: never).
 LOADER_RUN = ["data.name=synthetic", "data.synthetic_train_size=512", "data.synthetic_test_size=64",
               "data.loader=dataloader", "data.num_workers=2", "train.max_steps=12", "train.global_batch_size=32",
@@ -84,18 +81,26 @@ LOADER_RUN = ["data.name=synthetic", "data.synthetic_train_size=512", "data.synt
 
 @pytest.fixture(scope="module")
 def two_workers(tmp_path_factory) -> Path:
-    """Every uninterrupted or plainly resumed 2-worker run of this module, in one launch (the workers' start-up is
-    most of a short run's cost): the 200-step reference of the SIGTERM test (long/), a 60-step run (whole/) beside
-    one stopped at 25, mid-epoch (48 steps per epoch), and resumed across the epoch end (parts/), and the references
-    of the killed-worker tests (dying/, loader/: their models die only where a test says)."""
+    """Every 2-worker run of this module that a test does not start itself, in one launch (the workers' start-up is
+    most of a short run's cost): `distrib launch --max-restarts 1` of train_runs.py, one thread per worker (distrib's
+    launcher would share out the cores, and a convolution's bits depend on its thread count). First the killed-worker
+    test's run (killed/), whose rank 1 dies in its first attempt; then, in the second attempt only, the 200-step
+    reference of the SIGTERM test (long/), a 60-step run (whole/) beside one stopped at 25, mid-epoch (48 steps per
+    epoch), and resumed across the epoch end (parts/), and the killed run's reference (loader/). The launch's output
+    is in launch.out and launch.err."""
     root = tmp_path_factory.mktemp("two_workers")
-    runs = {"long": [*BASE, f"run.dir={root / 'long'}", *LONG],
-            "whole": [*BASE, f"run.dir={root / 'whole'}", "train.max_steps=60"],
-            "parts-25": [*BASE, f"run.dir={root / 'parts'}", "train.max_steps=25"],
-            "parts-60": [*BASE, f"run.dir={root / 'parts'}", "train.max_steps=60"],
-            "dying": [*BASE, f"run.dir={root / 'dying'}", *DYING],
-            "loader": [*LOADER_RUN, f"run.dir={root / 'loader'}"]}
-    assert_ok(torchrun_runs(2, runs, root))
+    runs = [("killed", {}, [*LOADER_RUN, f"run.dir={root / 'killed'}",
+                            f"model.kwargs={{marker='{root / 'died'}', at_forward=7, rank=1}}"]),
+            ("long", {}, [*BASE, f"run.dir={root / 'long'}", *LONG]),
+            ("whole", {}, [*BASE, f"run.dir={root / 'whole'}", "train.max_steps=60"]),
+            ("parts-25", {}, [*BASE, f"run.dir={root / 'parts'}", "train.max_steps=25"]),
+            ("parts-60", {}, [*BASE, f"run.dir={root / 'parts'}", "train.max_steps=60"]),
+            ("loader", {}, [*LOADER_RUN, f"run.dir={root / 'loader'}"])]
+    done = launch_runs([sys.executable, "-m", "distrib", "launch", "--nproc-per-node=2", "--max-restarts=1"], runs,
+                       root, env={"OMP_NUM_THREADS": "1"})
+    (root / "launch.out").write_text(done.stdout)
+    (root / "launch.err").write_text(done.stderr)
+    assert_ok(done)
     return root
 
 
@@ -134,45 +139,21 @@ def long_reference(two_workers) -> dict:
 
 
 @pytest.mark.timeout(900)
-def test_a_rank_killed_beside_dataloader_workers_is_one_line_and_the_restart_resumes_bitwise(tmp_path, two_workers):
-    """distrib train --nproc-per-node 2 --max-restarts 1 with data.num_workers = 2: rank 1 is SIGKILLed in step 7
-    (after checkpoint 4). The survivor says one line naming it (its DataLoader workers ignore the launcher's SIGTERM,
-    so none dies under it), both are restarted, and the run ends bitwise equal to the uninterrupted one; nothing in
-    the output is a traceback."""
-    items = [*LOADER_RUN, f"run.dir={tmp_path / 'killed'}",
-             f"model.kwargs={{marker='{tmp_path / 'died'}', at_forward=7, rank=1}}"]
-    cmd = [sys.executable, "-m", "distrib", "train", "--nproc-per-node", "2", "--max-restarts", "1",
-           *[arg for item in items for arg in ("--set", item)]]
-    # PYTHONPATH: the model factory is in tests/. One thread per worker, as torchrun gives the reference's: distrib's
-    # launcher would share out the cores, and a convolution's bits depend on its thread count.
-    killed = run_cmd(cmd, timeout=EVENT_S, env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
-    output = killed.stdout + killed.stderr
-    assert killed.returncode == 0, output[-6000:]
-    summary = _summary(tmp_path / "killed")
-    assert (tmp_path / "died").exists() and summary["restart_count"] == 1 and summary["resumed_from_step"] == 4
-    assert "Traceback" not in output, output
-    assert re.search(r"^distrib: error: after step \d+: lost rank 1 \(host \S+, pid \d+, ", killed.stderr, re.M), output
+def test_a_rank_killed_beside_dataloader_workers_is_one_line_and_the_restart_resumes_bitwise(two_workers):
+    """The first run of two_workers' launch, with data.num_workers = 2: rank 1 is SIGKILLed in step 7 (after
+    checkpoint 4). The survivor says one line naming it (its DataLoader workers ignore the launcher's SIGTERM, so
+    none dies under it), both are restarted, and the run ends bitwise equal to the uninterrupted one; nothing in the
+    output is a traceback."""
+    stdout, stderr = ((two_workers / name).read_text() for name in ("launch.out", "launch.err"))
+    output = stdout + split_runs(stderr, ["killed", "long"])["killed"]  # both attempts, to the next run's start
+    summary = _summary(two_workers / "killed")
+    assert (two_workers / "died").exists() and summary["restart_count"] == 1 and summary["resumed_from_step"] == 4
+    assert "Traceback" not in stdout + stderr, stdout + stderr
+    assert re.search(r"^distrib: error: after step \d+: lost rank 1 \(host \S+, pid \d+, ", output, re.M), output
     assert len([line for line in output.splitlines() if "error" in line.lower()]) == 1, output
-    _assert_bitwise(_final(tmp_path / "killed"), _final(two_workers / "loader"))
-    weights, reference = (torch.load(run / "model.pt", weights_only=True) for run in (tmp_path / "killed",
-                                                                                       two_workers / "loader"))
+    _assert_bitwise(_final(two_workers / "killed"), _final(two_workers / "loader"))
+    weights, reference = (torch.load(two_workers / run / "model.pt", weights_only=True) for run in ("killed", "loader"))
     assert weights.keys() == reference.keys() and all(torch.equal(weights[k], reference[k]) for k in reference)
-
-
-@pytest.mark.timeout(900)
-def test_killed_worker_is_restarted_and_resumes_bitwise(tmp_path, two_workers):
-    """torchrun --max-restarts=1: rank 1 is SIGKILLed (as the OOM killer does) in step 45, after checkpoint 40, by
-    tests.helpers.dying_model (an exact step on any machine); the agent restarts both workers, which resume from
-    step 40 and end bitwise equal to the uninterrupted run. (distrib's launcher, the same agent plus a lifeline per
-    worker: test_a_rank_killed_beside_dataloader_workers_is_one_line_and_the_restart_resumes_bitwise.)"""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
-           "-m", "distrib", "train", *_sets(tmp_path / "killed", *DYING)]
-    env = {"PYTHONPATH": str(REPO), "DISTRIB_TEST_DIE_AT": "45", "DISTRIB_TEST_DIE_ONCE": str(tmp_path / "died")}
-    assert_ok(run_cmd(cmd, timeout=EVENT_S, env=env))
-    summary = _summary(tmp_path / "killed")
-    assert (tmp_path / "died").exists() and summary["restart_count"] == 1 and summary["resumed_from_step"] == 40, \
-        summary
-    _assert_bitwise(_final(tmp_path / "killed"), _final(two_workers / "dying"))
 
 
 def _stop_with_sigterm(cmd: list[str], checkpoint: Path) -> str:
@@ -202,7 +183,7 @@ def test_sigterm_to_the_launcher_checkpoints_exits_75_and_the_next_run_resumes(t
     _stop_with_sigterm(cmd, tmp_path / "checkpoints" / "step_00000020.pt")
     stopped_at = _final(tmp_path)["progress"]["step"]
     assert 20 <= stopped_at < 200
-    # One thread per worker, as in the stopped half (this process's, from conftest) and torchrun's reference: distrib's
+    # One thread per worker, as in the stopped half (this process's, from conftest) and the reference: distrib's
     # launcher would share out the cores, and a convolution's bits depend on its thread count.
     assert_ok(run_cmd(cmd, timeout=EVENT_S, env={"OMP_NUM_THREADS": "1"}))
     assert _summary(tmp_path)["resumed_from_step"] == stopped_at
@@ -243,21 +224,19 @@ def test_extending_a_run_keeps_its_schedule_only_with_schedule_steps(tmp_path):
     assert recomputed[12] == 0.0 and recomputed[13] == pytest.approx(0.5 * 0.05)  # from 0 back to half the peak
 
 
-FIT_SCRIPT = REPO / "tests" / "helpers" / "fit_preempted.py"
-FIT_LAUNCHES = {"alone": [sys.executable, str(FIT_SCRIPT)],
-                "distrib launch": [sys.executable, "-m", "distrib", "launch", "--nproc-per-node", "2", str(FIT_SCRIPT)]}
+FIT_LAUNCH = [sys.executable, "-m", "distrib", "launch", "--nproc-per-node", "2",
+              str(REPO / "tests" / "helpers" / "fit_preempted.py")]
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("launch", FIT_LAUNCHES)
-def test_sigterm_in_a_fit_script_exits_75_without_traceback_and_the_rerun_resumes_bitwise(tmp_path, launch):
-    """A worker of a distrib.fit script sends itself SIGTERM in step 6 of its first fit: every rank checkpoints, says
-    one line and ends with 75 (distrib.Preempted, a SystemExit), so does the launcher, which calls it a preemption
-    (no line says failure); the same command then resumes
-    and ends bitwise equal to the uninterrupted run, which its second fit (never reached by the stopped command)
-    trains in the same processes."""
+def test_sigterm_in_a_fit_script_exits_75_without_traceback_and_the_rerun_resumes_bitwise(tmp_path):
+    """A worker of a distrib.fit script under distrib launch sends itself SIGTERM in step 6 of its first fit: every
+    rank checkpoints, says one line and ends with 75 (distrib.Preempted, a SystemExit), so does the launcher, which
+    calls it a preemption (no line says failure); the same command then resumes and ends bitwise equal to the
+    uninterrupted run, which its second fit (never reached by the stopped command) trains in the same processes.
+    (One process stopped by SIGTERM: test_sigterm_to_one_process_checkpoints_exits_75_and_the_next_run_resumes.)"""
     env = {"PYTHONPATH": str(REPO)}
-    cmd = [*FIT_LAUNCHES[launch], str(tmp_path / "stopped"), str(tmp_path / "whole")]
+    cmd = [*FIT_LAUNCH, str(tmp_path / "stopped"), str(tmp_path / "whole")]
     stopped = run_cmd(cmd, timeout=EVENT_S, env={**env, "DISTRIB_TEST_DIE_AT": "6", "DISTRIB_TEST_DIE_RANK": "0",
                                                   "DISTRIB_TEST_DIE_SIGNAL": "SIGTERM"})
     output = stopped.stdout + stopped.stderr
@@ -266,11 +245,11 @@ def test_sigterm_in_a_fit_script_exits_75_without_traceback_and_the_rerun_resume
     stopped_at = _final(tmp_path / "stopped")["progress"]["step"]  # the first step the ranks agree at, from 6 on
     assert "Traceback" not in output and f"distrib: preempted at step {stopped_at}; checkpoint" in output, output
     assert 6 <= stopped_at < 16
-    if launch == "distrib launch":  # a preemption of the workers, not of the launcher: said as one, not a failure
-        # Both ranks end with 75, or the one whose exit reaches the agent first does and the launcher stops the
-        # other (rank 0 says the preemption line, rank 1 ends quietly: either may be first).
-        assert re.search(r"distrib launch: ranks? [01](, 1)? \(.*\) (was|were) preempted \(exit 75", output), output
-        assert "distrib launch: the run was preempted; exit 75" in output and "failure" not in output, output
+    # A preemption of the workers, not of the launcher: said as one, not a failure. Both ranks end with 75, or the one
+    # whose exit reaches the agent first does and the launcher stops the other (rank 0 says the preemption line,
+    # rank 1 ends quietly: either may be first).
+    assert re.search(r"distrib launch: ranks? [01](, 1)? \(.*\) (was|were) preempted \(exit 75", output), output
+    assert "distrib launch: the run was preempted; exit 75" in output and "failure" not in output, output
     assert_ok(run_cmd(cmd, timeout=EVENT_S, env=env))
     assert _summary(tmp_path / "stopped")["resumed_from_step"] == stopped_at
     assert _summary(tmp_path / "whole")["resumed_from_step"] is None  # trained from step 0 without a stop

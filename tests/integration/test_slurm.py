@@ -98,7 +98,7 @@ def _signal_when(env, job_id: str, log: Path, ready) -> dict[str, str]:
 
 
 def test_sbatch_trains_on_two_nodes_like_one_process(cluster, tmp_path):
-    reference = train_reference(tmp_path / "reference", tmp_path)
+    reference = train_reference(tmp_path / "reference")
     run_dir = tmp_path / "run"
     job_id, log = _submit(cluster, tmp_path, *SMALL, "--set", f"run.dir={run_dir}")
     job = _wait(cluster, job_id, lambda job: job["JobState"] in ENDED, timeout=240, log=log)

@@ -1,11 +1,10 @@
 """Streams through `distrib train`: a plain IterableDataset over 10 shard files read by 2 DataLoader workers (world 1
 = world 2, every sample of the pass trained once, SIGTERM and rerun bitwise equal to an uninterrupted run); a Hugging
 Face streaming dataset over 4 JSON-lines files of unequal lengths under fsdp (no hang, no sample twice, what each
-rank left, SIGTERM and rerun bitwise); each of them trained one pass by train.epochs (no train.max_steps) with rank 1
+rank left, SIGTERM and rerun bitwise), also trained one pass by train.epochs (no train.max_steps) with rank 1
 SIGKILLed mid-pass under `distrib launch --max-restarts`, restarted, resumed from its checkpointed stream position and
 bitwise equal to the uninterrupted run; bad streams (a wrong structure halfway, an empty stream, a Hugging Face
-column that changes type): one line, exit 2. The world-size-2 runs of the first three share two launches
-(see _launch)."""
+column that changes type): one line, exit 2. The world-size-2 runs share two launches (see _launch)."""
 
 from __future__ import annotations
 
@@ -22,8 +21,6 @@ from distrib import cli
 from distrib.config import load_config
 from distrib.worker import run_training
 from tests.helpers.launch_runs import launch_runs, split_runs
-from tests.helpers.launch_support import distrib_cmd
-from tests.helpers.processes import EVENT_S, Launches, clean_env
 from tests.helpers.stream_kinds import write_bad_jsonl
 from tests.helpers.streams import write_jsonl_shards, write_tensor_shards
 from tests.helpers.support import load_weights, max_relative_diff, sets
@@ -39,10 +36,6 @@ def _overrides(run_dir: Path, factory: str, folder: Path, *extra: str) -> list[s
             f"run.dir={run_dir}", *extra]
 
 
-def _command(world_size: int, run_dir: Path, factory: str, folder: Path, *extra: str) -> list[str]:
-    return distrib_cmd("train", "--nproc-per-node", world_size, *sets(*_overrides(run_dir, factory, folder, *extra)))
-
-
 def _trained_ids(folder: Path) -> Counter:
     return Counter(int(i) for path in folder.glob("ids_rank*.txt") for i in path.read_text().split())
 
@@ -52,13 +45,14 @@ def _assert_bitwise(a: Path, b: Path) -> None:
     assert all(torch.equal(weights_a[key], weights_b[key]) for key in weights_a)
 
 
-# The world-size-2 runs of the two tests below, in two launches of tests/helpers/train_runs.py (a launch's process
+# The world-size-2 runs of the tests below, in two launches of tests/helpers/train_runs.py (a launch's process
 # start-up is most of a run's cost; each run with its own environment, every run's exit code kept). The first, under
-# torchrun, makes the uninterrupted runs and the stopped ones (rank 1 sends itself SIGTERM: every rank checkpoints and
-# returns 75). The second, fresh processes under `distrib launch --max-restarts`, first makes the killed runs: each
-# trains one pass by train.epochs (no train.max_steps) with a checkpoint every 4 steps, and its rank 1 SIGKILLs itself
-# once, mid-pass; the launcher restarts both workers, the killed run resumes from its last checkpoint (a finished
-# one trains nothing); then it reruns the stopped ones.
+# torchrun, makes the uninterrupted runs, the stopped ones (rank 1 sends itself SIGTERM: every rank checkpoints and
+# returns 75) and the bad streams. The second, fresh processes under `distrib launch --max-restarts`, first makes the
+# killed run (the Hugging Face stream's: a plain stream's resume is the stopped one's): it trains one pass by
+# train.epochs (no train.max_steps) with a checkpoint every 4 steps, and its rank 1 SIGKILLs itself once, mid-pass;
+# the launcher restarts both workers, the killed run resumes from its last checkpoint; then it reruns the stopped
+# ones.
 TORCHRUN_2 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
 
 
@@ -75,30 +69,37 @@ def _launch(out: Path, name: str, runs: list, launcher: list[str] = TORCHRUN_2) 
 
 @pytest.fixture(scope="module")
 def streams(tmp_path_factory):
-    """The folder of the runs (plain/, hf/ with two/, stopped/, killed/, ids/), each run's exit code and its output."""
+    """The folder of the runs (plain/ with two/, stopped/, halfway/, ids/; hf/ with two/, stopped/, killed/, bad/,
+    ids/), each run's exit code and its output."""
     out = tmp_path_factory.mktemp("streams")
     write_tensor_shards(out / "shards", [37] * 10)  # 370 samples: 23 global batches of 16, 2 left
     write_jsonl_shards(out / "jsonl", [100, 300, 150, 50])  # rank 0 reads files 0 and 2 (250), rank 1 1 and 3 (350)
-    # (factory, data, overrides, SIGTERM in rank 1's forward N, SIGKILL in forward N): plain: 2 forwards a step
-    kinds = {"plain": ("plain", out / "shards", PLAIN_EXTRA, 15, 19)}  # SIGKILL in step 10: resumed at 8
+    # (factory, data, overrides, SIGTERM in rank 1's forward N): plain: 2 forwards a step
+    kinds = {"plain": ("plain", out / "shards", PLAIN_EXTRA, 15)}
     if importlib.util.find_spec("datasets"):
-        kinds["hf"] = ("hugging_face", out / "jsonl", HF_EXTRA, 12, 14)  # SIGKILL in step 14: resumed at 12
+        kinds["hf"] = ("hugging_face", out / "jsonl", HF_EXTRA, 12)
     first, killed, rerun = [], [], []
-    for kind, (factory, folder, extra, stop_at, kill_at) in kinds.items():
+    for kind, (factory, folder, extra, stop_at) in kinds.items():
         (out / kind / "ids").mkdir(parents=True)
         overrides = {name: _overrides(out / kind / name, factory, folder, *extra) for name in ("two", "stopped")}
         first += [(f"{kind}/two", {"DISTRIB_TEST_IDS": str(out / kind / "ids")}, overrides["two"]),
                   (f"{kind}/stopped", {"DISTRIB_TEST_DIE_AT": str(stop_at)}, overrides["stopped"])]
-        killed.append((f"{kind}/killed", {"DISTRIB_TEST_DIE_AT": str(kill_at), "DISTRIB_TEST_DIE_SIGNAL": "SIGKILL",
-                                          "DISTRIB_TEST_DIE_ONCE": str(out / kind / "died")},
-                       _overrides(out / kind / "killed", factory, folder, *extra, "train.max_steps=0",
-                                  "checkpoint.every_steps=4")))
         rerun.append((f"{kind}/rerun", {}, overrides["stopped"]))
-    if "hf" in kinds:  # last: a run that fails (exit 2 on every rank) in the shared launch
+    if "hf" in kinds:  # SIGKILL in step 14: resumed at 12
+        killed.append(("hf/killed", {"DISTRIB_TEST_DIE_AT": "14", "DISTRIB_TEST_DIE_SIGNAL": "SIGKILL",
+                                     "DISTRIB_TEST_DIE_ONCE": str(out / "hf" / "died")},
+                       _overrides(out / "hf" / "killed", "hugging_face", out / "jsonl", *HF_EXTRA,
+                                  "train.max_steps=0", "checkpoint.every_steps=4")))
+    # the bad streams, last: runs that fail (exit 2 on every rank) in the shared launch. A plain stream with a wrong
+    # structure past the first 256 samples (where the data's kind is learnt): found at step 19, after checkpoint 18.
+    first.append(("plain/halfway", {}, _overrides(out / "plain" / "halfway", "plain", out / "shards",
+                                                  f"data.kwargs={{folder = '{out / 'shards'}', bad_after = 300}}",
+                                                  "checkpoint.every_steps=2")))
+    if "hf" in kinds:
         write_bad_jsonl(out / "jsonl_bad", [100] * 4)
         first.append(("hf/bad", {}, _overrides(out / "hf" / "bad", "hugging_face", out / "jsonl_bad", *HF_BAD)))
     codes, said = _launch(out, "first", first)
-    restarting = [sys.executable, "-m", "distrib", "launch", "--nproc-per-node=2", f"--max-restarts={len(kinds)}"]
+    restarting = [sys.executable, "-m", "distrib", "launch", "--nproc-per-node=2", f"--max-restarts={len(killed)}"]
     rerun_codes, rerun_said = _launch(out, "rerun", [*killed, *rerun], restarting)
     return out, {**codes, **rerun_codes}, {**said, **rerun_said}
 
@@ -130,7 +131,6 @@ def test_a_plain_stream_agrees_across_world_sizes_and_resumes_exactly(streams, t
     assert set(trained) == set(range(368)) and set(trained.values()) == {1}  # each once; the last 2 untrained
     assert "resumed at step" in said["plain/rerun"], said["plain/rerun"]
     _assert_bitwise(runs["stopped"], runs["two"])
-    _assert_killed_resumed(out, "plain", codes, restarts=1, resumed_at=8, steps=23)
 
 
 @pytest.mark.timeout(1200)
@@ -144,7 +144,7 @@ def test_a_sharded_hugging_face_stream_ends_together_and_resumes_exactly(streams
     assert sum(trained.values()) == 30 * 16 and set(trained.values()) == {1}  # no sample twice
     assert "resumed at step" in said["hf/rerun"], said["hf/rerun"]
     _assert_bitwise(out / "hf" / "stopped", out / "hf" / "two")
-    _assert_killed_resumed(out, "hf", codes, restarts=2, resumed_at=12, steps=30)  # restarted again for its own kill
+    _assert_killed_resumed(out, "hf", codes, restarts=1, resumed_at=12, steps=30)
 
 
 @pytest.mark.timeout(1200)
@@ -161,24 +161,18 @@ def test_a_hugging_face_stream_whose_column_changes_type_is_one_line_at_world_2(
     assert kept == ["step_00000005.pt", "step_00000010.pt"], kept
 
 
-@pytest.mark.timeout(900)
-def test_bad_streams_are_one_line_and_exit_2(tmp_path, capfd):
-    folder = tmp_path / "shards"
-    write_tensor_shards(folder, [37] * 10)
-    runs = {name: tmp_path / name for name in ("halfway", "empty")}
-    (tmp_path / "logs").mkdir()
-    with Launches(tmp_path / "logs") as launches:  # the 2-worker launch, while the empty stream fails in this process
-        launches.start(_command(2, runs["halfway"], "plain", folder,
-                                "data.kwargs={folder = '%s', bad_after = 300}" % folder, "checkpoint.every_steps=2"),
-                       clean_env())
-        empty_code = cli.main(["train", *sets(*_overrides(runs["empty"], "empty", folder))])
-        empty = capfd.readouterr().err
-        done = launches.wait(EVENT_S)
-    assert [done[0].returncode, empty_code] == [2, 2], done[0].text() + empty
-    assert "Traceback" not in done[0].stderr + empty
-    # past the first 256 samples (where the data's kind is learnt): found at step 19, after checkpoint 18
-    assert "train data: a sample is a tuple" in done[0].stderr, done[0].text()
+@pytest.mark.timeout(1200)
+def test_bad_streams_are_one_line_and_exit_2(streams, tmp_path, capfd):
+    """A plain stream's wrong structure halfway at world 2 (in the shared launch); an empty stream in this process."""
+    out, codes, said = streams
+    halfway = said["plain/halfway"]
+    empty_dir = tmp_path / "empty"
+    empty_code = cli.main(["train", *sets(*_overrides(empty_dir, "empty", out / "shards"))])
+    empty = capfd.readouterr().err
+    assert [codes["plain/halfway"], empty_code] == [2, 2], halfway + empty
+    assert "Traceback" not in halfway + empty
+    assert "train data: a sample is a tuple" in halfway, halfway
     assert "train data: an empty stream" in empty, empty
-    kept = sorted(p.name for p in (runs["halfway"] / "checkpoints").iterdir())
+    kept = sorted(p.name for p in (out / "plain" / "halfway" / "checkpoints").iterdir())
     assert "step_00000018.pt" in kept and not [name for name in kept if name.endswith(".tmp")], kept
-    assert not (runs["empty"] / "summary.json").exists()
+    assert not (empty_dir / "summary.json").exists()
