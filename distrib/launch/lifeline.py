@@ -109,14 +109,15 @@ class Relay:
     at once if the worker handles the signal, or has run for READY_S; else once it handles it. A worker that is
     still starting its interpreter would otherwise die of a SIGTERM its trainer turns into a clean preemption exit a
     moment later. A stopped worker (SIGSTOP, a debugger) is continued, or it would act only after the agent's grace
-    period and SIGKILL."""
+    period and SIGKILL. doomed() true: the stop is SIGKILL, at once (see lost_a_peer)."""
 
     READY_S = 10.0
 
-    def __init__(self):
+    def __init__(self, doomed: Callable[[], bool] = lambda: False):
         self.child: subprocess.Popen | None = None
         self.started_at = 0.0
         self.pending: list[int] = []
+        self.doomed = doomed
 
     def __call__(self, signum, frame) -> None:
         self.pending.append(signum)
@@ -132,13 +133,14 @@ class Relay:
             return
         ready = time.monotonic() - self.started_at >= self.READY_S
         for signum in list(self.pending):
-            if ready or catches(child.pid, signum):
+            doomed = self.doomed()
+            if doomed or ready or catches(child.pid, signum):
                 try:
                     self.pending.remove(signum)
                 except ValueError:  # relayed meanwhile by the signal handler, which calls this too
                     continue
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(child.pid, signum)
+                    os.killpg(child.pid, signal.SIGKILL if doomed else signum)
                     os.killpg(child.pid, signal.SIGCONT)
 
     def wait(self) -> int:
@@ -158,11 +160,25 @@ def child_setup(lifeline_pid: int):
     return setup
 
 
+def lost_a_peer(status_dir: Path) -> bool:
+    """Whether this worker belongs to a fault-tolerant replica group one of whose workers of this attempt failed
+    (ended with neither 0 nor a preemption's code). A stop signal then comes from the launcher rebuilding the group,
+    which heals from a live group: the worker can finish neither its step nor a checkpoint without the lost rank, and
+    torchft's commit, which waits for that rank, would hold it, and the quorum of every other group, for the agent's
+    30 s of grace."""
+    from distrib.errors import EXIT_PREEMPTED
+    from distrib.launch.replica_groups import GROUP_VAR  # not at the top: replica_groups imports this module
+
+    if not os.environ.get(GROUP_VAR):
+        return False
+    return any(status.code not in (None, 0, EXIT_PREEMPTED) for status in read_statuses(status_dir))
+
+
 def supervise(parent_pid: int, status_dir: Path, command: Sequence[str]) -> int:
     """Runs command under this lifeline; returns its exit code (negative: the signal that ended it)."""
     die_with_parent(parent_pid)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # set by the elastic agent for each attempt
-    relay = Relay()
+    relay = Relay(lambda: lost_a_peer(status_dir))
     for signum in STOP_SIGNALS:  # before the child exists: a stop request must never end this process alone
         signal.signal(signum, relay)
     child = subprocess.Popen(list(command), preexec_fn=child_setup(os.getpid()))

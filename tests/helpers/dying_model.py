@@ -7,6 +7,8 @@ step, however fast or slow the machine. DISTRIB_TEST_DIE_ONCE=PATH: only if PATH
 first), so a restarted worker lives. DISTRIB_TEST_DIE_GROUP=G: only in fault-tolerant replica group G (whose ranks
 repeat those of the others); DISTRIB_TEST_REVIVE_WHEN=PATH: that group's restarted workers wait for PATH before they
 build the model (so that the other groups go on without it for as long as a test needs), then touch PATH.RANK.
+DISTRIB_TEST_DIE_IN=allreduce: the signal comes as soon as the worker has issued its Nth gradient all-reduce across
+the replica groups (torchft's Manager.allreduce), with its peers inside that all-reduce, not in a forward.
 Unset: the plain model."""
 
 import os
@@ -69,13 +71,33 @@ def _hold_after_death(limit_s: float = 600.0) -> None:
     Path(f"{revive}.{os.environ.get('RANK', '0')}").touch()  # this restarted worker is up (tests.helpers.ft_pace)
 
 
+def _die_in_allreduce(die_at: int, signum: signal.Signals) -> None:
+    """This process's torchft Manager.allreduce, which kills the process once its die_at-th call is issued."""
+    from torchft.manager import Manager
+
+    issue, calls = Manager.allreduce, [0]
+
+    def allreduce(self, tensor, *args, **kwargs):
+        work = issue(self, tensor, *args, **kwargs)
+        calls[0] += 1
+        if calls[0] == die_at and first_death():
+            os.kill(os.getpid(), signum)
+        return work
+
+    Manager.allreduce = allreduce
+
+
 def _build(plain, dying, **kwargs):
     die_at = int(os.environ.get("DISTRIB_TEST_DIE_AT", "0"))
     _hold_after_death()
     if not (die_at and _dies_here()):
         return plain(**kwargs)
+    signum = signal.Signals[os.environ.get("DISTRIB_TEST_DIE_SIGNAL", "SIGKILL")]
+    if os.environ.get("DISTRIB_TEST_DIE_IN") == "allreduce":
+        _die_in_allreduce(die_at, signum)
+        return plain(**kwargs)
     model = dying(**kwargs)
-    model.die_at, model.signum = die_at, signal.Signals[os.environ.get("DISTRIB_TEST_DIE_SIGNAL", "SIGKILL")]
+    model.die_at, model.signum = die_at, signum
     return model
 
 

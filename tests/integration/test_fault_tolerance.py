@@ -3,7 +3,7 @@ in this process and one `distrib launch` per group with DISTRIB_REPLICA_GROUP an
 multi-node job script starts them, each restarted by its own launcher (--max-restarts 1): every group killed and
 resumed from its checkpoint (against one process without fault tolerance), and one group killed inside a step, which
 the others outlive and which heals from them. Two groups of fsdp 2 started by `distrib train --nproc-per-node 4`:
-a rank killed inside a step, its group healed shard by shard."""
+a rank killed inside the gradient all-reduce across the groups, its group healed shard by shard."""
 
 from __future__ import annotations
 
@@ -153,10 +153,12 @@ def test_group_killed_in_a_step_heals_while_the_others_go_on(tmp_path):
 
 def test_two_groups_of_fsdp_started_by_distrib_train_heal_a_killed_rank(tmp_path):
     """`distrib train --nproc-per-node 4` with dist.fault_tolerant_groups = 2 under fsdp: the launcher starts the
-    Lighthouse and two groups of fsdp 2; rank 1 of group 1 dies inside step 6, its launcher restarts the group, which
-    heals (each rank the shards of its peer rank in group 0) while group 0 goes on alone."""
+    Lighthouse and two groups of fsdp 2; rank 1 of group 1 is SIGKILLed inside step 6's gradient all-reduce across
+    the groups (once it has issued it; its peer, rank 1 of group 0, is inside it), its launcher restarts the group,
+    which heals (each rank the shards of its peer rank in group 0) while group 0 goes on alone."""
     run_dir, revive, healed = tmp_path / "groups", tmp_path / "revive", tmp_path / "healed"
-    env = clean_env(DISTRIB_TEST_DIE_AT="6", DISTRIB_TEST_DIE_RANK="1", DISTRIB_TEST_DIE_GROUP="1",
+    env = clean_env(DISTRIB_TEST_DIE_AT="6", DISTRIB_TEST_DIE_IN="allreduce", DISTRIB_TEST_DIE_RANK="1",
+                    DISTRIB_TEST_DIE_GROUP="1",
                     DISTRIB_TEST_DIE_ONCE=str(tmp_path / "died"), DISTRIB_TEST_REVIVE_WHEN=str(revive),
                     **paced(healed, revive, hold_at=9))
     with Launches(tmp_path) as launches:
