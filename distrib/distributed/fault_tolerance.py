@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
+import logging
 import os
 import time
 from datetime import timedelta
@@ -230,6 +231,15 @@ def replica_groups(config, runtime: Runtime, state, plan, recorder) -> Iterator[
         manager.shutdown(wait=False)
 
 
+class _OneLine(logging.Filter):
+    """torchft's line for a collective that lost a group, without the traceback it appends: a lost group is the
+    expected event here, retried without it (the log's next lines say how many groups take part)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info, record.exc_text = None, None
+        return True
+
+
 def _manager(config, runtime: Runtime):
     """torchft's Manager of this group: synchronous quorums (a heal is applied before the step's forward, so the
     healed group takes part in that very step), no initial sync (every group builds the same weights from
@@ -238,6 +248,10 @@ def _manager(config, runtime: Runtime):
     # unless the user asks for more.
     os.environ.setdefault("RUST_LOG", "warn")
     from torchft.manager import Manager
+
+    logger = logging.getLogger("torchft.manager")
+    if not any(isinstance(known, _OneLine) for known in logger.filters):
+        logger.addFilter(_OneLine())
 
     _forget_dead_manager(runtime)
     timeout = timedelta(seconds=config.dist.timeout_s)

@@ -168,4 +168,5 @@ def test_two_groups_of_fsdp_started_by_distrib_train_heal_a_killed_rank(tmp_path
         heal = alone_then_healed(run_dir, 2, 1, revive, healed, [proc for proc, _, _ in launches.procs])
         done = launches.wait(EVENT_S)
     assert all(result.returncode == 0 for result in done), "\n".join(result.text() for result in done)
+    assert "Traceback" not in done[0].stderr, done[0].stderr  # the lost group is a line, not a traceback
     assert_outlived(run_dir, 2, 1, heal, 6, 69)

@@ -21,17 +21,8 @@ import pytest
 from distrib import cli
 from distrib.errors import EXIT_HUNG, EXIT_PREEMPTED
 from distrib.launch.lifeline import Status, read_statuses, write_status
-from tests.helpers.launch_support import (
-    CLUSTER_CONFIG,
-    PROBE,
-    REPO,
-    SMALL,
-    Launches,
-    clean_env,
-    distrib_cmd,
-    listening_addresses,
-    run_one,
-)
+from tests.helpers import launch_support
+from tests.helpers.launch_support import CLUSTER_CONFIG, PROBE, REPO, SMALL, Launches, clean_env, distrib_cmd, run_one
 from tests.helpers.processes import EVENT_S, descendants, wait_for
 
 LONG = [*SMALL, "--set", "train.max_steps=100000", "--set", "train.log_every=1"]  # runs until stopped
@@ -166,7 +157,7 @@ def test_a_stopped_rank_ends_the_run_within_the_timeout_and_is_named_with_the_co
         workers = _workers(_proc(launches).pid)
         os.kill(workers[1], signal.SIGSTOP)
         stopped = time.monotonic()
-        listening = listening_addresses(_proc(launches).pid)
+        listening = launch_support.listening_addresses(_proc(launches).pid)
         [done] = launches.wait(timeout=EVENT_S)
         seconds = time.monotonic() - stopped
     assert len(listening) >= 4, listening  # the launcher's store and the 3 workers' gloo

@@ -38,7 +38,7 @@ GPT = ["model.name=gpt", "model.kwargs={n_layers = 4, n_heads = 4, dim = 64, tie
        "train.warmup_steps=3", "train.max_steps=6", "train.global_batch_size=16", "train.epochs=0",
        "train.eval_every_epochs=0", "checkpoint.every_steps=0", "train.grad_clip=0.5", "run.progress=false",
        "dist.device=cpu"]
-SAVE_3 = "checkpoint.every_steps=3"  # in the runs that others resume from step 3
+SAVE_3 = "checkpoint.every_steps=3"  # in the GPT's runs that others resume from step 3 (the Llama's: step 6 of 12)
 PP = ["dist.strategy=fsdp", "dist.pipeline_parallel=2"]
 INTERLEAVED = [*GPT, *PP, "dist.pipeline_schedule=interleaved_1f1b"]
 # the Llama's model.init_from (the folder) is added by the fixture; its vocabulary is the text's 256 bytes; 12 AdamW
@@ -69,8 +69,8 @@ def _summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def _step_3(run_dir: Path) -> str:
-    return f"checkpoint.resume={run_dir / 'checkpoints' / 'step_00000003'}"
+def _resume_from(run_dir: Path, step: int = 3) -> str:
+    return f"checkpoint.resume={run_dir / 'checkpoints' / f'step_{step:08d}'}"
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +88,9 @@ def runs(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     logs = {}
     launches = {
         4: {**PLANNED_RUNS, "pp_1f1b": [*GPT, *PP, SAVE_3], "pp_interleaved": INTERLEAVED,
-            "hf_tp_fsdp": [*llama, "dist.strategy=fsdp", "dist.tensor_parallel=2"], "hf_pp": [*llama, *PP, SAVE_3],
-            "hf_pp_resumed": [*llama, *PP, _step_3(tmp / "hf_pp")], "hf_plain_pp": [*LLAMA, *PP],
+            "hf_tp_fsdp": [*llama, "dist.strategy=fsdp", "dist.tensor_parallel=2"],
+            "hf_pp": [*llama, *PP, "checkpoint.every_steps=6"],
+            "hf_pp_resumed": [*llama, *PP, _resume_from(tmp / "hf_pp", 6)], "hf_plain_pp": [*LLAMA, *PP],
             "qwen2_tp": [*qwen2, "dist.strategy=fsdp", "dist.tensor_parallel=2"]},
         8: {"hf_pp_tp_fsdp": [*llama, *PP, "dist.tensor_parallel=2"]}}
     for nproc, named in launches.items():
@@ -101,7 +102,7 @@ def runs(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     # at world size 2: the GPT's, then the user's Sequential and the refusals, in one launch that runs them all and
     # keeps their exit codes
     gpt = {"gpipe": ["dist.strategy=ddp", "dist.pipeline_parallel=2", "dist.pipeline_schedule=gpipe"],
-           "fsdp_from_pp": ["dist.strategy=fsdp", _step_3(tmp / "pp_1f1b")]}
+           "fsdp_from_pp": ["dist.strategy=fsdp", _resume_from(tmp / "pp_1f1b")]}
     sequential = {"seq_pp": SPLIT, "seq_no_split": ["dist.pipeline_parallel=2"],
                   "seq_bad_split": [*SPLIT[:1], 'dist.pipeline_split=["4"]']}
     codes = tmp / "codes.json"
@@ -113,7 +114,7 @@ def runs(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     logs.update(split_runs(done.stderr, [*gpt, *sequential]))
     logs["codes"] = json.loads(codes.read_text())
     assert logs["codes"]["gpipe"] == logs["codes"]["fsdp_from_pp"] == 0, logs["codes"]
-    run_training(load_config(None, [*GPT, f"run.dir={tmp / 'ddp_from_pp'}", _step_3(tmp / "pp_1f1b")]))
+    run_training(load_config(None, [*GPT, f"run.dir={tmp / 'ddp_from_pp'}", _resume_from(tmp / "pp_1f1b")]))
     return tmp, logs
 
 
@@ -255,7 +256,7 @@ def test_a_hugging_face_llama_initialised_by_rank_0_trains_under_pipeline_parall
 def test_a_hugging_face_pipeline_run_resumes_bitwise(runs):
     tmp, _ = runs
     uninterrupted, resumed = load_weights(tmp / "hf_pp"), load_weights(tmp / "hf_pp_resumed")
-    assert _summary(tmp / "hf_pp_resumed")["resumed_from_step"] == 3
+    assert _summary(tmp / "hf_pp_resumed")["resumed_from_step"] == 6
     assert all(torch.equal(resumed[name], uninterrupted[name]) for name in uninterrupted)
 
 
@@ -293,7 +294,7 @@ def test_a_qwen2_with_transformers_own_plan_trains_like_one_process(tmp_path, ru
     folder, _ = runs
     one = run_training(load_config(None, [*QWEN2, f"run.dir={tmp_path}/one", f"model.init_from={folder}/qwen2"]))
     tp = json.loads((folder / "qwen2_tp" / "summary.json").read_text())
-    assert tp["world_size"] == 4 and tp["steps"] == one["steps"] == 6
+    assert tp["world_size"] == 4 and tp["steps"] == one["steps"] == 12
     weights, reference = load_weights(folder / "qwen2_tp"), load_weights(tmp_path / "one")
     initial = load_file(folder / "qwen2" / "model.safetensors")
     assert max_relative_diff(initial, reference) > 1e-2  # 6 steps moved the weights
