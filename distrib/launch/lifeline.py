@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from distrib.errors import EXIT_PREEMPTED
+
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 # Signals the elastic agent, SLURM or a user send to stop a worker; the lifeline relays them to the worker.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
@@ -109,7 +111,7 @@ class Relay:
     at once if the worker handles the signal, or has run for READY_S; else once it handles it. A worker that is
     still starting its interpreter would otherwise die of a SIGTERM its trainer turns into a clean preemption exit a
     moment later. A stopped worker (SIGSTOP, a debugger) is continued, or it would act only after the agent's grace
-    period and SIGKILL. doomed() true: the stop is SIGKILL, at once (see lost_a_peer)."""
+    period and SIGKILL. doomed() true: the stop is SIGKILL, at once (see doomed_by_a_lost_peer)."""
 
     READY_S = 10.0
 
@@ -161,24 +163,28 @@ def child_setup(lifeline_pid: int):
 
 
 def lost_a_peer(status_dir: Path) -> bool:
-    """Whether this worker belongs to a fault-tolerant replica group one of whose workers of this attempt failed
-    (ended with neither 0 nor a preemption's code). A stop signal then comes from the launcher rebuilding the group,
-    which heals from a live group: the worker can finish neither its step nor a checkpoint without the lost rank, and
-    torchft's commit, which waits for that rank, would hold it, and the quorum of every other group, for the agent's
-    30 s of grace."""
-    from distrib.errors import EXIT_PREEMPTED
+    """Whether a worker of this attempt failed (ended with neither 0 nor a preemption's code)."""
+    return any(status.code not in (None, 0, EXIT_PREEMPTED) for status in read_statuses(status_dir))
+
+
+def doomed_by_a_lost_peer(status_dir: Path) -> Callable[[], bool]:
+    """Relay's doomed for this worker: inside a fault-tolerant replica group, lost_a_peer. A stop signal then comes
+    from the launcher rebuilding the group, which heals from a live group: the worker can finish neither its step nor
+    a checkpoint without the lost rank, and torchft's commit, which waits for that rank, would hold it, and the quorum
+    of every other group, for the agent's 30 s of grace. Decided here, once, not in the signal handler, where an
+    import could meet itself half done."""
     from distrib.launch.replica_groups import GROUP_VAR  # not at the top: replica_groups imports this module
 
     if not os.environ.get(GROUP_VAR):
-        return False
-    return any(status.code not in (None, 0, EXIT_PREEMPTED) for status in read_statuses(status_dir))
+        return lambda: False
+    return lambda: lost_a_peer(status_dir)
 
 
 def supervise(parent_pid: int, status_dir: Path, command: Sequence[str]) -> int:
     """Runs command under this lifeline; returns its exit code (negative: the signal that ended it)."""
     die_with_parent(parent_pid)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # set by the elastic agent for each attempt
-    relay = Relay(lambda: lost_a_peer(status_dir))
+    relay = Relay(doomed_by_a_lost_peer(status_dir))
     for signum in STOP_SIGNALS:  # before the child exists: a stop request must never end this process alone
         signal.signal(signum, relay)
     child = subprocess.Popen(list(command), preexec_fn=child_setup(os.getpid()))

@@ -33,18 +33,19 @@ def test_a_signal_is_a_preemption_only_when_nothing_is_lost():
 
 
 def test_a_stop_after_a_peer_failed_kills_at_once_only_inside_a_replica_group(tmp_path, monkeypatch):
-    from distrib.launch.lifeline import Status, lost_a_peer, write_status
+    from distrib.launch.lifeline import Status, doomed_by_a_lost_peer, write_status
     from distrib.launch.replica_groups import GROUP_VAR
 
     monkeypatch.setenv(GROUP_VAR, "1")
+    doomed = doomed_by_a_lost_peer(tmp_path)
     write_status(tmp_path, "0", Status(10, 11, -9))  # the last attempt's dead worker
     write_status(tmp_path, "1", Status(20, 21, None))
-    assert not lost_a_peer(tmp_path)  # a new attempt: nobody lost yet
+    assert not doomed()  # a new attempt: nobody lost yet
     for code, lost in ((EXIT_PREEMPTED, False), (0, False), (-9, True), (1, True)):
         write_status(tmp_path, "1", Status(22, 23, code))
-        assert lost_a_peer(tmp_path) is lost, code
+        assert doomed() is lost, code
     monkeypatch.delenv(GROUP_VAR)
-    assert not lost_a_peer(tmp_path)  # an ordinary run: its workers checkpoint on the stop signal
+    assert not doomed_by_a_lost_peer(tmp_path)()  # an ordinary run: its workers checkpoint on the stop signal
 
 
 def test_the_diagnosis_names_who_did_not_arrive_and_whether_it_still_beats():
