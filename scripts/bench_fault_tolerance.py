@@ -4,8 +4,9 @@ groups of one worker), the same model, data and steps; the ratio of the median s
 
     python scripts/bench_fault_tolerance.py --groups 2 --steps 60 [--set train.global_batch_size=1024] [--json out.json]
 
-The groups add a fixed cost per step (torchft's quorum and commit, two round trips to the group's manager and the
-Lighthouse), so the ratio depends on the step's length: the report gives the added milliseconds too."""
+The groups add per step torchft's quorum and commit (round trips to the group's manager and the Lighthouse), an
+all-reduce across the groups after the backward, and, on a machine whose cores the workers fill, the CPU time of
+torchft's services; so the ratio depends on the step's length: the report gives the added milliseconds too."""
 
 from __future__ import annotations
 

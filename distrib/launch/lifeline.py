@@ -134,8 +134,8 @@ class Relay:
         if child is None or child.poll() is not None:
             return
         ready = time.monotonic() - self.started_at >= self.READY_S
+        doomed = bool(self.pending) and self.doomed()  # reads the statuses only when a signal waits
         for signum in list(self.pending):
-            doomed = self.doomed()
             if doomed or ready or catches(child.pid, signum):
                 try:
                     self.pending.remove(signum)
