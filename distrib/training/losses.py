@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -16,9 +16,6 @@ from distrib.config import TrainConfig
 from distrib.data import samples
 from distrib.distributed.parallel import unwrap
 from distrib.factory import import_object
-
-if TYPE_CHECKING:
-    from distrib.training.extra_losses import ExtraLosses
 
 LossFn = Callable[[object, torch.Tensor], torch.Tensor]  # (the model's outputs, whole; targets) -> the batch mean
 IGNORE_INDEX = -100  # a class target that counts for nothing (PyTorch's default ignore_index, Hugging Face's labels)
@@ -133,7 +130,16 @@ class Loss:
         return logits.shape == targets.shape
 
 
-def step_loss(loss: Loss, targets: list, world_size: int, extras: ExtraLosses | None = None
+class Extras(Protocol):
+    """What step_loss needs of the model's extra losses (training/extra_losses.py's ExtraLosses, which imports this
+    module: the protocol keeps the import one way)."""
+
+    names: tuple[str, ...]
+
+    def take(self, outputs, share: float) -> torch.Tensor | None: ...
+
+
+def step_loss(loss: Loss, targets: list, world_size: int, extras: Extras | None = None
               ) -> Callable[[object, object, int], torch.Tensor]:
     """The one place a step's loss is normalised: (outputs, targets, pieces) -> the loss to backward for one of
     `pieces` equal pieces of one of the step's micro-batches (`targets`: each micro-batch's), such that the gradients
