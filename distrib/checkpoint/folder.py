@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from distrib.checkpoint.format import NAME, is_held, read_checkpoint, run_id_of, save_atomic_text
+from distrib.checkpoint.format import NAME, CheckpointError, is_held, read_checkpoint, run_id_of, save_atomic_text
 from distrib.checkpoint.sharded import TRAINER, WRITER, verify
 
 # .step_00000002.pt.<run id>.<pid>.tmp (a file being written), .step_00000020.tmp/ (a directory), best_ and -RUNID
@@ -53,6 +53,20 @@ def read_stored(path: Path, device: torch.device) -> dict:
 def stored_run_id(path: Path) -> str | None:
     """The run id either kind records; None for junk, or for a checkpoint written before checkpoints had one."""
     return run_id_of(path / TRAINER) if Path(path).is_dir() else run_id_of(path)
+
+
+def damaged(directory: Path) -> dict[Path, str]:
+    """The checkpoints of either kind (step_ and best_) whose run id cannot be read and that fail their check (cut
+    short, garbled, a directory without its trainer.pt), each with why, in one line. A whole checkpoint written
+    before checkpoints had run ids is not among them; a damaged one is nobody's, so never another run's."""
+    found = {}
+    for path in [*listing(directory), *listing(directory, "best")]:
+        if stored_run_id(path) is None:
+            try:
+                read_stored(path, torch.device("cpu"))
+            except CheckpointError as e:
+                found[path] = str(e)
+    return found
 
 
 def remove(path: Path) -> None:

@@ -16,16 +16,19 @@ import torch.distributed as dist
 
 from distrib.checkpoint.contract import Storage
 from distrib.checkpoint.folder import (
+    damaged,
     listing,
     read_owner,
     read_stored,
     remove,
     remove_dead_temps,
+    step_of,
     stored_run_id,
     write_owner,
 )
 from distrib.checkpoint.format import (
     FORMAT,
+    NAME,
     VERSION,
     CheckpointError,
     FileStorage,
@@ -79,24 +82,30 @@ def _get(tree: dict, dotted: str):
     return tree.get(section, {}).get(key)
 
 
-def _newest_good(directory: Path, device: torch.device, say: Callable[[str], None],
-                 owner: str | None = None) -> tuple[Path | None, dict | None]:
+def _newest_good(directory: Path, device: torch.device, say: Callable[[str], None], owner: str | None = None,
+                 broken: dict[Path, str] | None = None) -> tuple[Path | None, dict | None]:
+    """The newest checkpoint of `owner` (any, for None) that passes its check; each one that fails goes into
+    `broken` (path: why) and is said; those already in it are skipped."""
+    broken = {} if broken is None else broken
     for path in listing(directory):
-        if owner is not None and stored_run_id(path) != owner:
-            continue  # another run's checkpoint, kept beside this one (checkpoint.foreign=keep): never continued
+        if path in broken or owner is not None and stored_run_id(path) != owner:
+            continue  # damaged, or another run's checkpoint kept beside this one (foreign=keep): never continued
         try:
             return path, read_stored(path, device)
         except CheckpointError as e:
+            broken[path] = str(e)
             say(f"{e}; falling back to the previous checkpoint")
     return None, None
 
 
-def choose(resume: str, directory: Path, device: torch.device, say) -> tuple[Path | None, dict | None]:
-    """Rank 0: the checkpoint checkpoint.resume names, of either format, and its verified state."""
+def choose(resume: str, directory: Path, device: torch.device, say,
+           broken: dict[Path, str] | None = None) -> tuple[Path | None, dict | None]:
+    """Rank 0: the checkpoint checkpoint.resume names, of either format, and its verified state; broken: the
+    damaged ones (path: why), never chosen, and where those found damaged on the way go."""
     if resume == "never":
         return None, None
     if resume == "auto":
-        return _newest_good(directory, device, say, read_owner(directory))
+        return _newest_good(directory, device, say, read_owner(directory), broken)
     return Path(resume), read_stored(Path(resume), device)
 
 
@@ -122,21 +131,48 @@ def _refuse_others(resume: str, directory: Path, others: list[Path]) -> None:
         "--set checkpoint.foreign=keep")
 
 
+def _refuse_damaged(directory: Path, broken: dict[Path, str]) -> None:
+    """resume=auto, and every checkpoint that could be this run's is damaged: one line, never a silent start afresh."""
+    newest = broken[max(broken, key=step_of)]
+    raise CheckpointError(
+        f"checkpoint.dir = '{directory}': nothing to resume, its {len(broken)} checkpoint(s) that could continue the "
+        f"run are damaged (the newest: {newest}); restore them from a copy and run the same command again, or start "
+        "afresh beside them with --set checkpoint.resume=never (this run's saves then replace them)")
+
+
 def decide(resume: str, foreign: str, directory: Path, device: torch.device,
            say) -> tuple[Path | None, dict | None, str, list[Path], bool]:
     """Rank 0: the checkpoint to resume (if any), the run id this run writes, its checkpoints in the folder, oldest
-    first (the only ones it will ever prune), and whether its names carry its run id: when the folder holds another
-    run's checkpoints (checkpoint.foreign = keep), so that no save of this run ever takes one of their names."""
-    path, state = choose(resume, directory, device, say)
+    first (the only ones it will ever prune: a damaged one under this run's names first), and whether its names carry
+    its run id: when the folder holds another run's checkpoints (checkpoint.foreign = keep), so that no save of this
+    run ever takes one of their names. A damaged checkpoint is said once and skipped; cut short or garbled (its run
+    id unreadable), it counts as no run's. With every one damaged, resume=auto is refused in one line (foreign=keep:
+    the run starts afresh)."""
+    broken = damaged(directory)
+    path, state = choose(resume, directory, device, lambda line: None, broken)  # said below, once each
+    if state is None and resume == "auto" and broken and foreign == "refuse":
+        _refuse_damaged(directory, broken)
     run_id = state.get("run_id") if state is not None else None
     if not run_id:
-        others = listing(directory)
+        others = [p for p in listing(directory) if p not in broken]
         if state is None and others and foreign == "refuse":
             _refuse_others(resume, directory, others)
         run_id = uuid.uuid4().hex[:12]
-    stored = {p: stored_run_id(p) for p in [*listing(directory), *listing(directory, "best")]}
-    owned = [p for p in reversed(listing(directory)) if stored[p] == run_id]
-    return path, state, run_id, owned, any(other != run_id for other in stored.values())
+    ids = {p: stored_run_id(p) for p in [*listing(directory), *listing(directory, "best")]}
+    tagged = any(other != run_id for p, other in ids.items() if other or p not in broken)  # one unread is nobody's
+    ours = [p for p in reversed(listing(directory)) if p in broken and (ids[p] == run_id if ids[p] else
+                                                                        _named_for(p, run_id, tagged))]
+    for broken_path in sorted(broken, key=step_of, reverse=True):
+        fate = "; deleted as this run prunes its older checkpoints" if broken_path in ours else ""
+        say(f"{broken[broken_path]}: damaged, so skipped (never resumed){fate}")
+    owned = [p for p in reversed(listing(directory)) if p not in broken and ids[p] == run_id]
+    return path, state, run_id, [*ours, *owned], tagged
+
+
+def _named_for(path: Path, run_id: str, tagged: bool) -> bool:
+    """Whether `path`'s name is one this run's saves give: step_N-RUNID, or step_N where it writes short names."""
+    named = NAME.match(path.name).group(3)
+    return named == run_id or (named is None and not tagged)
 
 
 class Checkpoints:

@@ -10,7 +10,9 @@ unless a run lost a peer (exit 69: the process group is broken, and the launcher
 on would wait in the next run's rendezvous until the launcher's grace period kills it).
 Restarted by `distrib launch --max-restarts`, it runs them again: a finished run then trains nothing, the interrupted
 one resumes. With TRAIN_RUNS_PEAKS=FOLDER in the launch's environment, each rank writes FOLDER/peaks_RANK.json:
-{NAME: its peak resident bytes so far} after each run (a small run first makes the baseline of a larger one's)."""
+{NAME: its peak resident bytes so far} after each run (a small run first makes the baseline of a larger one's).
+With TRAIN_RUNS_CUT=FILE among a run's variables, rank 0 cuts FILE to half its bytes before the run starts (a
+checkpoint damaged between two runs)."""
 
 import json
 import os
@@ -31,6 +33,7 @@ def main(path: str, codes_path: str | None = None) -> int:
         os.environ.update(env)
         if os.environ.get("RANK", "0") == "0":  # rank 0's lines until its next marker are this run's
             print(f"== run {name} ==", file=sys.stderr, flush=True)
+            _cut(os.environ.get("TRAIN_RUNS_CUT"))  # rank 0 alone picks the checkpoint, after this
         codes[name] = cli.main(["train", *[item for each in overrides for item in ("--set", each)]])
         _record_peak(name)
         if codes[name] and (codes_path is None or codes[name] == EXIT_HUNG):
@@ -38,6 +41,12 @@ def main(path: str, codes_path: str | None = None) -> int:
     if codes_path is not None:
         Path(codes_path).write_text(json.dumps(codes))
     return 0
+
+
+def _cut(path: str | None) -> None:
+    if path:
+        data = Path(path).read_bytes()
+        Path(path).write_bytes(data[:len(data) // 2])
 
 
 def _record_peak(name: str) -> None:

@@ -71,6 +71,7 @@ def test_stop_and_resume_is_bitwise_at_world_size_1(tmp_path):
 
 
 LONG = ["train.max_steps=200", "train.schedule=cosine", "checkpoint.every_steps=20"]
+CUT = ["checkpoint.every_steps=10"]
 
 # 16 steps an epoch, DataLoader workers; a model that kills one rank once where model.kwargs says (no marker: never).
 LOADER_RUN = ["data.name=synthetic", "data.synthetic_train_size=512", "data.synthetic_test_size=64",
@@ -86,8 +87,8 @@ def two_workers(tmp_path_factory) -> Path:
     launcher would share out the cores, and a convolution's bits depend on its thread count). First the killed-worker
     test's run (killed/), whose rank 1 dies in its first attempt; then, in the second attempt only, the 200-step
     reference of the SIGTERM test (long/), a 60-step run (whole/) beside one stopped at 25, mid-epoch (48 steps per
-    epoch), and resumed across the epoch end (parts/), and the killed run's reference (loader/). The launch's output
-    is in launch.out and launch.err."""
+    epoch), and resumed across the epoch end (parts/), the same with its checkpoint of step 25 cut short before the
+    resume (cut/), and the killed run's reference (loader/). The launch's output is in launch.out and launch.err."""
     root = tmp_path_factory.mktemp("two_workers")
     runs = [("killed", {}, [*LOADER_RUN, f"run.dir={root / 'killed'}",
                             f"model.kwargs={{marker='{root / 'died'}', at_forward=7, rank=1}}"]),
@@ -95,6 +96,9 @@ def two_workers(tmp_path_factory) -> Path:
             ("whole", {}, [*BASE, f"run.dir={root / 'whole'}", "train.max_steps=60"]),
             ("parts-25", {}, [*BASE, f"run.dir={root / 'parts'}", "train.max_steps=25"]),
             ("parts-60", {}, [*BASE, f"run.dir={root / 'parts'}", "train.max_steps=60"]),
+            ("cut-25", {}, [*BASE, f"run.dir={root / 'cut'}", *CUT, "train.max_steps=25"]),
+            ("cut-60", {"TRAIN_RUNS_CUT": str(root / "cut" / "checkpoints" / "step_00000025.pt")},
+             [*BASE, f"run.dir={root / 'cut'}", *CUT, "train.max_steps=60"]),
             ("loader", {}, [*LOADER_RUN, f"run.dir={root / 'loader'}"])]
     done = launch_runs([sys.executable, "-m", "distrib", "launch", "--nproc-per-node=2", "--max-restarts=1"], runs,
                        root, env={"OMP_NUM_THREADS": "1"})
@@ -114,6 +118,21 @@ def test_stop_and_resume_at_world_size_2_and_move_the_checkpoint_to_world_size_1
     moved = run_training(load_config(None, [*BASE, f"run.dir={tmp_path}/moved", "train.max_steps=60"]))
     assert moved["world_size"] == 1 and moved["resumed_from_step"] == 25
     assert max_relative_diff(_final(tmp_path / "moved")["model"], _final(two_workers / "whole")["model"]) < 1e-5
+
+
+@pytest.mark.timeout(900)
+def test_a_newest_checkpoint_cut_short_is_named_damaged_and_the_one_before_resumes_bitwise(two_workers):
+    """cut/ stopped at 25 (checkpoints 20 and 25), then step_00000025.pt cut to half its bytes: the resume says one
+    line naming it damaged, resumes from 20 and ends bitwise equal to the uninterrupted run; the damaged file is no
+    other run's (no checkpoint is named with a run id) and this run's pruning deletes it."""
+    said = split_runs((two_workers / "launch.err").read_text(), ["cut-60", "loader"])["cut-60"]
+    damaged = [line for line in said.splitlines() if "damaged" in line]
+    assert len(damaged) == 1 and "step_00000025.pt: unreadable (" in damaged[0], said
+    assert damaged[0].endswith("damaged, so skipped (never resumed); deleted as this run prunes its older checkpoints")
+    assert _summary(two_workers / "cut")["resumed_from_step"] == 20
+    _assert_bitwise(_final(two_workers / "cut"), _final(two_workers / "whole"))
+    names = sorted(path.name for path in (two_workers / "cut" / "checkpoints").iterdir() if path.name[0] != ".")
+    assert names == ["step_00000050.pt", "step_00000060.pt"], names
 
 
 @pytest.mark.timeout(900)

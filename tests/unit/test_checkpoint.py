@@ -205,3 +205,71 @@ def test_names_carry_the_run_id_only_beside_another_runs_and_old_names_still_res
     path, _, resumed_id, owned, tagged = decide(str(old[1]), "keep", tmp_path, CPU, said.append)
     assert (path, resumed_id, owned, tagged) == (old[1], "aaaaaaaaaaaa", old, True)
     assert said == []
+
+
+def test_a_damaged_checkpoint_is_named_skipped_and_never_another_runs(tmp_path):
+    """A one-file checkpoint cut short has no readable run id: it is said once as damaged, the run resumes the newest
+    whole one and keeps its short names (the damaged file is no other run's), and it is pruned first, as this run's."""
+    from distrib.checkpoint.folder import write_owner
+    from distrib.checkpoint.policy import decide
+
+    run = "aaaaaaaaaaaa"
+    kept = [_write_of_run(tmp_path, f"step_{step:08d}", step, run) for step in (4, 8)]
+    cut = _write_of_run(tmp_path, "step_00000012", 12, run)
+    _truncate(cut)
+    write_owner(tmp_path, run)
+    said = []
+    path, state, run_id, owned, tagged = decide("auto", "refuse", tmp_path, CPU, said.append)
+    assert (path, run_id, tagged, owned) == (kept[1], run, False, [cut, *kept]) and state["progress"]["step"] == 8
+    assert len(said) == 1 and said[0].startswith(f"checkpoint {cut}: unreadable (RuntimeError: "), said
+    assert said[0].endswith("): damaged, so skipped (never resumed); deleted as this run prunes its older checkpoints")
+
+
+def test_with_every_checkpoint_damaged_the_one_line_says_so_and_what_to_do(tmp_path):
+    from distrib.checkpoint.folder import write_owner
+    from distrib.checkpoint.policy import decide
+
+    for step in (4, 8, 12):
+        _truncate(_write_of_run(tmp_path, f"step_{step:08d}", step, "aaaaaaaaaaaa"))
+    write_owner(tmp_path, "aaaaaaaaaaaa")
+    said = []
+    with pytest.raises(CheckpointError) as info:
+        decide("auto", "refuse", tmp_path, CPU, said.append)
+    assert said == [] and str(info.value).startswith(
+        f"checkpoint.dir = '{tmp_path}': nothing to resume, its 3 checkpoint(s) that could continue the run are "
+        f"damaged (the newest: checkpoint {tmp_path / 'step_00000012.pt'}: unreadable (")
+    assert str(info.value).endswith("restore them from a copy and run the same command again, or start afresh beside "
+                                    "them with --set checkpoint.resume=never (this run's saves then replace them)")
+    # the way out it names: a new run, not refused as beside "another run's" checkpoints, short names
+    path, state, run_id, owned, tagged = decide("never", "refuse", tmp_path, CPU, said.append)
+    assert (path, state, tagged) == (None, None, False) and len(owned) == 3 and len(said) == 3
+
+
+@pytest.mark.timeout(120)
+def test_each_save_says_how_long_it_held_training_in_the_log_and_metrics_jsonl(tmp_path, monkeypatch, capsys):
+    """The save of step 4 is made to take 0.25 s longer: its save_blocked_s (metrics.jsonl) is at least that, and the
+    log line of each save says the same figure."""
+    import json
+    import re
+    import time
+
+    from distrib.checkpoint.format import FileStorage
+    from distrib.config import load_config
+    from distrib.worker import run_training
+
+    real_write = FileStorage.write
+
+    def slow_write(self, path, state, committed):
+        if path.name == "step_00000004.pt":
+            time.sleep(0.25)
+        real_write(self, path, state, committed)
+
+    monkeypatch.setattr(FileStorage, "write", slow_write)
+    run_training(load_config(None, [*SMALL, f"run.dir={tmp_path}", "train.max_steps=6", "checkpoint.every_steps=4"]))
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    saves = {r["step"]: r["save_blocked_s"] for r in records if "save_blocked_s" in r}
+    assert sorted(saves) == [4, 6] and saves[4] >= 0.25 and 0 < saves[6], saves  # 6: the final checkpoint
+    said = re.findall(r"checkpoint (step_\d+\.pt) at step (\d+): the save held training (\d+\.\d+)s",
+                      capsys.readouterr().err)
+    assert [(name, int(step)) for name, step, _ in said] == [("step_00000004.pt", 4), ("step_00000006.pt", 6)]
+    assert all(abs(float(seconds) - saves[int(step)]) <= 0.0005 + 1e-9 for _, step, seconds in said), said

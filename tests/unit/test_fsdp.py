@@ -67,9 +67,10 @@ def test_device_mismatch_listing_works_under_fsdp(capsys, tmp_path, factory, exp
 def test_fsdp_never_starts_over_silently_beside_ddp_checkpoints(tmp_path):
     from distrib.checkpoint.format import CheckpointError
 
-    # A ddp checkpoint is one fsdp resumes now (distrib.checkpoint.policy); one it cannot read is another run's.
+    # A ddp checkpoint is one fsdp resumes now (distrib.checkpoint.policy); one it cannot read is damaged.
     (tmp_path / "step_00000010.pt").write_bytes(b"a ddp checkpoint")
-    with pytest.raises(CheckpointError, match="holds 1 checkpoint\\(s\\) of another run \\(newest step_00000010.pt"):
+    with pytest.raises(CheckpointError, match="nothing to resume, its 1 checkpoint\\(s\\) that could continue the run "
+                                              "are damaged \\(the newest: checkpoint .*step_00000010.pt: unreadable"):
         decide("auto", "refuse", tmp_path, torch.device("cpu"), print)
     with pytest.raises(CheckpointError, match="step_00000010.pt: unreadable"):
         choose(str(tmp_path / "step_00000010.pt"), tmp_path, torch.device("cpu"), print)
