@@ -112,6 +112,12 @@ class Recorder:
                   + (f" {speed:,.0f} samples/s" if speed else "") + (f" {tokens:,.0f} tokens/s" if tokens else "")
                   + (f" MFU {100 * mfu:.2f}%" if mfu else ""))
 
+    def log_save(self, step: int, path: Path, seconds: float) -> None:
+        """A checkpoint saved after `step`: how long the save held training up (a blocking write whole; an asynchronous
+        one its staging, and any wait for the write before it), as save_blocked_s beside the step's metrics."""
+        self.write({"step": step, "save_blocked_s": round(seconds, 6)})
+        self.info(f"checkpoint {Path(path).name} at step {step}: the save held training {seconds:.3f}s")
+
     def log_eval(self, step: int, epoch: int, metrics: dict) -> None:
         """One record; a line per evaluated split (val_*: a validation set, test_*)."""
         self.write({"step": step, "epoch": epoch, **metrics})

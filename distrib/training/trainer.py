@@ -8,6 +8,7 @@ all-reduce of the integer sums per evaluation (distrib.evaluation)."""
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -271,15 +272,22 @@ class Trainer:
                                     **(self.replicas.logged() if self.replicas else {})},
                                    **self.meter.window())
         if self.agreement.stop_agreed:
-            path = self.checkpointer.save(progress.step) if self.checkpointer else None
+            path = self._save(progress.step) if self.checkpointer else None
             raise Preempted(progress.step, path, announce=self.recorder.enabled)  # rank 0's recorder says it once
         if self.checkpointer and self.checkpointer.due(progress.step):
-            self.checkpointer.save(progress.step)
+            self._save(progress.step)
             self.meter.restart_clock()
         if self.on_step_end:
             self.on_step_end(progress.step)
         if self.callbacks:
             self.callbacks.on_step_end(progress.step, loss)
+
+    def _save(self, step: int):
+        """A checkpoint of this step; the log and metrics.jsonl say how long it held training up."""
+        started = time.perf_counter()
+        path = self.checkpointer.save(step)
+        self.recorder.log_save(step, path, time.perf_counter() - started)
+        return path
 
     def _end_epoch(self) -> None:
         progress = self.state.progress
@@ -365,7 +373,7 @@ class Trainer:
                 self._end_epoch()
         bar.close()
         if self.checkpointer and (not self.checkpointer.due(progress.step) or self.stopped_early()):
-            self.checkpointer.save(progress.step)  # the final state (after the stopping evaluation), to extend it
+            self._save(progress.step)  # the final state (after the stopping evaluation), to extend it
         if self.last_eval is not None and self.last_eval[0] == progress.step:
             metrics = self.last_eval[1]  # stopped early right after evaluating these weights
             if self.validate is not None:  # on the validation set: the test set only now
