@@ -126,13 +126,41 @@ def _as_weight(block: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return block
 
 
+def _base_names(model: nn.Module, name: str, layer: nn.Module) -> tuple[str, str | None]:
+    """The base model's names of the weight and bias a LoRA layer adds its delta to: a layer's own, or for peft's
+    ParamWrapper (LoRA on a parameter: transformers' fused experts) its parameter on the module it wraps."""
+    parameter = getattr(layer, "parameter_name", None)
+    if parameter is not None:  # nested wrappers (one per parameter) each add a base_layer, which base_name drops
+        return base_name(model, f"{name}.base_layer.{parameter}"), None
+    return base_name(model, f"{name}.base_layer.weight"), base_name(model, f"{name}.base_layer.bias")
+
+
+def _experts_first(layer: nn.Module, weight: torch.Tensor) -> bool:
+    """Whether the layer is peft's LoRA on an experts-first 3-D parameter (an A and a B per expert)."""
+    return getattr(layer, "parameter_name", None) is not None and weight.dim() == 3 and layer.num_experts > 1
+
+
+def _experts_block(weight: torch.Tensor, layer: nn.Module, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                   scaling: float) -> torch.Tensor:
+    """This rank's block of peft's merged experts tensor (ParamWrapper.get_delta_weight added), from the whole
+    (small) A [experts x rank, in] and B [out, rank x experts]: only the block's experts are multiplied."""
+    local = local_part(weight).detach()
+    experts, *rest = block_slices(*local_block(weight))
+    a = lora_a.reshape(layer.num_experts, -1, lora_a.shape[-1])[experts].to(local.device)  # experts, rank, in
+    b = lora_b.reshape(lora_b.shape[0], -1, layer.num_experts)[..., experts].to(local.device)  # out, rank, experts
+    # the parameter is [experts, out, in] where peft swapped its features (transformers' is_transposed False)
+    pattern = "o r e, e r i -> e o i" if layer._did_swap_in_out_features else "o r e, e r i -> e i o"
+    delta = torch.einsum(pattern, b, a)[(slice(None), *rest)] * scaling
+    return (local + delta.to(local.dtype)).to(local.dtype)
+
+
 def _merge_layer(model: nn.Module, name: str, layer: nn.Module, adapters: list[str], merged: dict,
                  whole: dict[str, torch.Tensor]) -> str | None:
     """Adds each active adapter's delta of one LoRA layer into merged[its base weight (and bias)], as peft's merge
     does; returns why it cannot, else None."""
     from peft.tuners.lora import Linear
 
-    weight, bias = (base_name(model, f"{name}.base_layer.{part}") for part in ("weight", "bias"))
+    weight, bias = _base_names(model, name, layer)
     if weight not in merged:
         return f"{name}'s base weight is tied to another tensor: {_MERGE_YOURSELF}"
     sharded = any(isinstance(tensor, DTensor) for tensor in merged.values())
@@ -146,6 +174,9 @@ def _merge_layer(model: nn.Module, name: str, layer: nn.Module, adapters: list[s
             lora_a, lora_b = (whole[f"{name}.lora_{ab}.{adapter}.weight"] for ab in "AB")
             merged[weight] = _as_weight(_linear_block(merged[weight], lora_a, lora_b, scaling, layer.fan_in_fan_out),
                                         merged[weight])
+        elif _experts_first(layer, merged[weight]):
+            lora_a, lora_b = (whole[f"{name}.lora_{ab}.{adapter}.weight"] for ab in "AB")
+            merged[weight] = _as_weight(_experts_block(merged[weight], layer, lora_a, lora_b, scaling), merged[weight])
         elif not sharded:  # a whole tensor: peft's own delta (Embedding, Conv) or variant (DoRA) merge
             with torch.no_grad():
                 base = merged[weight].detach()

@@ -21,61 +21,39 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from distrib.errors import ConfigError
+# grouped_experts: distrib.plan.experts imports it from here
+from distrib.distributed.expert_modules import WEIGHTS, find_experts, grouped_experts  # noqa: F401
 
-# The contract's expert weights (distrib.models.moe.GroupedExperts): 3-D, the experts first.
-WEIGHTS = ("w1", "w2", "w3")
 # What the local experts compute: (rows sorted by local expert, rows per local expert) -> output rows.
 Compute = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def is_grouped_experts(module: nn.Module) -> bool:
-    """Whether a module holds experts in the contract's form: parameters w1, w2, w3, each 3-D with the same number
-    of experts first."""
-    own = dict(module.named_parameters(recurse=False))
-    return all(name in own and own[name].dim() == 3 for name in WEIGHTS) and \
-        len({own[name].shape[0] for name in WEIGHTS}) == 1
-
-
-def grouped_experts(model: nn.Module) -> dict[str, nn.Module]:
-    """{name: module} of the model's experts modules: each named `experts`, in the contract's form."""
-    return {name: module for name, module in model.named_modules()
-            if name.rsplit(".", 1)[-1] == "experts" and is_grouped_experts(module)}
-
-
 def check_model(model: nn.Module, size: int) -> dict[str, nn.Module]:
-    """The model's experts modules, or a one-line ConfigError: none to split, or a count that size does not divide."""
-    found = grouped_experts(model)
-    if not found:
-        raise ConfigError(f"dist.expert_parallel = {size}: the model ({type(model).__name__}) has no experts to "
-                          "split (a module named `experts` holding w1, w2, w3 experts first, as the built-in GPT's MoE "
-                          "layers do: model.kwargs n_experts); use --set dist.expert_parallel=1")
-    for name, module in found.items():
-        count = module.w1.shape[0]
-        if count % size:
-            working = [d for d in range(1, count + 1) if count % d == 0]
-            raise ConfigError(f"dist.expert_parallel = {size}: {name} holds {count} experts, which {size} ranks "
-                              f"cannot split evenly; use a divisor of {count} ({', '.join(map(str, working))})")
-    return found
+    """The model's experts modules (find_experts: the contract's and transformers' fused ones), or a one-line
+    ConfigError: none to split, a form expert parallel cannot split, or a count that size does not divide."""
+    return {name: experts.module for name, experts in find_experts(model, size).items()}
 
 
 def apply_expert_parallel(model: nn.Module, mesh) -> list[nn.Module]:
     """Each experts module's weights as DTensors Shard(0) over `mesh` (the ep dimension: each rank holds its
-    1/E of the experts; on the meta device nothing is allocated) and its forward routed over the mesh's group.
-    Returns the modules, which FSDP then shards over what remains of the data-parallel ranks."""
-    if not grouped_experts(model):  # a transformers MoE: its fused experts through the same dispatch
-        from distrib.distributed.hf_expert_parallel import apply_hf_expert_parallel  # it imports route from here
-
-        return apply_hf_expert_parallel(model, mesh)
-    found = list(check_model(model, mesh.size()).values())
+    1/E of the experts; on the meta device nothing is allocated) and its forward routed over the mesh's group
+    (transformers' fused experts through hf_expert_parallel). Returns the modules, which FSDP then shards over what
+    remains of the data-parallel ranks."""
+    found = list(find_experts(model, mesh.size()).values())
     _quiet_expert_gathers()
-    for module in found:
+    for experts in found:
+        if experts.fused:
+            from distrib.distributed.hf_expert_parallel import apply_hf_expert_parallel  # it imports route from here
+
+            apply_hf_expert_parallel(experts.module, mesh)
+            continue
+        module = experts.module
         for name in WEIGHTS:
             param = getattr(module, name)
             module.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]),
                                                          requires_grad=param.requires_grad))
         module.forward = functools.partial(_routed_forward, module, module.forward, mesh.get_group())
-    return found
+    return [experts.module for experts in found]
 
 
 class _ExpertGathers(logging.Filter):

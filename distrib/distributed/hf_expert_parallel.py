@@ -20,21 +20,17 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from distrib.distributed.expert_parallel import inverse, route
-from distrib.distributed.hf_experts import hf_experts
 
 
-def apply_hf_expert_parallel(model: nn.Module, mesh) -> list[nn.Module]:
-    """Each experts module's tensors as DTensors Shard(0) over `mesh` (the ep dimension: 1/E of the experts on each
-    rank; nothing allocated on the meta device) and its forward routed over the mesh's group; a one-line ConfigError
-    for a family whose experts are not fused and experts-first (hf_experts). Returns the modules, which FSDP then
-    shards over what remains of the data-parallel ranks (as apply_expert_parallel's)."""
-    found = list(hf_experts(model, mesh.size()).values())
-    for module in found:
-        for name, param in list(module.named_parameters(recurse=False)):
-            module.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]),
-                                                         requires_grad=param.requires_grad))
-        module.forward = functools.partial(dispatched_forward, module, module.forward, mesh.get_group())
-    return found
+def apply_hf_expert_parallel(module: nn.Module, mesh) -> None:
+    """One transformers experts module (fused, experts-first: expert_modules.find_experts says which) with its
+    tensors as DTensors Shard(0) over `mesh` (the ep dimension: 1/E of the experts on each rank; nothing allocated on
+    the meta device) and its forward routed over the mesh's group; FSDP then shards it over what remains of the
+    data-parallel ranks (as apply_expert_parallel's)."""
+    for name, param in list(module.named_parameters(recurse=False)):
+        module.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]),
+                                                     requires_grad=param.requires_grad))
+    module.forward = functools.partial(dispatched_forward, module, module.forward, mesh.get_group())
 
 
 @contextlib.contextmanager
@@ -65,7 +61,8 @@ def dispatched_forward(module: nn.Module, forward: Callable, group: dist.Process
 
     def local(rows: torch.Tensor, local_counts: torch.Tensor) -> torch.Tensor:
         with _local_experts(module) as count:
-            ids = torch.repeat_interleave(torch.arange(count, device=rows.device), local_counts)
+            # output_size: no host sync for the ids' length (and the dry run's fake rows have no values to count)
+            ids = torch.repeat_interleave(torch.arange(count, device=rows.device), local_counts, output_size=len(rows))
             return forward(rows, ids[:, None], torch.ones(len(rows), 1, dtype=top_k_weights.dtype,
                                                          device=rows.device))
 

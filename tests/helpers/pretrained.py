@@ -82,6 +82,22 @@ def moe_from_pretrained(folder: str):
     return AutoModelForCausalLM.from_pretrained(folder)
 
 
+def moe_from_config(folder: str):
+    """The factory users write, taking only the folder: its architecture with random weights (model.init_from reads
+    the folder's); the launcher builds it on the meta device before any worker starts."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+
+
+def lora_moe(folder: str, r: int = 4, targets: str = "q_proj,v_proj"):
+    """moe_from_config wrapped by peft's LoRA on `targets` (gate_proj,up_proj,down_proj: on the fused experts)."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(moe_from_config(folder), LoraConfig(r=r, lora_alpha=2 * r,
+                                                              target_modules=targets.split(",")))
+
+
 def save_moe(folder: Path, family: str = "mixtral", seed: int = 7, max_shard_size: str = "10MB") -> Path:
     """A mixture of experts of seeded weights saved by save_pretrained (the Hub's layout); returns the folder."""
     torch.manual_seed(seed)

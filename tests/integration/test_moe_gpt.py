@@ -64,7 +64,10 @@ def _figures(run_dir: Path) -> dict[int, dict]:
 
 
 def _family(tmp: Path, family: str) -> list[str]:
-    return [*HF, f"model.factory=tests.helpers.pretrained:{family}", f"model.init_from={tmp / family}"]
+    """The family's run as users write it: a factory taking only the folder (which distrib train's check before
+    any worker builds: tests/unit/test_expert_parallel.py), its weights from model.init_from."""
+    return [*HF, "model.factory=tests.helpers.pretrained:moe_from_config",
+            f'model.kwargs={{folder = "{tmp / family}"}}', f"model.init_from={tmp / family}"]
 
 
 @pytest.fixture(scope="module")

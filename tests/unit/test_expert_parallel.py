@@ -1,7 +1,9 @@
 """Expert parallel in one process: the rows an all-to-all delivers put in local-expert order (against a brute force),
 the dispatch on one rank is the MoE layer's own forward and backward bitwise (the all-to-alls move nothing, the order
 is the identity), the refusals before any worker starts, and distrib plan's expert bytes, all-to-all bytes and worst
-imbalance. (Against one process at world size 4: tests/integration/test_moe_gpt.py.)"""
+imbalance; which modules are experts (one function, for the GPT's, transformers' and a PeftModel's), and a Hugging
+Face mixture of experts from a folder-only factory checked before any worker in the workers' words. (Against one
+process at world size 4: tests/integration/test_moe_gpt.py.)"""
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from distrib.config import DistConfig, load_config
+from distrib.distributed.expert_modules import find_experts
 from distrib.distributed.expert_parallel import apply_expert_parallel, check_model, inverse, local_expert_order
 from distrib.distributed.mesh import ParallelDims
 from distrib.distributed.strategies import check_config, parallel_dims
@@ -91,6 +94,60 @@ def test_the_degree_is_taken_from_the_shard_group():
     assert [dims.coordinate(rank)["ep"] for rank in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]  # shard % 2, tp inside
     with pytest.raises(ConfigError):
         check_model(GPT(n_layers=1, n_heads=2, dim=16), 2)
+
+
+def test_one_function_says_which_modules_are_experts_and_how_many():
+    """find_experts, which the launcher's check and each worker's expert parallel both read: the built-in GPT's
+    experts (w1, w2, w3), transformers' fused experts (gate_up_proj, down_proj), and either inside a PeftModel."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.helpers.pretrained import qwen3_moe
+
+    gpt = find_experts(GPT(n_layers=2, n_heads=2, dim=16, n_experts=6, top_k=2), 2)
+    assert {name: (e.num_experts, e.fused) for name, e in gpt.items()} == {
+        "layers.0.moe.experts": (6, False), "layers.1.moe.experts": (6, False)}
+    hf = find_experts(qwen3_moe(), 2)
+    assert {name: (e.num_experts, e.fused) for name, e in hf.items()} == {
+        "model.layers.0.mlp.experts": (4, True), "model.layers.1.mlp.experts": (4, True)}
+    wrapped = find_experts(get_peft_model(qwen3_moe(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"])), 4)
+    assert {name: (e.num_experts, e.fused) for name, e in wrapped.items()} == {
+        f"base_model.model.{name}": (4, True) for name in hf}
+
+
+def _hf_moe(tmp_path, factory: str, num_experts: int, degree: int):
+    """A Qwen3-MoE folder of num_experts experts, and the config of a run of it at dist.expert_parallel = degree with
+    a factory that takes only the folder (the launcher builds it on the meta device before any worker starts)."""
+    from tests.helpers.pretrained import qwen3_moe
+
+    folder = tmp_path / "qwen3_moe"
+    qwen3_moe(num_experts=num_experts).save_pretrained(folder)
+    return folder, load_config(None, [
+        f"model.factory=tests.helpers.pretrained:{factory}", f'model.kwargs={{folder = "{folder}"}}',
+        f"model.init_from={folder}", "data.factory=tests.helpers.pretrained:token_dicts", "dist.device=cpu",
+        "dist.strategy=fsdp", f"dist.expert_parallel={degree}", "train.global_batch_size=16"])
+
+
+@pytest.mark.parametrize("factory", ["moe_from_config", "lora_moe"])
+def test_a_hugging_face_mixture_of_experts_from_a_folder_only_factory_passes_the_check_before_any_worker(
+        tmp_path, factory):
+    _, config = _hf_moe(tmp_path, factory, 4, 2)
+    assert check_layout(config, 4, 4).expert_parallel == 2
+
+
+def test_experts_the_degree_does_not_divide_are_refused_before_any_worker_in_the_workers_words(tmp_path):
+    """6 experts at dist.expert_parallel = 4: the launcher's check says what a worker's expert parallel would say
+    (after its start-up) on the model it builds."""
+    from tests.helpers.pretrained import moe_from_config
+    from tests.helpers.support import fake_rank
+
+    folder, config = _hf_moe(tmp_path, "moe_from_config", 6, 4)
+    with pytest.raises(ConfigError) as before:
+        check_layout(config, 4, 4)
+    with fake_rank(0, 4), pytest.raises(ConfigError) as worker:
+        apply_expert_parallel(moe_from_config(str(folder)), init_device_mesh("cpu", (4,), mesh_dim_names=("ep",)))
+    assert str(before.value) == str(worker.value) == (
+        "dist.expert_parallel = 4: model.layers.0.mlp.experts holds 6 experts, which 4 ranks cannot split evenly; "
+        "use a divisor of 6 (1, 2, 3, 6)")
 
 
 def test_plan_counts_each_rank_s_experts_the_all_to_all_and_the_worst_imbalance(tmp_path):

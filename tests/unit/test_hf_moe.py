@@ -1,8 +1,9 @@
 """Hugging Face mixtures of experts in one process: a Mixtral and a Qwen3-MoE saved by save_pretrained (the Hub's
 per-expert tensors) read by model.init_from through transformers' own conversion into their fused experts, exactly as
 from_pretrained reads them; rank 1 of fsdp 2 (a fake process group) reads only its experts; weights/ keeps the fused
-names and loads with from_pretrained; the router's aux loss is counted once; and which families expert parallel takes
-(hf_experts), the others in one line."""
+names and loads with from_pretrained; the router's aux loss is counted once; which families expert parallel takes
+(find_experts), the others in one line; and LoRA on the fused experts: refused under expert parallel in words that say
+so, merged into weights/merged/ otherwise (one process and a rank's fsdp block), which loads as the trained model."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import torch
 
 from distrib.checkpoint.init_from import Safetensors, check_weights, load_weights, open_source
 from distrib.checkpoint.weights import hf_config, model_tensors, save_weights
-from distrib.distributed.hf_experts import hf_experts
+from distrib.distributed.expert_modules import find_experts
 from distrib.errors import ConfigError, UserError
-from tests.helpers.pretrained import llama, mixtral, moe_from_pretrained, qwen3_moe, save_moe
+from tests.helpers.pretrained import llama, lora_moe, mixtral, moe_from_pretrained, qwen3_moe, save_moe
 from tests.helpers.support import fake_rank
 
 FAMILIES = {"mixtral": mixtral, "qwen3_moe": qwen3_moe}
@@ -105,7 +106,9 @@ def test_expert_parallel_takes_fused_experts_first_families_and_refuses_others_i
     from transformers import SwitchTransformersForConditionalGeneration as Switch
 
     for family, build in FAMILIES.items():
-        assert list(hf_experts(build(), 2)) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"], family
+        found = find_experts(build(), 2)
+        assert list(found) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"], family
+        assert all(experts.fused and experts.num_experts == 4 for experts in found.values()), family
     with torch.device("meta"):
         switch = Switch(SwitchTransformersConfig(
             vocab_size=64, d_model=32, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=4, num_experts=4,
@@ -113,14 +116,15 @@ def test_expert_parallel_takes_fused_experts_first_families_and_refuses_others_i
         dbrx = DbrxForCausalLM(DbrxConfig(d_model=32, n_heads=4, n_layers=1, max_seq_len=16, vocab_size=64,
                                           attn_config=dict(kv_n_heads=2, rope_theta=1e4),
                                           ffn_config=dict(ffn_hidden_size=16, moe_num_experts=4, moe_top_k=2)))
-    refused = {"per-expert modules": (switch, 2, "holds its experts as per-expert modules (encoder.block.1.layer.1"
-                                                ".mlp.experts: a SwitchTransformersExperts of 4)"),
+    refused = {"per-expert modules": (switch, 2, "encoder.block.1.layer.1.mlp.experts (SwitchTransformersExperts) "
+                                                "holds its 4 experts as per-expert modules, not fused tensors"),
                "not experts-first": (dbrx, 2, "holds mlp.w1 [64, 32], not experts-first ([4, ...])"),
-               "no experts": (llama(), 2, "has no experts module"),
-               "not a divisor": (mixtral(), 3, "holds 4 experts, which the degree does not divide")}
+               "no experts": (llama(), 2, "the model (LlamaForCausalLM) has no experts to split"),
+               "not a divisor": (mixtral(), 3, "model.layers.0.mlp.experts holds 4 experts, which 3 ranks cannot "
+                                               "split evenly; use a divisor of 4 (1, 2, 4)")}
     for case, (model, degree, says) in refused.items():
         with pytest.raises(ConfigError) as error:
-            hf_experts(model, degree)
+            find_experts(model, degree)
         assert "\n" not in str(error.value) and str(error.value).startswith(f"dist.expert_parallel = {degree}: ")
         assert says in str(error.value), (case, str(error.value))
 
@@ -134,7 +138,7 @@ def test_the_expert_parallel_dispatch_on_one_rank_gives_transformers_forward(fam
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from distrib.distributed.hf_expert_parallel import apply_hf_expert_parallel
+    from distrib.distributed.expert_parallel import apply_expert_parallel
 
     torch.manual_seed(0)
     reference = FAMILIES[family]()
@@ -145,7 +149,7 @@ def test_the_expert_parallel_dispatch_on_one_rank_gives_transformers_forward(fam
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        assert len(apply_hf_expert_parallel(dispatched, init_device_mesh("cpu", (1,)))) == 2
+        assert len(apply_expert_parallel(dispatched, init_device_mesh("cpu", (1,)))) == 2
         expected, got = reference(input_ids=ids, labels=ids), dispatched(input_ids=ids, labels=ids)
         expected.loss.backward()
         got.loss.backward()
@@ -155,3 +159,80 @@ def test_the_expert_parallel_dispatch_on_one_rank_gives_transformers_forward(fam
     for (name, param), mine in zip(reference.named_parameters(), dispatched.parameters()):
         grad = mine.grad.to_local() if hasattr(mine.grad, "to_local") else mine.grad
         assert torch.allclose(grad, param.grad, atol=1e-6), name
+
+
+EXPERT_TARGETS = "q_proj,gate_proj,up_proj,down_proj"  # peft puts the last three on the fused experts (ParamWrapper)
+
+
+def _lora_on_experts(folder):
+    """A Qwen3-MoE from `folder` with LoRA on its attention's q_proj and on its experts, the adapter made non-zero as
+    training makes it."""
+    from distrib.checkpoint.init_from import load_weights as read_weights
+
+    torch.manual_seed(0)
+    model = lora_moe(str(folder), targets=EXPERT_TARGETS)
+    read_weights(model, check_weights(model, open_source(str(folder))))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:
+                parameter.normal_(0, 0.2)
+    return model.eval()
+
+
+def test_lora_on_the_experts_is_refused_under_expert_parallel_in_words_that_say_so(tmp_path):
+    folder = save_moe(tmp_path / "qwen3_moe", "qwen3_moe")
+    assert list(find_experts(lora_moe(str(folder)), 2)) == [  # LoRA elsewhere: the experts as they are
+        "base_model.model.model.layers.0.mlp.experts", "base_model.model.model.layers.1.mlp.experts"]
+    with pytest.raises(ConfigError) as error:
+        find_experts(lora_moe(str(folder), targets=EXPERT_TARGETS), 2)
+    assert str(error.value) == (
+        "dist.expert_parallel = 2: base_model.model.model.layers.0.mlp.experts carries a LoRA adapter (ParamWrapper), "
+        "and expert parallel does not split an adapter's expert tensors with their experts; keep LoRA off the experts "
+        "(target the attention, e.g. q_proj,k_proj,v_proj,o_proj, not gate_proj, up_proj or down_proj) or set "
+        "dist.expert_parallel = 1 (fsdp shards the experts and their adapter like any parameter)")
+
+
+def test_lora_on_the_experts_is_merged_into_merged_which_loads_as_the_trained_model(tmp_path):
+    """weights/merged/ of a LoRA on the fused experts (peft's ParamWrapper: an A and a B per expert), as a user loads
+    it with from_pretrained: the wrapped model's logits (the base's are 0.8 away)."""
+    from distrib.checkpoint.adapter_weights import MERGED_DIR
+    from distrib.checkpoint.weights import WEIGHTS_DIR, write_run_weights
+    from distrib.distributed.strategies.ddp import DDPStrategy
+
+    folder = save_moe(tmp_path / "qwen3_moe", "qwen3_moe")
+    model = _lora_on_experts(folder)
+    lines = []
+    write_run_weights(model, None, tmp_path / "run", 0, DDPStrategy(), str(folder), True, lines.append)
+    assert f"; {MERGED_DIR}/: the merged model (from_pretrained)" in lines[-1], lines
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        trained = model(input_ids=ids).logits
+        merged = moe_from_pretrained(str(tmp_path / "run" / WEIGHTS_DIR / MERGED_DIR)).eval()(input_ids=ids).logits
+        base = moe_from_pretrained(str(folder)).eval()(input_ids=ids).logits
+    assert (merged - trained).abs().max() < 1e-5 < 0.1 < (base - trained).abs().max()
+
+
+def test_a_rank_of_fsdp_merges_the_lora_of_its_own_experts(tmp_path):
+    """Rank 1 of fsdp 2 (a fake process group) holds experts 2 and 3 of each fused tensor: its merged block is those
+    experts of the one-process merge, made from the whole (small) A and B."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from distrib.checkpoint.adapter_weights import adapter_state, merged_tensors
+    from distrib.checkpoint.weights import model_tensors
+
+    folder = save_moe(tmp_path / "qwen3_moe", "qwen3_moe")
+    model = _lora_on_experts(folder)
+    whole = adapter_state(model)
+    reference, why = merged_tensors(model, model_tensors(model), whole)
+    assert why is None
+    with fake_rank(1, 2):
+        mesh = init_device_mesh("cpu", (2,))
+        for layer in model.base_model.model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        merged, why = merged_tensors(model, model_tensors(model), whole)
+        assert why is None and merged.keys() == reference.keys()
+        for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
+            assert merged[name].to_local().shape[0] == 2
+            assert torch.equal(merged[name].to_local(), reference[name][2:]), name
