@@ -317,6 +317,9 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
         recorder.info(f"{_steps_said(config, total_steps)} of {plan.global_batch_size} samples ({ranks} x "
                       f"{config.train.grad_accum_steps} micro-steps x {plan.micro_batch_size}), "
                       f"{type(data.train).__name__}")
+        experts = ExpertLoad.of(wrapped, strategy, runtime.device)  # a mixture of experts' load, counted each step
+        if experts is not None:
+            recorder.info(experts.describe(dims))
         recorder.start(to_dict(config), resumed_from, runtime.restart_count)  # trackers: fail here, not mid-run
         clock.mark("state, resume and trackers")
         recorder.info(clock.line())
@@ -335,7 +338,7 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
                                   meter=meter,
                                   agreement=agreement, checkpointer=checkpointer,
                                   on_step_end=_after_step(runtime, on_step_end), callbacks=hooks,
-                                  extra_losses=extra_losses, experts=ExpertLoad.of(wrapped, strategy, runtime.device),
+                                  extra_losses=extra_losses, experts=experts,
                                   replicas=replicas)
                 metrics = trainer.train(data.train)
         except BaseException as e:  # flush metrics and trackers now: the CLI's os._exit skips finalisers

@@ -27,6 +27,7 @@ from distrib.distributed.strategies import Strategy, make_strategy
 from distrib.distributed.strategies.materialise import initialises_itself
 from distrib.distributed.tensor_parallel import layers_split
 from distrib.models.build import build_model
+from distrib.plan.batch import first_samples, num_tokens, positions, shaped_batch
 from distrib.plan.cost import startup_memory, step_traffic
 from distrib.plan.experts import MetaRouting, expert_plan, expert_rows, held_experts
 from distrib.plan.fixes import Run, Step, fixes
@@ -38,7 +39,7 @@ from distrib.plan.host import (  # noqa: F401 - distrib.plan's names too
     host_allocator,
     returns_freed_memory,
 )
-from distrib.training.losses import logits_of
+from distrib.training.losses import Loss, build_loss, cross_entropy, forward, own_loss
 from distrib.training.trainer import build_optimizer
 
 GIB, GB = 2**30, 1e9
@@ -85,14 +86,18 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def activation_bytes(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
-                     blocks: list[nn.Module]) -> tuple[int, int]:
+def activation_bytes(model: nn.Module, inputs, targets, blocks: list[nn.Module], loss: Loss | None = None
+                     ) -> tuple[int, int]:
     """Bytes autograd keeps for backward after one forward of this micro-batch (parameters not counted, each
     storage once): as is, and with each block recomputed (speed.activation_checkpointing = blocks: a block keeps
-    only its input, and one block's own tensors live again while it is recomputed)."""
+    only its input, and one block's own tensors live again while it is recomputed). The loss is the model's own where
+    it returns one (as the trainer takes it), else `loss` (cross-entropy where none is given)."""
+    loss = loss or cross_entropy()
+
     def forward_and_loss():
-        logits = logits_of(model(inputs))  # a Hugging Face model's output: its logits
-        torch.nn.functional.cross_entropy(logits.flatten(0, -2) if logits.dim() > 2 else logits, targets.flatten())
+        outputs = forward(model, inputs)  # a dict sample as model(**inputs)
+        if own_loss(outputs) is None or loss.whole:
+            loss(outputs, targets)
 
     whole, recomputed, _ = saved_bytes(forward_and_loss, model, blocks)
     return whole, recomputed
@@ -133,15 +138,6 @@ def saved_bytes(forward, model: nn.Module, blocks: list[nn.Module], skip: tuple[
     per_block = [sum(size for size, owner in saved.values() if owner == i) for i in range(len(blocks))]
     outside = whole - sum(per_block)
     return whole, outside + sum(block_inputs) + max(per_block, default=0), returned
-
-
-def meta_batch(model_input_shape: tuple[int, ...], num_classes: int, micro_batch_size: int):
-    """A micro-batch of meta tensors of the data's shapes: token ids (and next-token targets) for sequences."""
-    if len(model_input_shape) == 1:
-        tokens = torch.zeros(micro_batch_size, *model_input_shape, dtype=torch.long, device="meta")
-        return tokens, tokens
-    return (torch.zeros(micro_batch_size, *model_input_shape, device="meta"),
-            torch.zeros(micro_batch_size, dtype=torch.long, device="meta"))
 
 
 def meta_model(config: Config, info) -> nn.Module:
@@ -190,18 +186,17 @@ def state_parts_planned(model: nn.Module, optimizer, strategy: Strategy, device:
     return state_parts(model, optimizer, device, planned=not offloaded)
 
 
-def _tp_activations(model: nn.Module, shape: ParallelDims, inputs: torch.Tensor) -> int:
+def _tp_activations(model: nn.Module, shape: ParallelDims, inputs) -> int:
     """Elements tensor parallel all-reduces per micro-step: each row-wise layer's output in forward and the input
     gradient of the column-wise layers before it in backward (the same size: the residual stream); a row-wise
     embedding's output in forward; a gathered column-wise output (an lm_head's logits) gathered in forward, half an
     all-reduce's traffic, and its input gradient all-reduced in backward."""
     if shape.tensor_parallel == 1:
         return 0
-    positions = inputs.numel() if inputs.dim() == 2 else len(inputs)  # tokens of a micro-batch, or samples
     rowwise = sum(2 * m.out_features for m in layers_split(model, "rowwise"))
     embedding = sum(m.embedding_dim for m in layers_split(model, "embedding_rowwise"))
     gathered = sum(m.out_features / 2 + m.in_features for m in layers_split(model, "colwise_gather_output"))
-    return int(positions * (rowwise + embedding + gathered))
+    return int(positions(inputs) * (rowwise + embedding + gathered))
 
 
 def _whole_model(config: Config, info) -> tuple[int, int, bool]:
@@ -304,21 +299,21 @@ def plan_run(config: Config, machine: Machine) -> dict:
                         shape.data_parallel, config.train.seed)
     from distrib.plan.pipeline import no_pipeline, plan_pipeline  # (it builds on this module's helpers)
 
-    pipeline = None
+    sample, pipeline = first_samples(data.train, batches.micro_batch_size), None
     with fake_process_group(machine.world_size), MetaRouting():  # MetaRouting: an MoE layer's meta passes
         if shape.pipeline > 1:  # every pipeline rank's stages: the fullest rank's state
-            pipeline = plan_pipeline(config, strategy, data.info, machine, device, batches)
+            pipeline = plan_pipeline(config, strategy, data.info, machine, device, batches, sample)
             parts, local_params, held = pipeline["parts"], pipeline["local_parameters"], pipeline["experts"]
         else:
             parts, local_params, held = _sharded_state(config, strategy, data.info, machine, device)
         model = meta_model(config, data.info)
-        inputs, targets = meta_batch(tuple(data.info.input_shape), data.info.num_classes, batches.micro_batch_size)
-        whole, recomputed = activation_bytes(model, inputs, targets,
-                                             fsdp.find_blocks(model, config.dist.shard_modules))
+        inputs, targets = shaped_batch(sample, batches.micro_batch_size)
+        whole, recomputed = activation_bytes(model, inputs, targets, fsdp.find_blocks(model, config.dist.shard_modules),
+                                             build_loss(config.train))
     compute_bytes = 2 if config.train.precision == "bf16" else 4
     intra, inter = step_traffic(shape, config.dist, machine.nproc_per_node, local_params, compute_bytes,
                                 config.train.grad_accum_steps, _tp_activations(model, shape, inputs) * compute_bytes)
-    experts = expert_plan(held, shape, machine.nproc_per_node, inputs.numel() if inputs.dim() == 2 else 0,
+    experts = expert_plan(held, shape, machine.nproc_per_node, num_tokens(inputs),
                           compute_bytes, config.train.grad_accum_steps,
                           config.speed.activation_checkpointing == "blocks")
     intra += experts["all_to_all_bytes_per_step_intra_node"]

@@ -32,7 +32,8 @@ from distrib.distributed.strategies import Strategy, make_strategy
 from distrib.distributed.strategies.base import StepLoss
 from distrib.distributed.strategies.materialise import build_on_meta
 from distrib.models.build import build_model
-from distrib.plan import Machine, _size, fake_process_group, meta_batch, meta_model
+from distrib.plan import Machine, _size, fake_process_group, meta_model
+from distrib.plan.batch import first_samples, shaped_batch, staged_inputs
 from distrib.plan.experts import MetaRouting
 from distrib.plan.pipeline import in_flight
 from distrib.training.evaluation import autocast
@@ -60,17 +61,19 @@ def dry_run(config: Config, machine: Machine) -> dict:
     batches = BatchPlan(data.train.num_samples, config.train.global_batch_size, config.train.grad_accum_steps, 0,
                         dims.data_parallel, config.train.seed)
     ranks = sorted({dims.rank_at(pp=0), dims.rank_at(pp=dims.pipeline - 1)})  # every other coordinate 0: the fullest
+    sample = first_samples(data.train, batches.micro_batch_size)  # the data's structure, dtypes and shapes
     # one group for all ranks (torch's meshes outlive a destroyed group); MetaRouting: an MoE layer's fake step
     with fake_process_group(machine.world_size), MetaRouting():
-        measured = [measure_rank(config, machine, data.info, batches, rank) for rank in ranks]
+        measured = [measure_rank(config, machine, data.info, batches, rank, sample) for rank in ranks]
     top = max(measured, key=lambda figures: figures["peak_bytes"])
     return {"dry_run_peak_bytes_per_rank": top["peak_bytes"], "dry_run_rank": top["rank"],
             **{f"dry_run_{part}_bytes": top["parts"][part] for part in PART_NAMES},
             "dry_run_ranks": measured, "dry_run_seconds": time.perf_counter() - started}
 
 
-def measure_rank(config: Config, machine: Machine, info, batches: BatchPlan, rank: int) -> dict:
-    """`rank`'s layout, its optimizer's state created, and one step measured: its peak and parts. Over the fake
+def measure_rank(config: Config, machine: Machine, info, batches: BatchPlan, rank: int, sample) -> dict:
+    """`rank`'s layout, its optimizer's state created, and one step on micro-batches shaped as `sample` (the data's
+    first samples, distrib.plan.batch) measured: its peak and parts. Over the fake
     group's rank 0, as plan's (distrib.plan.planned_rank): the measured ranks differ from it in their pipeline rank
     only, which lay_out reads from runtime.rank."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -78,7 +81,7 @@ def measure_rank(config: Config, machine: Machine, info, batches: BatchPlan, ran
     strategy = make_strategy(config.dist, machine.world_size, machine.nproc_per_node)  # its own mesh, this group's
     runtime = Runtime(rank, rank % machine.nproc_per_node, machine.world_size, machine.nproc_per_node, HOST, "fake")
     # each stage's input shapes, given: from a meta pass outside the fake mode (which refuses the meta model's casts)
-    given = stage_inputs(config, info, batches.micro_batch_size // pipeline.microbatches(config.dist)) \
+    given = stage_inputs(config, info, batches.micro_batch_size // pipeline.microbatches(config.dist), sample) \
         if strategy.dims.pipeline > 1 else []
     fake = FakeTensorMode(allow_non_fake_inputs=True)  # the meta model's tensors go in, fake ones come out
     model = laid_out(config, strategy, info, runtime, fake)
@@ -88,9 +91,9 @@ def measure_rank(config: Config, machine: Machine, info, batches: BatchPlan, ran
         tracker = _tracker(model, optimizer)
         with tracker:
             if strategy.dims.pipeline > 1:
-                _pipeline_step(config, strategy, model, info, batches, rank, given, tracker.reset_mod_stats)
+                _pipeline_step(config, strategy, model, sample, batches, rank, given, tracker.reset_mod_stats)
             else:
-                _step(config, strategy, model, info, batches)
+                _step(config, strategy, model, sample, batches)
             _optimizer_step(config, strategy, model, optimizer)
     peak = tracker.get_tracker_snapshot("peak").get(HOST, {})
     state = sum(local_tensor(t).nbytes for s in optimizer.state.values() for t in s.values()
@@ -149,12 +152,6 @@ def _tracker(model: nn.Module, optimizer: torch.optim.Optimizer):
     return tracker
 
 
-def _fake_batch(config: Config, info, size: int):
-    """A micro-batch of fake tensors of the data's shapes (meta_batch's, materialised under the fake mode)."""
-    inputs, targets = meta_batch(tuple(info.input_shape), info.num_classes, size)
-    return torch.zeros_like(inputs, device=HOST), torch.zeros_like(targets, device=HOST)
-
-
 def _step_loss(config: Config, strategy: Strategy, targets: list) -> StepLoss:
     """The trainer's StepLoss (distrib.training.trainer): the config's loss, normalised once for the step."""
     return StepLoss(loss=step_loss(build_loss(config.train), targets, strategy.dims.world_size), forward=forward,
@@ -162,13 +159,14 @@ def _step_loss(config: Config, strategy: Strategy, targets: list) -> StepLoss:
                     batch=lambda inputs, targets: {}, device=HOST)
 
 
-def _step(config: Config, strategy: Strategy, model: nn.Module, info, batches: BatchPlan) -> None:
-    """The trainer's forward and backward of a step's micro-batches (strategy.forward_backward)."""
-    micro_batches = [_fake_batch(config, info, batches.micro_batch_size) for _ in range(batches.grad_accum_steps)]
+def _step(config: Config, strategy: Strategy, model: nn.Module, sample, batches: BatchPlan) -> None:
+    """The trainer's forward and backward of a step's micro-batches (strategy.forward_backward), of fake tensors
+    (made on the host under the fake mode) shaped as the data's."""
+    micro_batches = [shaped_batch(sample, batches.micro_batch_size, HOST) for _ in range(batches.grad_accum_steps)]
     strategy.forward_backward(model, micro_batches, _step_loss(config, strategy, [t for _, t in micro_batches]))
 
 
-def stage_inputs(config: Config, info, size: int) -> list[torch.Tensor]:
+def stage_inputs(config: Config, info, size: int, sample) -> list[torch.Tensor]:
     """Each stage's input for a microbatch of `size` samples, as meta tensors: the whole model on meta, forwarded
     stage by stage (the shapes each stage is given)."""
     dist_config = config.dist
@@ -176,7 +174,8 @@ def stage_inputs(config: Config, info, size: int) -> list[torch.Tensor]:
     split = pipeline.split_stages(model, dist_config.pipeline_parallel * dist_config.stages_per_rank,
                                   dist_config.pipeline_split, dist_config.pipeline_parallel)
     cls = stage_class(model)  # as lay_out views the stages (a Hugging Face decoder's run their units themselves)
-    x, inputs = meta_batch(tuple(info.input_shape), info.num_classes, size)[0], []
+    staged_inputs(sample, dist_config.pipeline_parallel)
+    x, inputs = shaped_batch(sample, size)[0], []
     with torch.no_grad():
         for stage in range(split.num_stages):
             inputs.append(x)
@@ -184,7 +183,7 @@ def stage_inputs(config: Config, info, size: int) -> list[torch.Tensor]:
     return inputs
 
 
-def _pipeline_step(config: Config, strategy: Strategy, model: nn.Module, info, batches: BatchPlan, rank: int,
+def _pipeline_step(config: Config, strategy: Strategy, model: nn.Module, sample, batches: BatchPlan, rank: int,
                    inputs: list[torch.Tensor], next_microbatch) -> None:
     """Each micro-step, this rank's stages on their microbatches as torch's schedule holds them: as many forwarded
     before the first backward as the schedule keeps in flight (distrib.plan.pipeline.in_flight), then the others one
@@ -195,8 +194,7 @@ def _pipeline_step(config: Config, strategy: Strategy, model: nn.Module, info, b
                               dist_config.stages_per_rank, dist_config.pipeline_schedule)
     held = in_flight(dist_config.pipeline_schedule, dist_config.pipeline_parallel, dist_config.stages_per_rank, count,
                      strategy.dims.pipeline_rank(rank))
-    targets = torch.zeros_like(meta_batch(tuple(info.input_shape), info.num_classes, batches.micro_batch_size)[1],
-                               device=HOST)
+    targets = shaped_batch(sample, batches.micro_batch_size, HOST)[1]
     step = _step_loss(config, strategy, [targets] * batches.grad_accum_steps)
     last = len(inputs) - 1
 

@@ -10,9 +10,9 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
-from distrib.distributed.expert_parallel import grouped_experts
 from distrib.distributed.mesh import ParallelDims
 from distrib.distributed.parallel import local_tensor
+from distrib.training.experts import split_experts, top_k_of
 
 
 def _shapes_only(tensor) -> bool:
@@ -25,7 +25,8 @@ class MetaRouting(TorchFunctionMode):
     """The MoE layers' routing on meta and fake tensors (the plan's passes, the dry run's step): torch has no meta
     kernel for bincount (its length depends on the values: here minlength, every expert id below it), and its
     grouped_mm's refuses fp32 (it checks a GPU's dtypes). Each is replaced by one of its shape that saves for backward
-    what it does (grouped_mm: its two operands)."""
+    what it does (grouped_mm: its two operands). A branch on a boolean the pass has no value of is taken as true:
+    transformers' "is the attention mask all ones?" (then it runs SDPA's causal path, as for unpadded samples)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -34,26 +35,45 @@ class MetaRouting(TorchFunctionMode):
             return torch.zeros(size, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
         if func is torch._grouped_mm and _shapes_only(args[0]) and args[0].dim() == 2 and args[1].dim() == 3:
             return args[0] @ args[1][0]  # [rows, in] x [in, out] of one expert: the output's shape, the same saves
+        if func is torch.Tensor.__bool__ and _shapes_only(args[0]) and args[0].dtype == torch.bool:
+            return True  # a branch on a value a shapes-only pass has none of: transformers' "is the mask all ones?"
         return func(*args, **kwargs)
 
 
+def model_experts(model: nn.Module) -> dict[str, nn.Module]:
+    """{name: experts module} of each MoE layer the model holds in a form expert parallel splits (the built-in GPT's,
+    transformers' fused experts); {} for a model without, or with experts of another form (fsdp shards those like any
+    parameter: in the state, not among the experts' figures)."""
+    return {name: experts.module for name, experts in split_experts(model).items()}
+
+
+def _widths(experts: nn.Module) -> tuple[int, int, int]:
+    """(experts, width, hidden width) of an experts module: the GPT's w1 [E, hidden, dim], transformers' fused
+    down_proj [E, dim, hidden] ([E, hidden, dim] transposed)."""
+    if hasattr(experts, "w1"):
+        return experts.w1.shape
+    down = experts.down_proj.shape
+    dim, hidden = (down[2], down[1]) if getattr(experts, "is_transposed", False) else (down[1], down[2])
+    return down[0], hidden, dim
+
+
 def expert_layers(model: nn.Module) -> list[dict]:
-    """Each MoE layer's experts module the model holds (distrib.distributed.expert_parallel's form): its experts,
-    width, hidden width, and the top_k of the layer around it (1 where it says none)."""
+    """Each MoE layer's experts module the model holds (model_experts): its experts, width, hidden width, and the
+    top_k and capacity factor of the layer around it."""
     modules = dict(model.named_modules())
     found = []
-    for name, experts in grouped_experts(model).items():
+    for name, experts in model_experts(model).items():
         parent = modules.get(name.rpartition(".")[0], model)
-        n_experts, hidden, dim = experts.w1.shape
-        found.append({"name": name, "n_experts": n_experts, "dim": dim, "hidden": hidden,
-                      "top_k": getattr(parent, "top_k", 1), "capacity_factor": getattr(parent, "capacity_factor", 0)})
+        n_experts, hidden, dim = _widths(experts)
+        found.append({"name": name, "n_experts": n_experts, "dim": dim, "hidden": hidden, "top_k": top_k_of(parent),
+                      "capacity_factor": getattr(parent, "capacity_factor", 0)})
     return found
 
 
 def held_experts(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """This rank's part of the experts, from its laid-out model (its local shards, as the run holds them): the bytes of
     their parameters, and of their parameters, gradients and optimizer state; and their layers (expert_layers)."""
-    params = [p for experts in grouped_experts(model).values() for p in experts.parameters()]
+    params = [p for experts in model_experts(model).values() for p in experts.parameters()]
     parameters = sum(local_tensor(p).nbytes for p in params)
     gradients = sum(local_tensor(p).nbytes for p in params if p.requires_grad)
     optimizer_bytes = sum(local_tensor(value).nbytes for p in params for value in optimizer.state.get(p, {}).values()

@@ -22,7 +22,6 @@ from distrib.plan import (
     KEPT_SLACK,
     Machine,
     local_parameters,
-    meta_batch,
     meta_model,
     optimizer_temporaries,
     planned_rank,
@@ -30,6 +29,7 @@ from distrib.plan import (
     saved_bytes,
     state_parts_planned,
 )
+from distrib.plan.batch import shaped_batch, staged_inputs
 from distrib.plan.experts import held_experts
 
 
@@ -135,17 +135,17 @@ def rank_peak(parts: dict, activations: int, buffers: int, gathered: int, unshar
 
 
 def plan_pipeline(config: Config, strategy: Strategy, info, machine: Machine, device: torch.device,
-                  batches: BatchPlan) -> dict:
-    """Every pipeline rank's figures (under a fake process group of the world's size) and the fullest rank's, under
-    plan_run's names: `stages` (per pipeline rank: its stages' units, state, activations, buffers and sends),
-    `parts` and `local_parameters` of the rank with the most state, and the peak terms of the rank with the highest
-    peak."""
+                  batches: BatchPlan, sample) -> dict:
+    """Every pipeline rank's figures (under a fake process group of the world's size; `sample`: the data's first
+    samples, distrib.plan.batch) and the fullest rank's, under plan_run's names: `stages` (per pipeline rank: its
+    stages' units, state, activations, buffers and sends), `parts` and `local_parameters` of the rank with the most
+    state, and the peak terms of the rank with the highest peak."""
     dist_config, pp = config.dist, config.dist.pipeline_parallel
     per_rank, microbatches = dist_config.stages_per_rank, pipeline.microbatches(dist_config)
     model = meta_model(config, info)
     split = split_stages(model, pp * per_rank, dist_config.pipeline_split, pp)
-    inputs, targets = meta_batch(tuple(info.input_shape), info.num_classes,
-                                  batches.micro_batch_size // microbatches)
+    staged_inputs(sample, pp)
+    inputs, targets = shaped_batch(sample, batches.micro_batch_size // microbatches)
     passes = stage_passes(model, split, fsdp.find_blocks(model, dist_config.shard_modules), inputs, targets)
     key = "checkpointed" if config.speed.activation_checkpointing == "blocks" else "activation"
     slack_share = 0.0 if device.type != "cpu" or returns_freed_memory(strategy, model) else KEPT_SLACK

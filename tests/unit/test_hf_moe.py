@@ -236,3 +236,62 @@ def test_a_rank_of_fsdp_merges_the_lora_of_its_own_experts(tmp_path):
         for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
             assert merged[name].to_local().shape[0] == 2
             assert torch.equal(merged[name].to_local(), reference[name][2:]), name
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_transformers_moes_load_is_its_routers_choices_counted_once_per_training_forward(family):
+    """ExpertLoad counts the (token, choice) pairs each experts module is called with: those of the router's top-k
+    of the logits transformers returns (output_router_logits), training forwards only (not an evaluation's, not
+    gradient checkpointing's recompute), and names the layout in one line."""
+    from types import SimpleNamespace
+
+    from distrib.distributed.mesh import ParallelDims
+    from distrib.training.experts import ExpertLoad
+
+    torch.manual_seed(0)
+    model = FAMILIES[family]()
+    model.gradient_checkpointing_enable()  # the recompute runs the experts' forward again, in the backward
+    load = ExpertLoad.of(model, SimpleNamespace(dims=ParallelDims(1, 1)), torch.device("cpu"))
+    ids = torch.randint(0, 256, (3, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model(input_ids=ids)  # an evaluation's forward: not counted
+    load.start(micro_steps=1)
+    outputs = model.train()(input_ids=ids, labels=ids)
+    outputs.loss.backward()
+    load.after_step(log=True)
+    chosen = [torch.topk(logits, 2, dim=-1).indices.flatten() for logits in outputs.router_logits]
+    assert load.counts.tolist() == [torch.bincount(c, minlength=4).double().tolist() for c in chosen]
+    assert load.counts.sum().item() == 2 * 3 * 16 * 2  # layers x tokens x top_k
+    counts = load.counts
+    assert load.logged() == {"expert_imbalance": pytest.approx((counts.max(1).values / counts.mean(1)).max().item()),
+                             "dropped_tokens": 0.0}
+    assert load.describe(ParallelDims(1, 4, expert_parallel=2)) == \
+        "experts: 2 MoE layers of 4 experts (top 2); expert parallel 2 x fsdp 2: 2 of 4 experts per rank"
+
+
+@pytest.mark.parametrize("factory", ["qwen3_moe", "lora_moe"])
+def test_plan_and_its_dry_run_count_the_experts_of_a_transformers_moe_fed_dict_samples(tmp_path, factory, capsys):
+    """distrib plan of a Qwen3-MoE (and it under peft's LoRA) from a safetensors folder, with dict samples
+    (input_ids, attention_mask, labels) from a data factory: its passes take the data's own structure (not a float
+    batch), and each rank's expert bytes are its 1/4 of the fused experts (ep 2 x fsdp 2)."""
+    import json
+
+    from distrib.cli import main
+    from tests.helpers.support import sets
+
+    folder = save_moe(tmp_path / "qwen3_moe", "qwen3_moe")
+    kwargs = [f'model.kwargs={{folder = "{folder}"}}'] if factory == "lora_moe" else []
+    argv = sets(f"model.factory=tests.helpers.pretrained:{factory}", *kwargs, f"model.init_from={folder}",
+                "data.factory=tests.helpers.pretrained:token_dicts", "dist.device=cpu", "dist.strategy=fsdp",
+                "dist.expert_parallel=2", "train.global_batch_size=16", "train.optimizer=adamw")
+    assert main(["plan", *argv, "--world-size", "4", "--dry-run", "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    experts = [p for name, p in qwen3_moe().named_parameters() if ".experts." in name]
+    assert figures["moe_layers_per_rank"] == 2 and figures["expert_parallel"] == 2
+    assert figures["expert_parameter_bytes_per_rank"] == sum(p.numel() for p in experts) * 4 // 4
+    # trained: gradients, AdamW's two moments and a step count per tensor; frozen under LoRA: none of them
+    state = 4 * figures["expert_parameter_bytes_per_rank"] + 4 * len(experts)
+    assert figures["expert_state_bytes_per_rank"] == (figures["expert_parameter_bytes_per_rank"]
+                                                      if factory == "lora_moe" else state)
+    assert figures["all_to_all_bytes_per_step_intra_node"] > 0 and figures["activation_bytes_per_micro_batch"] > 0
+    assert figures["dry_run_peak_bytes_per_rank"] > 0 and figures["dry_run_activations_bytes"] > 0
