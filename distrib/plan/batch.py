@@ -61,6 +61,6 @@ def positions(inputs: Tree) -> int:
 def staged_inputs(sample: Batch, pipeline_parallel: int) -> None:
     """Pipeline stages take one tensor of inputs: a one-line refusal for others (as the run's first forward says)."""
     if not isinstance(sample[0], torch.Tensor):
-        raise ConfigError(f"dist.pipeline_parallel = {pipeline_parallel}: the data's samples are "
-                          f"{describe(sample[0])}, and dict samples cannot be cut into microbatches and sent between "
-                          "stages; fix: --set dist.pipeline_parallel=1, or samples of one tensor of inputs (token ids)")
+        raise ConfigError(f"dist.pipeline_parallel = {pipeline_parallel}: the data's micro-batches are dict samples "
+                          f"({describe(sample[0])}), which cannot be cut into microbatches and sent between stages; "
+                          "fix: --set dist.pipeline_parallel=1, or samples of one tensor of inputs (token ids)")

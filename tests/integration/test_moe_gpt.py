@@ -9,9 +9,10 @@ Hugging Face mixtures of experts from local safetensors in the Hub's layout (tes
 Mixtral and Qwen3-MoE, 4 experts, top 2, the router's aux loss in outputs.loss), read by model.init_from through
 transformers' own conversion into their fused experts: the Mixtral under expert parallel 2 x fsdp 2 (its experts
 through distrib's all-to-all dispatch) and the Qwen3-MoE under hsdp 2 x 2 (its fused experts sharded over 2 ranks
-without expert parallel) end 6 AdamW steps within 1e-5 of one process, log its aux loss, and their weights/ load with
-from_pretrained and give one process's logits. (Names, the experts each rank reads, the dispatch on one rank,
-refusals: tests/unit/test_hf_moe.py.)"""
+without expert parallel) end 6 AdamW steps within 1e-5 of one process, log its aux loss, its expert_imbalance and
+dropped_tokens (counted from the router's choices) and the layout of its experts, plan their state bytes, and their
+weights/ load with from_pretrained and give one process's logits. (Names, the experts each rank reads, the dispatch on
+one rank, refusals, the load counted: tests/unit/test_hf_moe.py.)"""
 
 import json
 from pathlib import Path
@@ -56,6 +57,11 @@ HF = ["data.factory=tests.helpers.pretrained:token_dicts", "train.max_steps=6", 
 # before it in the same workers would hand it a stale process group)
 HF_RUNS = {"mixtral_ep2_fsdp2": ("mixtral", ["dist.strategy=fsdp", "dist.expert_parallel=2"]),
            "qwen3_moe_hsdp": ("qwen3_moe", ["dist.strategy=hsdp", "dist.shard_size=2"])}
+# each run's start-up line on its experts' layout
+HF_LAYOUTS = {"mixtral_ep2_fsdp2": "experts: 2 MoE layers of 4 experts (top 2); expert parallel 2 x fsdp 2: 2 of 4 "
+                                   "experts per rank",
+              "qwen3_moe_hsdp": "experts: 2 MoE layers of 4 experts (top 2); no expert parallel (fsdp 2 shards them): "
+                                "4 of 4 experts per rank"}
 
 
 def _figures(run_dir: Path) -> dict[int, dict]:
@@ -143,6 +149,18 @@ def test_a_hub_layout_mixture_of_experts_trains_sharded_like_one_process(launche
     assert "through transformers' checkpoint conversion" in logs[name] and "no rank held the model whole" in logs[name]
     aux, aux_one = _aux_losses(tmp / name), _aux_losses(tmp / f"{family}_one")
     assert len(aux) == 6 and aux == pytest.approx(aux_one, rel=1e-5)  # logged once per step, not added to the loss
+    # the expert load from the router's choices, as the built-in GPT's: the same every step as one process's
+    load, load_one = _figures(tmp / name), _figures(tmp / f"{family}_one")
+    assert list(load) == list(range(1, 7)) and all(f["dropped_tokens"] == 0 for f in load.values())
+    assert all(f["expert_imbalance"] > 1 for f in load.values())
+    for step, figures in load.items():
+        assert figures == pytest.approx(load_one[step], rel=1e-5), step
+    assert HF_LAYOUTS[name] in logs[name] and "expert_imbalance" in logs[name]
+    planned = plan_run(load_config(None, [*_family(tmp, family), *HF_RUNS[name][1], f"run.dir={tmp}/p"]),
+                       Machine(1, 4))
+    assert planned["moe_layers_per_rank"] == 2 and planned["expert_parameter_bytes_per_rank"] > 0
+    assert planned["state_bytes_per_rank"] == json.loads((tmp / name / "summary.json").read_text())[
+        "state_bytes_per_rank"]
 
 
 @pytest.mark.timeout(900)

@@ -295,3 +295,16 @@ def test_plan_and_its_dry_run_count_the_experts_of_a_transformers_moe_fed_dict_s
                                                       if factory == "lora_moe" else state)
     assert figures["all_to_all_bytes_per_step_intra_node"] > 0 and figures["activation_bytes_per_micro_batch"] > 0
     assert figures["dry_run_peak_bytes_per_rank"] > 0 and figures["dry_run_activations_bytes"] > 0
+
+
+def test_plan_under_pipeline_parallel_refuses_dict_samples_in_one_line(capsys):
+    from distrib.cli import main
+    from tests.helpers.support import sets
+
+    argv = sets("model.factory=tests.helpers.pretrained:qwen3_moe", "data.factory=tests.helpers.pretrained:token_dicts",
+                "dist.device=cpu", "dist.strategy=fsdp", "dist.pipeline_parallel=2", "train.global_batch_size=16")
+    assert main(["plan", *argv, "--world-size", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "dist.pipeline_parallel = 2: the data's micro-batches are dict samples " \
+                                     "({input_ids: int64 [8, 16], " in err
+    assert "which cannot be cut into microbatches" in err
