@@ -192,8 +192,8 @@ def _use_worker(args: argparse.Namespace, trained) -> int:
             out = Path(args.out) if args.out else trained.out_dir / "eval.json"
             metrics = evaluate_trained(trained, runtime, out)
             if runtime.is_main:
-                print(f"{headline(metrics)}, loss {metrics['test_loss']:.4f} over {metrics['test_count']} samples at "
-                      f"world size {runtime.world_size}; written to {out}")
+                print(f"{trained.source}: {headline(metrics)}, loss {metrics['test_loss']:.4f} over "
+                      f"{metrics['test_count']} samples at world size {runtime.world_size}; written to {out}")
         else:
             count = predict_trained(trained, runtime, args.input, Path(args.out))
             if runtime.is_main:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distrib.checkpoint.format import list_checkpoints, load_failure, read_checkpoint
-from distrib.checkpoint.weights import WEIGHTS_DIR, aliases_of, read_weights
+from distrib.checkpoint.weights import INDEX, SINGLE, WEIGHTS_DIR, aliases_of, read_weights
 from distrib.config import Config, load_config
 from distrib.data import DataInfo, eval_batches, load_data, load_inputs
 from distrib.distributed.parallel import unwrap
@@ -23,12 +23,14 @@ from distrib.distributed.runtime import Runtime
 from distrib.distributed.strategies import for_trained
 from distrib.errors import UserError
 from distrib.metrics import write_json_atomic
+from distrib.models import adapters
 from distrib.models.build import build_model, factory_call
 from distrib.training.evaluation import autocast, evaluate
 from distrib.training.losses import build_loss
 from distrib.training.preflight import dry_batch, task_for
 
 CARD_FORMAT, CARD_VERSION = "distrib.model", 1
+ADAPTER_CONFIG = "adapter_config.json"  # peft's: a folder of an adapter alone
 SPLITS = ("test", "train")  # `--input test`: a split of the run's own data; a folder of that name is ./test
 MAX_TOP_K = 5
 
@@ -76,7 +78,7 @@ def _distrib_version() -> str:
 class Trained:
     """A trained model's weights (the unwrapped state_dict, on the CPU) and the config it was trained with."""
 
-    source: Path  # the run directory or checkpoint file the user gave
+    source: Path  # the run directory, weights folder or checkpoint file the user gave
     config: Config
     weights: dict
     step: int | None  # the checkpoint's step, or the run's last (summary.json's steps)
@@ -84,17 +86,24 @@ class Trained:
 
     @property
     def out_dir(self) -> Path:
-        """Where eval.json goes: in the run directory, or beside the checkpoint file."""
-        return self.source if self.source.is_dir() else self.source.parent
+        """Where eval.json goes: in the run directory, beside the checkpoint file, or beside the weights folder
+        (weights/merged/: beside weights/), so that an export stays as it was written."""
+        folder = self.source if self.source.is_dir() else self.source.parent
+        while _is_weights_folder(folder):
+            folder = folder.parent
+        return folder
 
 
 def load_trained(source: str, config_path: str | None = None, overrides=()) -> Trained:
-    """RUN_DIR (its model.pt, else its weights/, and config.toml), RUN_DIR/model.pt, or a checkpoint file (its
-    stored config); --config replaces the stored config and --set overrides either. Reads on the CPU, before any
-    process group."""
+    """RUN_DIR (its model.pt, else its weights/, and config.toml), RUN_DIR/model.pt, a folder of safetensors (a
+    run's weights/ or weights_ema/, a Hugging Face folder: its own weights, built by the config of the run that holds
+    it), or a checkpoint file (its stored config); --config replaces the config and --set overrides it. Reads on the
+    CPU, before any process group."""
     path = Path(source)
-    if path.is_file() and path.name == "model.pt" or path.is_dir() and path.name == WEIGHTS_DIR:
+    if path.is_file() and path.name == "model.pt":
         path = path.parent
+    if path.is_dir() and _is_weights_folder(path):
+        return _from_weights_folder(path, config_path, overrides)
     if path.is_dir():
         return _from_run_dir(path, config_path, overrides)
     if path.is_file():
@@ -116,10 +125,35 @@ def _from_run_dir(run_dir: Path, config_path: str | None, overrides) -> Trained:
     if not config_path and not config_file.is_file():
         raise UserError(f"run directory {run_dir}: no config.toml; give the config it was trained with: --config FILE")
     config = load_config(str(config_file), overrides)
-    card, summary = (_read_json(run_dir / name) for name in ("model.json", "summary.json"))
-    recorded = (summary or {}).get("data") or (card or {}).get("data")
     weights = _read_weights(weights_path) if weights_path.is_file() else _read_safetensors(run_dir / WEIGHTS_DIR)
-    return Trained(run_dir, config, weights, (summary or {}).get("steps"), recorded)
+    return Trained(run_dir, config, weights, *_run_records(run_dir))
+
+
+def _run_records(run_dir: Path | None) -> tuple[int | None, dict | None]:
+    """(its last step, the data it was trained on) as a run directory's summary.json and model.json record them."""
+    card, summary = (_read_json(run_dir / name) if run_dir else None for name in ("model.json", "summary.json"))
+    return (summary or {}).get("steps"), (summary or {}).get("data") or (card or {}).get("data")
+
+
+def _is_weights_folder(path: Path) -> bool:
+    """A folder of safetensors weights (save_pretrained's files, a peft adapter's) rather than a run directory."""
+    return any((path / name).is_file() for name in (SINGLE, INDEX, ADAPTER_CONFIG))
+
+
+def _from_weights_folder(folder: Path, config_path: str | None, overrides) -> Trained:
+    """The folder's own weights (a run's weights/ or weights_ema/, any Hugging Face folder), built by --config or by
+    the config.toml of the run that holds it: its parent, or above (weights/merged/)."""
+    run_dir = next((p for p in (folder.parent, folder.parent.parent) if (p / "config.toml").is_file()), None)
+    if (folder / ADAPTER_CONFIG).is_file():
+        whole = f"{run_dir} (its model.pt) or " if run_dir and (run_dir / "model.pt").is_file() else ""
+        merged = f"{folder / 'merged'}" if (folder / "merged").is_dir() else "a merged folder (model.merged_weights)"
+        raise UserError(f"{folder}: a peft adapter alone, not a whole model, so distrib eval cannot evaluate it; give "
+                        f"{whole}{merged}")
+    if not config_path and run_dir is None:
+        raise UserError(f"{folder}: a folder of weights outside a distrib run (no config.toml beside it or above it); "
+                        "give the config that builds its model and loads its data: --config FILE")
+    config = load_config(config_path or str(run_dir / "config.toml"), overrides)
+    return Trained(folder, config, _read_safetensors(folder), *_run_records(run_dir))
 
 
 def _read_json(path: Path) -> dict | None:
@@ -142,7 +176,7 @@ def _read_weights(path: Path) -> dict:
 
 
 def _read_safetensors(folder: Path) -> dict:
-    if (folder / "adapter_config.json").is_file():  # an adapter run's: the whole wrapped state is model.pt's alone
+    if (folder / ADAPTER_CONFIG).is_file():  # an adapter run's: the whole wrapped state is model.pt's alone
         raise UserError(f"{folder}: the adapter alone (peft's format), and this run wrote no model.pt (the whole model "
                         "is written there under ddp, or up to 256 MiB); load it in Python: PeftModel.from_pretrained("
                         f"base, '{folder}'), or from_pretrained('{folder / 'merged'}')")
@@ -155,9 +189,11 @@ def _read_safetensors(folder: Path) -> dict:
 
 def rebuilt_model(trained: Trained, info: DataInfo) -> nn.Module:
     """The trained model, rebuilt from its config on the CPU and given its weights (model.pt, or weights/, which
-    holds a tied weight once: its twin is filled in)."""
+    holds a tied weight once: its twin is filled in; a peft model's merged weights go into its base, merged)."""
     torch.manual_seed(trained.config.train.seed)  # as in training: non-persistent buffers (not in model.pt) match
     model = build_model(trained.config.model, info)
+    if adapters.is_peft(model) and not any(adapters.is_adapter_name(model, name) for name in trained.weights):
+        model = model.merge_and_unload()  # merged weights (weights/merged/) fill the base model, under its names
     weights = dict(trained.weights)
     for name, first in aliases_of(model).items():
         if name not in weights and first in weights:

@@ -1,6 +1,7 @@
 """An adapter run's export, in one process: weights/ in peft's own format and weights/merged/ load back, as a user
 loads them (PeftModel.from_pretrained, transformers' from_pretrained on either folder), as the trained model; the
-export's self-check catches a file that lost a tensor; an adapter-only weights/ is refused by eval in one line."""
+export's self-check catches a file that lost a tensor; an adapter-only weights/ is refused by eval in one line, and
+weights/merged/ given to eval is the model it evaluates, the trained one."""
 
 from __future__ import annotations
 
@@ -149,3 +150,24 @@ def test_eval_refuses_an_adapter_only_weights_folder_in_one_line(exported, tmp_p
     with pytest.raises(UserError, match=r"the adapter alone .*PeftModel\.from_pretrained") as error:
         _read_safetensors(folder)
     assert "\n" not in str(error.value)
+
+
+def test_eval_of_the_merged_folder_rebuilds_the_trained_model_from_it(exported):
+    """`distrib eval RUN/weights/merged`: the run's config (a peft factory) builds the model, merged into its base,
+    which takes the folder's weights: the trained logits; eval.json goes into the run, not into the export."""
+    from distrib.config import load_config, write_resolved
+    from distrib.data.text import token_info
+    from distrib.training.inference import load_trained, rebuilt_model
+
+    folder, _, model, _, _ = exported
+    run = folder / "run"
+    write_resolved(load_config(None, ["model.factory=tests.helpers.pretrained:lora_llama", "data.name=tokens",
+                                      f"data.vocab_size={SIZES['vocab_size']}"]), run)
+    trained = load_trained(str(run / WEIGHTS_DIR / MERGED_DIR))
+    assert trained.source == run / WEIGHTS_DIR / MERGED_DIR and trained.out_dir == run
+    rebuilt = rebuilt_model(trained, token_info("tokens", 12, SIZES["vocab_size"])).eval()
+    assert type(rebuilt).__name__ == "LlamaForCausalLM"
+    assert (_logits(rebuilt) - _logits(model)).abs().max() < 1e-5
+    with pytest.raises(UserError, match=r"weights: a peft adapter alone, not a whole model, so distrib eval cannot "
+                                        r"evaluate it; give .*run \(its model.pt\) or .*weights/merged$"):
+        load_trained(str(run / WEIGHTS_DIR))

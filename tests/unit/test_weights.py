@@ -5,6 +5,8 @@ each kind of source (safetensors, model.pt, a one-file checkpoint, a sharded one
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 import torch.nn as nn
@@ -274,12 +276,49 @@ def test_eval_predict_and_generate_read_weights_when_there_is_no_model_pt(tmp_pa
     save_weights(model_tensors(model), tmp_path / "weights", 0)
     trained = load_trained(str(tmp_path))
     assert _equal(trained.weights, model.state_dict())
-    assert load_trained(str(tmp_path / "weights")).source == tmp_path
     info = DataInfo(name="synthetic", input_shape=(1, 28, 28), num_classes=10,
                     class_names=tuple(str(i) for i in range(10)), mean=(), std=())
     assert _equal(rebuilt_model(trained, info).state_dict(), model.state_dict())
     big = {"w": torch.empty(MODEL_PT_MAX_BYTES // 4 + 1, device="meta")}
     assert model_pt_is_cheap(big, sharded=False) and not model_pt_is_cheap(big, sharded=True)
+
+
+def test_a_weights_folder_given_is_the_model_evaluated_not_its_run(tmp_path):
+    """`distrib eval RUN/weights` (or weights_ema/, or any folder of safetensors) reads that folder's tensors, built
+    by the config of the run that holds it (or --config), and writes eval.json beside the folder, not in it; a folder
+    outside a run without --config, and a peft adapter alone, are one line."""
+    from distrib.config import write_resolved
+    from distrib.models.network import Network
+    from distrib.training.inference import load_trained
+    from tests.helpers.support import small_config
+
+    write_resolved(small_config(tmp_path), tmp_path)
+    torch.manual_seed(3)
+    run_model, ema_model = Network(), Network()
+    torch.save(run_model.state_dict(), tmp_path / "model.pt")
+    (tmp_path / "summary.json").write_text('{"steps": 12}')
+    for name, model in (("weights", run_model), ("weights_ema", ema_model)):
+        save_weights(model_tensors(model), tmp_path / name, 0)
+    assert load_trained(str(tmp_path)).source == tmp_path
+    for name, model in (("weights", run_model), ("weights_ema", ema_model)):
+        trained = load_trained(str(tmp_path / name))
+        assert trained.source == tmp_path / name and trained.out_dir == tmp_path and trained.step == 12
+        assert _equal(trained.weights, model.state_dict())
+    assert not _equal(load_trained(str(tmp_path / "weights_ema")).weights, run_model.state_dict())
+    outside = tmp_path.parent / f"{tmp_path.name}_exported"
+    shutil.copytree(tmp_path / "weights_ema", outside)
+    with pytest.raises(UserError) as error:
+        load_trained(str(outside))
+    assert str(error.value) == (f"{outside}: a folder of weights outside a distrib run (no config.toml beside it or "
+                                "above it); give the config that builds its model and loads its data: --config FILE")
+    trained = load_trained(str(outside), str(tmp_path / "config.toml"), ["train.seed=5"])
+    assert _equal(trained.weights, ema_model.state_dict()) and trained.config.train.seed == 5
+    (tmp_path / "weights" / "adapter_config.json").write_text("{}")
+    with pytest.raises(UserError) as error:
+        load_trained(str(tmp_path / "weights"))
+    assert str(error.value) == (f"{tmp_path}/weights: a peft adapter alone, not a whole model, so distrib eval cannot "
+                                f"evaluate it; give {tmp_path} (its model.pt) or a merged folder "
+                                "(model.merged_weights)")
 
 
 def test_a_runs_weights_come_in_files_of_model_max_shard_size_and_model_pt_in_one(tmp_path):
