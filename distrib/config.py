@@ -157,10 +157,14 @@ class DataConfig:
         "lengths differ among the data's first samples (a stream's first 256, 256 spread over a dataset); `always`: "
         "padded even when those are all of one length", choices=("auto", "always"))
     train_files: str = key("",
-        "tokens: a glob of training token shards, raw uint16 or llm.c's (see docs/language-models.md), read as one "
-        'stream; `""` = `data.root/train.bin`')
+        "tokens: a glob of training token shards, raw ids (`data.token_dtype`) or llm.c's (see "
+        'docs/language-models.md), read as one stream; `""` = `data.root/train.bin`')
     test_files: str = key("",
         'tokens: a glob of held-out token shards, as `data.train_files`; `""` = `data.root/val.bin`')
+    token_dtype: str = key("uint16",
+        "tokens: the type of the ids in raw files (`train.bin`, `val.bin`, raw shards): `uint16` (nanoGPT's) or "
+        "`uint32` (vocabularies over 65,536: Llama 3's 128,256, Qwen's 151,936); llm.c's shards say theirs in their "
+        "header", choices=("uint16", "uint32"))
 
     def __post_init__(self):
         if self.factory:
@@ -194,9 +198,10 @@ class DataConfig:
         if not (0.0 < self.test_fraction < 1.0):
             _fail("data", "test_fraction", self.test_fraction, "must be in (0, 1)",
                   "e.g. --set data.test_fraction=0.1")
-        if not (0 <= self.vocab_size <= 65536):
-            _fail("data", "vocab_size", self.vocab_size, "must be in [0, 65536] (token ids are uint16)",
+        if not (0 <= self.vocab_size <= 2**32):
+            _fail("data", "vocab_size", self.vocab_size, "must be in [0, 4294967296] (token ids are at most uint32)",
                   "e.g. --set data.vocab_size=50304")
+        _choice("data", self, "token_dtype")
         if self.name == "tokens" and not self.factory and self.vocab_size < 1:
             _fail("data", "vocab_size", self.vocab_size, "data.name = tokens needs the vocabulary size of its "
                   "train.bin and val.bin", "e.g. --set data.vocab_size=50304 (GPT-2's, padded)")
@@ -459,9 +464,9 @@ class DistConfig:
     min_replicas: int = key(1,
         "fault-tolerant groups: the fewest groups a step may commit with (the first step waits for all of them)")
     fault_tolerant_timeout_s: float = key(10.0,
-        "fault-tolerant groups: how long the all-reduce across the groups waits for a group before the step is taken "
-        "again without it (a group killed inside it stalls the others this long); quorums, heals and the rest wait "
-        "`dist.timeout_s`")
+        "fault-tolerant groups: how long the all-reduce across the groups waits for a group that hangs before the "
+        "step is taken again without it (a group that dies stalls the others about 5 s, the Lighthouse's heartbeat "
+        "timeout); quorums, heals and the rest wait `dist.timeout_s`")
 
     def __post_init__(self):
         """The keys' own ranges and choices. The rules of a strategy (which keys it takes, which precision and

@@ -1,6 +1,7 @@
 """Language-model data: `text` (a UTF-8 file or folder of .txt files as bytes, vocabulary 256) and `tokens` (nanoGPT's
-train.bin / val.bin of uint16 ids, or the shards data.train_files / data.test_files name, all read window by window
-as token_files.py reads them), cut into windows of data.seq_len + 1 tokens.
+train.bin / val.bin of ids, uint16 unless data.token_dtype says uint32, or the shards data.train_files /
+data.test_files name, all read window by window as token_files.py reads them), cut into windows of data.seq_len + 1
+tokens.
 
 A training sample is a window whose start comes from (seed, epoch, sample index) by a counter-based hash, so any
 rank computes any sample's window alone: the order is the same at every world size and resumes exactly. The test
@@ -18,7 +19,7 @@ import torch
 from distrib.config import DataConfig
 from distrib.data.batching import Batch
 from distrib.data.tensors import DataInfo
-from distrib.data.token_files import Shard, TokenStream, token_streams
+from distrib.data.token_files import Shard, TokenStream, check_id_type, token_streams
 from distrib.distributed.runtime import Runtime
 from distrib.errors import UserError
 
@@ -134,19 +135,24 @@ def _on_device(tokens: torch.Tensor, device: torch.device) -> Callable[[np.ndarr
 # ---------------------------------------------------------------- tokens: nanoGPT's train.bin / val.bin
 
 
-def open_tokens(root: Path, name: str, seq_len: int, vocab_size: int) -> TokenStream:
-    """nanoGPT's train.bin or val.bin as a stream of one raw shard (never taken for an llm.c shard)."""
-    path = root / name
+def open_tokens(root: Path, name: str, config: DataConfig) -> TokenStream:
+    """nanoGPT's train.bin or val.bin (ids of data.token_dtype) as a stream of one raw shard (never taken for an
+    llm.c shard)."""
+    path, dtype = root / name, config.token_dtype
     if not path.is_file():
         raise UserError(f"data.root = {str(root)!r}: no {name}; fix: give the folder holding nanoGPT's train.bin and "
                         "val.bin (uint16 token ids, as its prepare.py writes them)")
+    shard = Shard(path, 0, 0, dtype)
     size = path.stat().st_size
-    if size % 2:
-        raise UserError(f"data.root: {path} has {size} bytes, an odd number, so it is not uint16 token ids; fix: "
-                        "write it with np.array(ids, dtype=np.uint16).tofile(path)")
-    if size // 2 < (seq_len + 2 if name == "train.bin" else 2):
-        raise _too_short(str(path), size // 2, seq_len)
-    return TokenStream([Shard(path, 0, size // 2)], "data.root", vocab_size)  # windows read as batches need them
+    if size % shard.itemsize:
+        raise UserError(f"data.root: {path} has {size} bytes, not a multiple of {shard.itemsize}, so it is not "
+                        f"{dtype} token ids (data.token_dtype); fix: write it with np.array(ids, dtype=np.{dtype})"
+                        ".tofile(path)")
+    shard = Shard(path, 0, size // shard.itemsize, dtype)
+    check_id_type([shard], config.vocab_size)
+    if shard.num_tokens < (config.seq_len + 2 if name == "train.bin" else 2):
+        raise _too_short(str(path), shard.num_tokens, config.seq_len)
+    return TokenStream([shard], "data.root", config.vocab_size)  # windows read as batches need them
 
 
 # ---------------------------------------------------------------- both
@@ -167,7 +173,7 @@ def token_data(config: DataConfig, runtime: Runtime, seed: int) -> tuple[DataInf
         reads = [(_on_device(s, runtime.device), len(s), files) for s in (train, test)]
     elif config.train_files:
         vocab_size = config.vocab_size
-        streams = token_streams(config.train_files, config.test_files, vocab_size)
+        streams = token_streams(config.train_files, config.test_files, vocab_size, config.token_dtype)
         for (key, pattern), stream, least in zip((("train_files", config.train_files),
                                                    ("test_files", config.test_files)), streams, (seq_len + 2, 2)):
             if stream.num_tokens < least:
@@ -175,7 +181,7 @@ def token_data(config: DataConfig, runtime: Runtime, seed: int) -> tuple[DataInf
         reads = [(stream, stream.num_tokens, tuple(shard.path for shard in stream.shards)) for stream in streams]
     else:
         root, vocab_size = Path(config.root), config.vocab_size
-        streams = [open_tokens(root, name, seq_len, vocab_size) for name in ("train.bin", "val.bin")]
+        streams = [open_tokens(root, name, config) for name in ("train.bin", "val.bin")]
         reads = [(stream, stream.num_tokens, (stream.shards[0].path,)) for stream in streams]
     info = token_info(config.name, seq_len, vocab_size)
     sources = [TokenWindows(read, num_tokens, seq_len, seed, runtime, training, paths)

@@ -1,8 +1,9 @@
-"""Token shards end to end: llm.c-format shards (3 train, 1 val) through data.train_files / data.test_files train the
-same at world sizes 1 and 2, evaluate every held-out token, and a worker killed mid-run (SIGKILL, --max-restarts 1)
-is restarted and ends bitwise where the uninterrupted run ends; a truncated shard is one line and exit 2, before the
-run and under it; shards changed before a resume are one line naming the file, exit 2 on every rank (world sizes 1
-and 2), unless allowed."""
+"""Token shards end to end: llm.c's Llama 3 shards (3 train, 1 val; uint32 ids over 65,535, a vocabulary of 128,256)
+through data.train_files / data.test_files train the same at world sizes 1 and 2, evaluate every held-out token, and
+a worker killed mid-run (SIGKILL, --max-restarts 1) is restarted and ends bitwise where the uninterrupted run ends;
+`distrib eval` of a run, or of its weights/ folder, gives its test metrics to the bit (ddp at world size 1 and 2,
+evaluated at 1); a truncated shard is one line and exit 2, before the run and under it; shards (GPT-2's, uint16)
+changed before a resume are one line naming the file, exit 2 on every rank (world sizes 1 and 2), unless allowed."""
 
 import json
 import os
@@ -19,7 +20,14 @@ from distrib.config import load_config
 from distrib.worker import run_training
 from tests.helpers.launch_runs import launch_runs, split_runs
 from tests.helpers.support import max_relative_diff, sets
-from tests.helpers.token_shards import CutShardsShort, learnable_stream, write_llmc, write_llmc_shards
+from tests.helpers.token_shards import (
+    LLAMA3,
+    LLAMA3_VOCAB,
+    CutShardsShort,
+    learnable_stream,
+    write_llmc,
+    write_llmc_shards,
+)
 
 VAL_TOKENS = 700
 RUN = ["data.name=tokens", "data.vocab_size=64", "data.seq_len=16", "model.factory=tests.helpers.dying_model:gpt",
@@ -29,15 +37,19 @@ RUN = ["data.name=tokens", "data.vocab_size=64", "data.seq_len=16", "model.facto
 
 
 @pytest.mark.timeout(900)
-def test_llmc_shards_agree_across_world_sizes_count_every_val_token_and_resume_bitwise_after_a_kill(tmp_path, capfd):
-    train, val = write_llmc_shards(tmp_path / "data", learnable_stream(3 * 1500 + VAL_TOKENS), (1200, 1500, 1800))
-    run = [*RUN, f"data.train_files={train}", f"data.test_files={val}"]
+def test_llama3_shards_agree_across_world_sizes_count_every_val_token_and_resume_bitwise_after_a_kill(tmp_path,
+                                                                                                      capfd):
+    def llama3_ids(num_tokens: int, seed: int = 0):  # the last 64 ids of Llama 3's vocabulary: all over 65,535
+        return learnable_stream(num_tokens, seed=seed) + LLAMA3_VOCAB - 64
+
+    train, val = write_llmc_shards(tmp_path / "data", llama3_ids(3 * 1500 + VAL_TOKENS), (1200, 1500, 1800), **LLAMA3)
+    run = [*RUN, f"data.vocab_size={LLAMA3_VOCAB}", f"data.train_files={train}", f"data.test_files={val}"]
     one = run_training(load_config(None, [*run, f"run.dir={tmp_path}/one"]))
     # A copy of the shards elsewhere, one of them with other tokens of the same size: resumed from run one's
     # checkpoint 8 at world size 2, it is refused on every rank.
     shutil.copytree(tmp_path / "data", tmp_path / "copy")
-    write_llmc(tmp_path / "copy" / "shard_train_000001.bin", learnable_stream(1500, seed=1))
-    changed = [*RUN, f"data.train_files={tmp_path}/copy/shard_train_*.bin",
+    write_llmc(tmp_path / "copy" / "shard_train_000001.bin", llama3_ids(1500, seed=1), **LLAMA3)
+    changed = [*run, f"data.train_files={tmp_path}/copy/shard_train_*.bin",
                f"data.test_files={tmp_path}/copy/shard_val_*.bin", f"run.dir={tmp_path}/changed",
                f"checkpoint.resume={tmp_path}/one/checkpoints/step_00000008.pt"]
     # One launch of 2 workers, three runs (tests/helpers/train_runs.py): the uninterrupted one, then one whose rank 1
@@ -55,7 +67,7 @@ def test_llmc_shards_agree_across_world_sizes_count_every_val_token_and_resume_b
     assert json.loads((tmp_path / "codes.json").read_text()) == {"two": 0, "killed": 0, "changed": 2}, out[-4000:]
     refused = split_runs(result.stderr, ["two", "killed", "changed"])["changed"]
     assert refused.count(f"step_00000008.pt: the data changed since it was taken ({tmp_path}/copy/shard_train_000001"
-                         ".bin: other content (the same 4024 bytes)), so a resume would not continue") == 2, refused
+                         ".bin: other content (the same 7024 bytes)), so a resume would not continue") == 2, refused
     assert "Traceback" not in refused and not list((tmp_path / "changed").glob("checkpoints/step_*"))
     two = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert two["restart_count"] == 0, two  # finished in the first attempt, before the kill
@@ -68,9 +80,10 @@ def test_llmc_shards_agree_across_world_sizes_count_every_val_token_and_resume_b
     killed = torch.load(tmp_path / "killed" / "model.pt", weights_only=True)
     assert all(torch.equal(killed[key], weights["two"][key]) for key in weights["two"])
     assert summary["test_loss"] == two["test_loss"]
+    _eval_gives_the_runs_test_metrics_to_the_bit(tmp_path, one, two)
 
     # A shard cut short (its header says more tokens than it holds): one line naming it, exit 2, nothing written.
-    write_llmc(tmp_path / "data" / "shard_train_000001.bin", learnable_stream(1000), count=1500)
+    write_llmc(tmp_path / "data" / "shard_train_000001.bin", llama3_ids(1000), count=1500, **LLAMA3)
     capfd.readouterr()
     code = cli.main(["train", *sets(*run, f"run.dir={tmp_path}/bad")])  # as `distrib train` runs it, in this process
     said = capfd.readouterr().err
@@ -78,6 +91,19 @@ def test_llmc_shards_agree_across_world_sizes_count_every_val_token_and_resume_b
     assert said.strip().splitlines()[-1] == (
         f"distrib: error: data.train_files: {tmp_path}/data/shard_train_000001.bin is truncated: its header says "
         "1500 tokens, the file holds 1000; fix: copy or write it again")
+
+
+def _eval_gives_the_runs_test_metrics_to_the_bit(tmp_path, one: dict, two: dict) -> None:
+    """distrib eval in this process (world size 1) of run one (trained at world size 1), and of run two's weights/
+    folder (trained at 2 under ddp: eval runs the model whole, as ddp did): the folder itself is evaluated, and
+    eval.json is written beside it, not in the export."""
+    for run, summary, source in (("one", one, tmp_path / "one"), ("two", two, tmp_path / "two" / "weights")):
+        assert cli.main(["eval", str(source)]) == 0
+        evaluated = json.loads((tmp_path / run / "eval.json").read_text())
+        assert evaluated["source"] == str(source) and evaluated["world_size"] == 1, evaluated
+        assert {key: evaluated[key] for key in summary if key.startswith("test_")} == {
+            key: value for key, value in summary.items() if key.startswith("test_")}  # to the bit
+    assert not (tmp_path / "two" / "weights" / "eval.json").exists()
 
 
 def _train(capfd, *overrides: str) -> tuple[int, str]:

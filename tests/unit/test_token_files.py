@@ -1,7 +1,8 @@
-"""Token shards in process (data.train_files / data.test_files): llm.c's shards and raw uint16 files read as one
-stream per split, windows across shard boundaries, every held-out token once; truncated and foreign files refused
-with one line naming them, as is a file cut short under a live run and a token id over the vocabulary; files opened
-anew in another process."""
+"""Token shards in process (data.train_files / data.test_files): llm.c's shards (GPT-2's uint16, Llama 3's uint32)
+and raw files (uint16, or uint32 by data.token_dtype) read as one stream per split, windows across shard boundaries,
+every held-out token once; truncated and foreign files refused with one line naming them, as is a file cut short
+under a live run, a token id over the vocabulary and uint16 ids under a vocabulary over 65,536; files opened anew in
+another process."""
 
 import os
 import pickle
@@ -16,14 +17,17 @@ from distrib.data.text import IGNORE_INDEX, window_starts
 from distrib.data.token_files import TokenStream, find_shards
 from distrib.distributed.runtime import Runtime
 from distrib.errors import ConfigError, UserError
-from tests.helpers.token_shards import write_llmc, write_llmc_shards
+from tests.helpers.token_shards import LLAMA3, LLAMA3_VOCAB, write_llmc, write_llmc_shards
 
 CPU = Runtime(0, 0, 1, 1, torch.device("cpu"), backend="none")
 
 
 def _load(train: str, test: str, *extra: str):
-    config = load_config(None, ["data.name=tokens", "data.vocab_size=1000", "data.seq_len=32",
-                                f"data.train_files={train}", f"data.test_files={test}", *extra])
+    return _load_tokens("data.vocab_size=1000", f"data.train_files={train}", f"data.test_files={test}", *extra)
+
+
+def _load_tokens(*overrides: str):
+    config = load_config(None, ["data.name=tokens", "data.seq_len=32", *overrides])
     return load_data(config.data, CPU, seed=1, log=lambda message: None)
 
 
@@ -63,7 +67,7 @@ def test_truncated_foreign_and_mixed_shards_are_one_line_naming_the_file(tmp_pat
     (tmp_path / "odd.bin").write_bytes(b"\1\2\3")
     write_llmc(tmp_path / "long.bin", ids, count=400)
     cases = {"cut.bin": r"cut.bin is truncated: its header says 600 tokens, the file holds 500; fix",
-             "v2.bin": r"v2.bin is an llm.c shard of version 2; only version 1",
+             "v2.bin": r"v2.bin is an llm.c shard of magic 20240520 version 2, which distrib does not read",
              "odd.bin": r"odd.bin has 3 bytes, so it is neither uint16 token ids .* nor an llm.c shard",
              "long.bin": r"long.bin has 1000 bytes after its header, which says 400 tokens"}
     for name, message in cases.items():
@@ -72,8 +76,13 @@ def test_truncated_foreign_and_mixed_shards_are_one_line_naming_the_file(tmp_pat
         assert "\n" not in str(error.value)
     write_llmc(tmp_path / "mixed" / "a.bin", ids)
     ids.astype(np.uint16).tofile(tmp_path / "mixed" / "b.bin")
-    with pytest.raises(UserError, match=r"b.bin has no llm.c header \(magic 20240520\) though .*a.bin has one"):
+    with pytest.raises(UserError, match=r"b.bin has no llm.c header \(magic 20240520 version 1 .* though .*a.bin has"):
         find_shards("data.train_files", str(tmp_path / "mixed" / "*.bin"))
+    write_llmc(tmp_path / "tokenizers" / "a.bin", ids)
+    write_llmc(tmp_path / "tokenizers" / "b.bin", ids, **LLAMA3)
+    with pytest.raises(UserError, match=r"b.bin holds uint32 ids though .*a.bin holds uint16 ones \(llm.c shards of "
+                                        r"two tokenizers\); fix: give the shards of one tokenizer$"):
+        find_shards("data.train_files", str(tmp_path / "tokenizers" / "*.bin"))
     with pytest.raises(UserError, match=r"data.test_files = .*nothing\*.bin': matches no file"):
         _load(str(tmp_path / "mixed" / "a.bin"), str(tmp_path / "nothing*.bin"))
     with pytest.raises(UserError, match=r"a.bin is also a training file"):
@@ -81,6 +90,10 @@ def test_truncated_foreign_and_mixed_shards_are_one_line_naming_the_file(tmp_pat
 
 
 def test_token_files_config_is_checked():
+    with pytest.raises(ConfigError, match=r"data.token_dtype = 'int32'.*uint16, uint32"):
+        load_config(None, ["data.name=tokens", "data.vocab_size=10", "data.token_dtype=int32"])
+    with pytest.raises(ConfigError, match=r"data.vocab_size = 4294967297: must be in \[0, 4294967296\]"):
+        load_config(None, ["data.name=tokens", f"data.vocab_size={2**32 + 1}"])
     with pytest.raises(ConfigError, match=r"data.test_files = '': data.train_files is set, so the other split"):
         load_config(None, ["data.name=tokens", "data.vocab_size=10", "data.train_files=a*.bin"])
     with pytest.raises(ConfigError, match=r"data.train_files = 'a\*.bin': names token shards, read only by "):
@@ -135,3 +148,57 @@ def test_a_token_id_over_the_vocabulary_names_its_file_and_position(tmp_path):
     assert str(error.value) == (
         f"data.vocab_size = 90: {tmp_path}/shard_train_000001.bin holds token id 97 (its token 234); fix: --set "
         "data.vocab_size=98 or more (the tokenizer's vocabulary)")
+
+
+def test_llama3_shards_of_uint32_ids_read_as_one_stream_with_a_vocabulary_of_128256(tmp_path):
+    stream = np.random.default_rng(3).integers(LLAMA3_VOCAB - 70_000, LLAMA3_VOCAB, 3000)  # most over 65,535
+    train, val = write_llmc_shards(tmp_path, stream, (1000, 1200), **LLAMA3)
+    data = _load_tokens(f"data.vocab_size={LLAMA3_VOCAB}", f"data.train_files={train}", f"data.test_files={val}")
+    assert data.train.num_tokens == 2200 and data.test.num_tokens == 800
+    inputs, targets = next(data.train.batches([torch.arange(60)], epoch=1))
+    starts = window_starts(1, 1, np.arange(60), 2200 - 32)
+    assert any(start < 1000 < start + 33 for start in starts)  # a window across the two shards
+    for row, start in enumerate(starts):
+        assert inputs[row].tolist() == stream[start:start + 32].tolist()
+        assert targets[row].tolist() == stream[start + 1:start + 33].tolist()
+    seen = [t for _, y in data.test.batches(eval_batches(data.test.num_samples, 4, 0, 1))
+            for t in y[y != IGNORE_INDEX].tolist()]
+    assert seen == stream[2201:].tolist()
+    write_llmc(tmp_path / "cut.bin", stream[:500], count=600, **LLAMA3)
+    with pytest.raises(UserError, match=r"cut.bin is truncated: its header says 600 tokens, the file holds 500; fix"):
+        find_shards("data.train_files", str(tmp_path / "cut.bin"))
+
+
+def test_raw_files_are_read_by_the_declared_token_dtype(tmp_path):
+    stream = np.random.default_rng(4).integers(0, LLAMA3_VOCAB, 3000)
+    for name, part in (("train.bin", stream[:2400]), ("val.bin", stream[2400:])):
+        part.astype(np.uint32).tofile(tmp_path / name)  # nanoGPT's layout, Llama 3's ids
+    for data in (_load_tokens(f"data.vocab_size={LLAMA3_VOCAB}", f"data.root={tmp_path}", "data.token_dtype=uint32"),
+                 _load_tokens(f"data.vocab_size={LLAMA3_VOCAB}", f"data.train_files={tmp_path}/train.bin",
+                              f"data.test_files={tmp_path}/val.bin", "data.token_dtype=uint32")):
+        inputs, _ = next(data.train.batches([torch.arange(5)], epoch=0))
+        for row, start in enumerate(window_starts(1, 0, np.arange(5), 2400 - 32)):
+            assert inputs[row].tolist() == stream[start:start + 32].tolist()
+        assert (data.train.num_tokens, data.test.num_tokens) == (2400, 600)
+    # The same files read as uint16 (the default): refused before any window, the fix named.
+    for where in ([f"data.root={tmp_path}"],
+                  [f"data.train_files={tmp_path}/train.bin", f"data.test_files={tmp_path}/val.bin"]):
+        with pytest.raises(UserError) as error:
+            _load_tokens(f"data.vocab_size={LLAMA3_VOCAB}", *where)
+        assert str(error.value) == (
+            f"data.vocab_size = 128256: {tmp_path}/train.bin is read as uint16 token ids (data.token_dtype), which "
+            "stop at 65,535; fix: --set data.token_dtype=uint32 if it holds uint32 ids (np.array(ids, "
+            "dtype=np.uint32).tofile(path)), or give the vocabulary of the tokenizer that wrote it")
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "train.bin").write_bytes(b"\0" * 4098)
+    (tmp_path / "odd" / "val.bin").write_bytes(b"\0" * 400)
+    with pytest.raises(UserError, match=r"^data.root: .*train.bin has 4098 bytes, not a multiple of 4, so it is not "
+                                        r"uint32 token ids \(data.token_dtype\); fix: write it with np.array"):
+        _load_tokens("data.vocab_size=100", f"data.root={tmp_path}/odd", "data.token_dtype=uint32")
+    with pytest.raises(UserError, match=r"^data.train_files: .*train.bin has 4098 bytes, so it is neither uint32 "):
+        _load_tokens("data.vocab_size=100", f"data.train_files={tmp_path}/odd/train.bin",
+                     f"data.test_files={tmp_path}/odd/val.bin", "data.token_dtype=uint32")
+    write_llmc(tmp_path / "gpt2" / "a.bin", stream[:100] % 50_000)  # GPT-2's shards under Llama 3's vocabulary
+    with pytest.raises(UserError, match=r"a.bin is read as uint16 token ids \(its llm.c header\), which stop at "):
+        _load_tokens(f"data.vocab_size={LLAMA3_VOCAB}", f"data.train_files={tmp_path}/gpt2/a.bin",
+                     f"data.test_files={tmp_path}/val.bin", "data.token_dtype=uint32")
