@@ -165,7 +165,8 @@ def _plot(args: argparse.Namespace) -> int:
 
 def _use(args: argparse.Namespace) -> int:
     """distrib eval and distrib predict: checked here, then run in this process or in N launched workers."""
-    from distrib.training.inference import check_input, check_rebuildable, load_trained
+    from distrib.training.inference import check_input, check_rebuildable
+    from distrib.training.trained import load_trained
 
     trained = load_trained(args.source, args.config, args.set)  # a bad run dir or checkpoint fails before any worker
     if args.command == "predict":

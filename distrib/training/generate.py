@@ -13,8 +13,8 @@ import torch.nn as nn
 from distrib.data.text import BYTE_VOCAB, token_info
 from distrib.distributed.runtime import select_device
 from distrib.errors import UserError
-from distrib.training.inference import Trained, load_trained, rebuilt_model
 from distrib.training.losses import logits_of
+from distrib.training.trained import Trained, load_trained, rebuilt_model
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int) -> None:

@@ -11,7 +11,7 @@ from distrib.checkpoint.format import read_checkpoint
 from distrib.config import load_config
 from distrib.distributed.parallel import unwrap
 from distrib.metrics.plot import make_figure, read_records
-from distrib.training.inference import load_trained
+from distrib.training.trained import load_trained
 from distrib.training.trainer import Trainer
 from distrib.worker import run_training
 from tests.helpers.launch_runs import split_runs, torchrun_runs

@@ -143,7 +143,7 @@ def test_the_self_check_catches_a_merged_folder_that_lost_a_tensor(exported, tmp
 def test_eval_refuses_an_adapter_only_weights_folder_in_one_line(exported, tmp_path):
     import shutil
 
-    from distrib.training.inference import _read_safetensors
+    from distrib.training.trained import _read_safetensors
 
     folder = tmp_path / WEIGHTS_DIR
     shutil.copytree(exported[0] / "run" / WEIGHTS_DIR, folder)
@@ -157,7 +157,7 @@ def test_eval_of_the_merged_folder_rebuilds_the_trained_model_from_it(exported):
     which takes the folder's weights: the trained logits; eval.json goes into the run, not into the export."""
     from distrib.config import load_config, write_resolved
     from distrib.data.text import token_info
-    from distrib.training.inference import load_trained, rebuilt_model
+    from distrib.training.trained import load_trained, rebuilt_model
 
     folder, _, model, _, _ = exported
     run = folder / "run"

@@ -208,7 +208,7 @@ def test_tokens_per_second_is_samples_per_second_times_the_sequence_length():
 
 def test_generate_needs_the_tokenizer_of_a_tokens_run_and_refuses_bad_sampling_in_one_line(tmp_path):
     from distrib.training.generate import check_sampling, load_tokenizer, text_model
-    from distrib.training.inference import Trained
+    from distrib.training.trained import Trained
 
     config = load_config(None, ["data.name=tokens", "data.vocab_size=100", "model.name=gpt"])
     with pytest.raises(UserError, match=r"trained on data.name = 'tokens' \(token ids\); fix: give the tokenizer that "

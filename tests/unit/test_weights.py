@@ -267,7 +267,7 @@ def test_eval_predict_and_generate_read_weights_when_there_is_no_model_pt(tmp_pa
     from distrib.config import write_resolved
     from distrib.data import DataInfo
     from distrib.models.network import Network
-    from distrib.training.inference import load_trained, rebuilt_model
+    from distrib.training.trained import load_trained, rebuilt_model
     from tests.helpers.support import small_config
 
     write_resolved(small_config(tmp_path), tmp_path)
@@ -289,7 +289,7 @@ def test_a_weights_folder_given_is_the_model_evaluated_not_its_run(tmp_path):
     outside a run without --config, and a peft adapter alone, are one line."""
     from distrib.config import write_resolved
     from distrib.models.network import Network
-    from distrib.training.inference import load_trained
+    from distrib.training.trained import load_trained
     from tests.helpers.support import small_config
 
     write_resolved(small_config(tmp_path), tmp_path)
