@@ -24,6 +24,7 @@ from distrib.checkpoint.export_check import (
     check_pretrained_folder,
 )
 from distrib.checkpoint.weights import MAX_FILE_BYTES, WEIGHTS_DIR, block_slices, local_block, local_part
+from distrib.distributed.hf_experts import lora_delta
 from distrib.models.adapters import base_name, is_adapter_name
 
 ADAPTER_FILE, ADAPTER_CONFIG, MERGED_DIR = "adapter_model.safetensors", "adapter_config.json", "merged"
@@ -140,18 +141,14 @@ def _experts_first(layer: nn.Module, weight: torch.Tensor) -> bool:
     return getattr(layer, "parameter_name", None) is not None and weight.dim() == 3 and layer.num_experts > 1
 
 
-def _experts_block(weight: torch.Tensor, layer: nn.Module, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                   scaling: float) -> torch.Tensor:
+def _experts_block(weight: torch.Tensor, layer: nn.Module, adapter: str, lora_a: torch.Tensor,
+                   lora_b: torch.Tensor) -> torch.Tensor:
     """This rank's block of peft's merged experts tensor (ParamWrapper.get_delta_weight added), from the whole
-    (small) A [experts x rank, in] and B [out, rank x experts]: only the block's experts are multiplied."""
+    (small) A and B: only the block's experts are multiplied."""
     local = local_part(weight).detach()
     experts, *rest = block_slices(*local_block(weight))
-    a = lora_a.reshape(layer.num_experts, -1, lora_a.shape[-1])[experts].to(local.device)  # experts, rank, in
-    b = lora_b.reshape(lora_b.shape[0], -1, layer.num_experts)[..., experts].to(local.device)  # out, rank, experts
-    # the parameter is [experts, out, in] where peft swapped its features (transformers' is_transposed False)
-    pattern = "o r e, e r i -> e o i" if layer._did_swap_in_out_features else "o r e, e r i -> e i o"
-    delta = torch.einsum(pattern, b, a)[(slice(None), *rest)] * scaling
-    return (local + delta.to(local.dtype)).to(local.dtype)
+    delta = lora_delta(layer, adapter, lora_a.to(local.device), lora_b.to(local.device), experts)
+    return (local + delta[(slice(None), *rest)].to(local.dtype)).to(local.dtype)
 
 
 def _merge_layer(model: nn.Module, name: str, layer: nn.Module, adapters: list[str], merged: dict,
@@ -176,7 +173,7 @@ def _merge_layer(model: nn.Module, name: str, layer: nn.Module, adapters: list[s
                                         merged[weight])
         elif _experts_first(layer, merged[weight]):
             lora_a, lora_b = (whole[f"{name}.lora_{ab}.{adapter}.weight"] for ab in "AB")
-            merged[weight] = _as_weight(_experts_block(merged[weight], layer, lora_a, lora_b, scaling), merged[weight])
+            merged[weight] = _as_weight(_experts_block(merged[weight], layer, adapter, lora_a, lora_b), merged[weight])
         elif not sharded:  # a whole tensor: peft's own delta (Embedding, Conv) or variant (DoRA) merge
             with torch.no_grad():
                 base = merged[weight].detach()

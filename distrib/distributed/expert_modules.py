@@ -3,8 +3,8 @@ that the launcher's check before any worker starts and each worker's expert para
 
 Two forms are split by expert parallel: the contract's (distrib.models.moe.GroupedExperts: w1, w2, w3, experts first)
 and transformers' fused experts (hf_experts: gate_up_proj and down_proj, experts first). Anything else named `experts`
-(per-expert modules, tensors whose dim 0 is not the experts, a peft adapter in the experts' place) is refused in one
-line that says why and what to do."""
+(per-expert modules, tensors whose dim 0 is not the experts, another adapter than peft's LoRA on fused experts) is
+refused in one line that says why and what to do."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from distrib.distributed.hf_experts import not_fused_experts_first
+from distrib.distributed.hf_experts import lora_on_experts, not_fused_experts_first
 from distrib.errors import ConfigError
 
 # The contract's expert weights (distrib.models.moe.GroupedExperts): 3-D, the experts first.
@@ -21,12 +21,14 @@ WEIGHTS = ("w1", "w2", "w3")
 
 @dataclass(frozen=True)
 class Experts:
-    """One MoE layer's experts module: its number of experts, and whether it is transformers' fused form (else the
-    contract's w1, w2, w3)."""
+    """One MoE layer's experts module: its number of experts, whether it is transformers' fused form (else the
+    contract's w1, w2, w3), and peft's LoRA wrappers around it (ParamWrapper, one per adapted tensor, outermost
+    first; the module named `experts` is then the outermost)."""
 
     module: nn.Module
     num_experts: int
     fused: bool
+    adapters: tuple[nn.Module, ...] = ()
 
 
 def is_grouped_experts(module: nn.Module) -> bool:
@@ -65,17 +67,19 @@ def find_experts(model: nn.Module, expert_parallel: int) -> dict[str, Experts]:
 
 
 def _experts(model: nn.Module, name: str, module: nn.Module, key: str) -> Experts:
-    if callable(getattr(module, "get_base_layer", None)):  # peft's tuner layer in place of the experts module
-        raise ConfigError(f"{key}: {name} carries a LoRA adapter ({type(module).__name__}), and expert parallel "
-                          "does not split an adapter's expert tensors with their experts; keep LoRA off the experts "
-                          "(target the attention, e.g. q_proj,k_proj,v_proj,o_proj, not gate_proj, up_proj or "
-                          "down_proj) or set dist.expert_parallel = 1 (fsdp shards the experts and their adapter "
-                          "like any parameter)")
+    adapters = []
+    while callable(getattr(module, "get_base_layer", None)):  # peft's tuner layers in place of the experts module
+        adapters.append(module)
+        module = module.base_layer
     if is_grouped_experts(module):
-        return Experts(module, module.w1.shape[0], fused=False)
-    why = not_fused_experts_first(module)
+        if not adapters:
+            return Experts(module, module.w1.shape[0], fused=False)
+        why = "carries a LoRA adapter, which expert parallel splits with the experts of transformers' fused ones only"
+    else:
+        why = not_fused_experts_first(module) or next(
+            filter(None, (lora_on_experts(adapter, module) for adapter in adapters)), None)
     if why:
         raise ConfigError(f"{key}: {type(model).__name__}'s {name} ({type(module).__name__}) {why}; expert parallel "
                           "places a share of each MoE layer's experts-first tensors on each rank: set "
                           "dist.expert_parallel = 1 (fsdp shards its experts like any parameter)")
-    return Experts(module, module.num_experts, fused=True)
+    return Experts(module, module.num_experts, fused=True, adapters=tuple(adapters))

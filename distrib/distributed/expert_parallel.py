@@ -45,7 +45,7 @@ def apply_expert_parallel(model: nn.Module, mesh) -> list[nn.Module]:
         if experts.fused:
             from distrib.distributed.hf_expert_parallel import apply_hf_expert_parallel  # it imports route from here
 
-            apply_hf_expert_parallel(experts.module, mesh)
+            apply_hf_expert_parallel(experts.module, mesh, experts.adapters)
             continue
         module = experts.module
         for name in WEIGHTS:

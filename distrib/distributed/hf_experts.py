@@ -8,6 +8,7 @@ dim to place, and trains with its experts sharded by fsdp like any parameter."""
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 
 # The fused tensors of transformers' experts classes (use_experts_implementation): gate and up projections joined
@@ -41,3 +42,29 @@ def not_fused_experts_first(module: nn.Module) -> str | None:
     # rank's tokens' gradient on each rank
     shared = next(((name, p) for name, p in params.items() if p.dim() == 0 or p.shape[0] != count), None)
     return f"holds {shared[0]} {list(shared[1].shape)}, not split by expert" if shared else None
+
+
+def lora_delta(layer: nn.Module, adapter: str, lora_a: torch.Tensor, lora_b: torch.Tensor,
+               experts: slice) -> torch.Tensor:
+    """What peft's LoRA on a fused experts tensor (its ParamWrapper: A [experts x rank, in], B [out, rank x experts])
+    adds to `experts` of it, scaled, in the tensor's own layout: ParamWrapper.get_delta_weight's rows of those experts,
+    made from theirs of A and B alone (what a rank holding those experts needs, under expert parallel or fsdp)."""
+    count = layer.num_experts
+    a = lora_a.reshape(count, -1, lora_a.shape[-1])[experts]  # experts, rank, in
+    b = lora_b.reshape(lora_b.shape[0], -1, count)[..., experts]  # out, rank, experts
+    # the tensor is [experts, out, in] where peft swapped its features (transformers' is_transposed False)
+    pattern = "o r e, e r i -> e o i" if layer._did_swap_in_out_features else "o r e, e r i -> e i o"
+    return torch.einsum(pattern, b, a) * layer.scaling[adapter]
+
+
+def lora_on_experts(layer: nn.Module, module: nn.Module) -> str | None:
+    """None when `layer` (a peft tuner layer around the experts module) is LoRA on one of the module's fused tensors
+    with an A and a B per expert (peft's ParamWrapper), which expert parallel splits with their experts; else why not,
+    in words that follow the module's name."""
+    parameter = getattr(layer, "parameter_name", None)
+    if parameter is None or not hasattr(layer, "lora_A") or not hasattr(layer, "_did_swap_in_out_features"):
+        return (f"carries a {type(layer).__name__} adapter, and expert parallel splits only peft's LoRA on fused "
+                "experts (ParamWrapper) with their experts")
+    if getattr(layer, "num_experts", None) != getattr(module, "num_experts", None):
+        return f"carries LoRA on {parameter} for {getattr(layer, 'num_experts', None)} experts, not its own number"
+    return None

@@ -76,6 +76,16 @@ def _family(tmp: Path, family: str) -> list[str]:
             f'model.kwargs={{folder = "{tmp / family}"}}', f"model.init_from={tmp / family}"]
 
 
+# LoRA on the Qwen3-MoE's attention and on its fused experts (peft's ParamWrapper: an A and a B per expert), under
+# expert parallel 2 x fsdp 2: first in the launch, as the ep runs are
+LORA_RUN = "qwen3_moe_lora_ep2_fsdp2"
+
+
+def _lora(tmp: Path) -> list[str]:
+    return [*_family(tmp, "qwen3_moe"), "model.factory=tests.helpers.pretrained:lora_moe",
+            f'model.kwargs={{folder = "{tmp / "qwen3_moe"}", targets = "q_proj,gate_proj,up_proj,down_proj"}}']
+
+
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     """The Hugging Face folders and each family's one process (4 accumulation steps: the launch's 4 data ranks), then
@@ -85,7 +95,9 @@ def launched(tmp_path_factory) -> tuple[Path, dict[str, str]]:
         save_moe(tmp / family, family)
         run_training(load_config(None, [*_family(tmp, family), "train.grad_accum_steps=4",
                                         f"run.dir={tmp / f'{family}_one'}"]))
-    runs = {**{name: [*_family(tmp, family), *layout] for name, (family, layout) in HF_RUNS.items()},
+    run_training(load_config(None, [*_lora(tmp), "train.grad_accum_steps=4", f"run.dir={tmp / 'lora_one'}"]))
+    runs = {LORA_RUN: [*_lora(tmp), "dist.strategy=fsdp", "dist.expert_parallel=2"],
+            **{name: [*_family(tmp, family), *layout] for name, (family, layout) in HF_RUNS.items()},
             **{name: [*MOE, *[item.format(tmp=tmp) for item in sets]] for name, sets in EXPERT_RUNS.items()}}
     (tmp / "launch").mkdir()
     result = torchrun_runs(4, {name: [*items, f"run.dir={tmp / name}"] for name, items in runs.items()},
@@ -175,3 +187,17 @@ def test_its_weights_keep_the_models_names_and_give_one_process_logits_through_f
     with torch.no_grad():
         logits, reference = loaded(ids).logits, one(ids).logits
     assert ((logits - reference).norm() / reference.norm()).item() < 1e-5
+
+
+@pytest.mark.timeout(900)
+def test_lora_on_the_experts_splits_with_them_and_trains_like_one_process(launched):
+    """Under expert parallel each rank adds to its experts the delta of their rows of each A and B (not split by
+    expert: fsdp shards them as dense parameters): the wrapped model (adapter included) within 1e-5 of one process
+    after 6 steps, and its weights/merged/ (each rank its experts' delta) that of one process."""
+    tmp, _ = launched
+    one = load_weights(tmp / "lora_one")
+    assert all(tensor.abs().sum() > 0 for name, tensor in one.items() if ".experts." in name and "lora_B" in name)
+    assert max_relative_diff(load_weights(tmp / LORA_RUN), one) < 1e-5
+    merged = moe_from_pretrained(str(tmp / LORA_RUN / "weights" / "merged")).state_dict()
+    assert max_relative_diff(merged, moe_from_pretrained(str(tmp / "lora_one" / "weights" / "merged")).state_dict()) \
+        < 1e-5

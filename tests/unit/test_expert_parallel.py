@@ -114,7 +114,7 @@ def test_one_function_says_which_modules_are_experts_and_how_many():
         f"base_model.model.{name}": (4, True) for name in hf}
 
 
-def _hf_moe(tmp_path, factory: str, num_experts: int, degree: int):
+def _hf_moe(tmp_path, factory: str, num_experts: int, degree: int, kwargs: str = ""):
     """A Qwen3-MoE folder of num_experts experts, and the config of a run of it at dist.expert_parallel = degree with
     a factory that takes only the folder (the launcher builds it on the meta device before any worker starts)."""
     from tests.helpers.pretrained import qwen3_moe
@@ -122,15 +122,17 @@ def _hf_moe(tmp_path, factory: str, num_experts: int, degree: int):
     folder = tmp_path / "qwen3_moe"
     qwen3_moe(num_experts=num_experts).save_pretrained(folder)
     return folder, load_config(None, [
-        f"model.factory=tests.helpers.pretrained:{factory}", f'model.kwargs={{folder = "{folder}"}}',
+        f"model.factory=tests.helpers.pretrained:{factory}", f'model.kwargs={{folder = "{folder}"{kwargs}}}',
         f"model.init_from={folder}", "data.factory=tests.helpers.pretrained:token_dicts", "dist.device=cpu",
         "dist.strategy=fsdp", f"dist.expert_parallel={degree}", "train.global_batch_size=16"])
 
 
-@pytest.mark.parametrize("factory", ["moe_from_config", "lora_moe"])
+@pytest.mark.parametrize("factory, kwargs", [("moe_from_config", ""), ("lora_moe", ""),
+                                             ("lora_moe", ', targets = "gate_proj,up_proj,down_proj"')])
 def test_a_hugging_face_mixture_of_experts_from_a_folder_only_factory_passes_the_check_before_any_worker(
-        tmp_path, factory):
-    _, config = _hf_moe(tmp_path, factory, 4, 2)
+        tmp_path, factory, kwargs):
+    """Its experts seen through a PeftModel, with LoRA on the attention or on the experts."""
+    _, config = _hf_moe(tmp_path, factory, 4, 2, kwargs)
     assert check_layout(config, 4, 4).expert_parallel == 2
 
 

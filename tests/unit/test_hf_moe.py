@@ -2,8 +2,9 @@
 per-expert tensors) read by model.init_from through transformers' own conversion into their fused experts, exactly as
 from_pretrained reads them; rank 1 of fsdp 2 (a fake process group) reads only its experts; weights/ keeps the fused
 names and loads with from_pretrained; the router's aux loss is counted once; which families expert parallel takes
-(find_experts), the others in one line; and LoRA on the fused experts: refused under expert parallel in words that say
-so, merged into weights/merged/ otherwise (one process and a rank's fsdp block), which loads as the trained model."""
+(find_experts), the others in one line; and LoRA on the fused experts: split with them under expert parallel (each
+rank adds its experts' delta), merged into weights/merged/ (one process and a rank's fsdp block), which loads as the
+trained model."""
 
 from __future__ import annotations
 
@@ -135,14 +136,18 @@ def test_the_expert_parallel_dispatch_on_one_rank_gives_transformers_forward(fam
     """distrib's dispatch of transformers' fused experts (pairs sorted by expert, the contract's route, the module's
     own forward on local ids, then the router's weights) on an ep group of 1 (a world-1 gloo group): the logits,
     loss and every gradient of the model as transformers computes them, to float rounding."""
+    torch.manual_seed(0)
+    _dispatched_like_one_process(FAMILIES[family], implementation)
+
+
+def _dispatched_like_one_process(build, implementation: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from distrib.distributed.expert_parallel import apply_expert_parallel
 
-    torch.manual_seed(0)
-    reference = FAMILIES[family]()
-    dispatched = FAMILIES[family]()
+    reference = build()
+    dispatched = build()
     dispatched.load_state_dict(reference.state_dict())
     for model in (reference, dispatched):
         model.config._experts_implementation = implementation
@@ -158,7 +163,8 @@ def test_the_expert_parallel_dispatch_on_one_rank_gives_transformers_forward(fam
     assert torch.allclose(got.logits, expected.logits, atol=1e-6) and torch.allclose(got.loss, expected.loss)
     for (name, param), mine in zip(reference.named_parameters(), dispatched.parameters()):
         grad = mine.grad.to_local() if hasattr(mine.grad, "to_local") else mine.grad
-        assert torch.allclose(grad, param.grad, atol=1e-6), name
+        assert (grad is None) == (param.grad is None) == (not param.requires_grad), name  # a frozen base: none
+        assert grad is None or torch.allclose(grad, param.grad, atol=1e-6), name
 
 
 EXPERT_TARGETS = "q_proj,gate_proj,up_proj,down_proj"  # peft puts the last three on the fused experts (ParamWrapper)
@@ -179,17 +185,46 @@ def _lora_on_experts(folder):
     return model.eval()
 
 
-def test_lora_on_the_experts_is_refused_under_expert_parallel_in_words_that_say_so(tmp_path):
+def test_lora_on_the_experts_is_split_with_them_each_rank_adding_its_experts_delta(tmp_path):
+    """find_experts sees through peft's wrappers (the fused module inside, its two ParamWrappers outermost first);
+    the rank holding experts 2 and 3 of 4 adds to them their rows of peft's delta (ParamWrapper.get_delta_weight); on
+    an ep group of one rank the dispatch is peft's forward and backward, adapter gradients included."""
+    from peft.tuners.lora import ParamWrapper
+
+    from distrib.distributed.hf_expert_parallel import _adapted
+
     folder = save_moe(tmp_path / "qwen3_moe", "qwen3_moe")
-    assert list(find_experts(lora_moe(str(folder)), 2)) == [  # LoRA elsewhere: the experts as they are
-        "base_model.model.model.layers.0.mlp.experts", "base_model.model.model.layers.1.mlp.experts"]
+    model = _lora_on_experts(folder)
+    experts = find_experts(model, 2)["base_model.model.model.layers.0.mlp.experts"]
+    assert type(experts.module).__name__ == "Qwen3MoeExperts" and experts.num_experts == 4 and experts.fused
+    assert [type(a) for a in experts.adapters] == [ParamWrapper] * 2
+    assert {a.parameter_name for a in experts.adapters} == {"gate_up_proj", "down_proj"}
+    module, whole = experts.module, dict(experts.module._parameters)
+    try:
+        with torch.no_grad():
+            module._parameters.update({name: tensor[2:] for name, tensor in whole.items()})  # rank 1 of ep 2's
+            _adapted(module, experts.adapters, 2)
+            for adapter in experts.adapters:
+                name = adapter.parameter_name
+                expected = whole[name] + adapter.get_delta_weight("default")
+                assert torch.allclose(module._parameters[name], expected[2:], atol=1e-6), name
+    finally:
+        module._parameters.update(whole)
+    _dispatched_like_one_process(lambda: _lora_on_experts(folder), "grouped_mm")
+
+
+def test_an_adapter_expert_parallel_cannot_split_is_refused_in_one_line():
+    from peft import LoraConfig, get_peft_model
+
+    from distrib.models.gpt import GPT
+
+    gpt = get_peft_model(GPT(n_layers=1, n_heads=2, dim=16, n_experts=4, top_k=2),
+                         LoraConfig(r=2, target_parameters=["experts.w1"]))
     with pytest.raises(ConfigError) as error:
-        find_experts(lora_moe(str(folder), targets=EXPERT_TARGETS), 2)
-    assert str(error.value) == (
-        "dist.expert_parallel = 2: base_model.model.model.layers.0.mlp.experts carries a LoRA adapter (ParamWrapper), "
-        "and expert parallel does not split an adapter's expert tensors with their experts; keep LoRA off the experts "
-        "(target the attention, e.g. q_proj,k_proj,v_proj,o_proj, not gate_proj, up_proj or down_proj) or set "
-        "dist.expert_parallel = 1 (fsdp shards the experts and their adapter like any parameter)")
+        find_experts(gpt, 2)
+    assert str(error.value).startswith(
+        "dist.expert_parallel = 2: PeftModel's base_model.model.layers.0.moe.experts (GroupedExperts) carries a LoRA "
+        "adapter, which expert parallel splits with the experts of transformers' fused ones only;")
 
 
 def test_lora_on_the_experts_is_merged_into_merged_which_loads_as_the_trained_model(tmp_path):
