@@ -39,12 +39,6 @@ def is_grouped_experts(module: nn.Module) -> bool:
         len({own[name].shape[0] for name in WEIGHTS}) == 1
 
 
-def grouped_experts(model: nn.Module) -> dict[str, nn.Module]:
-    """{name: module} of the model's experts modules in the contract's form (each named `experts`)."""
-    return {name: module for name, module in model.named_modules()
-            if name.rsplit(".", 1)[-1] == "experts" and is_grouped_experts(module)}
-
-
 def find_experts(model: nn.Module, expert_parallel: int) -> dict[str, Experts]:
     """{module path: Experts} of every module named `experts` (each MoE layer's), in either form expert parallel
     splits; a one-line ConfigError naming dist.expert_parallel, the first module it cannot split and the fix: no

@@ -21,8 +21,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-# grouped_experts: distrib.plan.experts imports it from here
-from distrib.distributed.expert_modules import WEIGHTS, find_experts, grouped_experts  # noqa: F401
+from distrib.distributed.expert_modules import WEIGHTS, find_experts
 
 # What the local experts compute: (rows sorted by local expert, rows per local expert) -> output rows.
 Compute = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
