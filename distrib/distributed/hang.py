@@ -21,6 +21,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from distrib.errors import EXIT_HUNG
+from distrib.launch.hang_traces import STOPPED_AFTER_S
+
 BUFFER_ENTRIES = 2000  # collectives the flight recorder keeps per process (torch's own default when it is on)
 BUFFER_VAR = "TORCH_FR_BUFFER_SIZE"  # read as a process group opens
 TICK_S = 1.0
@@ -42,6 +45,7 @@ class HangWatch:
         self._connect, self._store, self._lock = connect, None, threading.Lock()
         self._in_flight: dict[str, tuple[int, float]] = {}  # group -> (sequence number, first seen in flight)
         self._last_tick, self._stopped_s, self.dumped = time.monotonic(), 0.0, False
+        self._last_tick_ns, self._stopped_since_ns = time.time_ns(), 0  # wall clock, as the recorder's entries
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="distrib-hang-watch", daemon=True)
 
@@ -59,8 +63,8 @@ class HangWatch:
     def _run(self) -> None:
         while not self._stop.wait(TICK_S) and not self.dumped:
             now = time.monotonic()
-            self._stopped_s = max(self._stopped_s, now - self._last_tick - TICK_S)
-            self._last_tick = now
+            self._note_gap(now)
+            self._last_tick, self._last_tick_ns = now, time.time_ns()
             try:
                 if self._outwaited(now):
                     self.dump("timeout")
@@ -83,6 +87,14 @@ class HangWatch:
                 return True
         return False
 
+    def _note_gap(self, now: float) -> None:
+        """The longest time this thread did not run past its tick (the process stopped), and by when (wall clock)
+        that stop had begun: its last tick before it, plus a tick. Entries of this rank's recorder created after
+        that were created once it ran again."""
+        gap = now - self._last_tick - TICK_S
+        if gap > self._stopped_s:
+            self._stopped_s, self._stopped_since_ns = gap, self._last_tick_ns + int(TICK_S * 1e9)
+
     def _asked(self) -> bool:
         with self._lock:
             if self._store is None:
@@ -98,26 +110,44 @@ class HangWatch:
 
     def dump(self, reason: str) -> None:
         """This rank's trace into the folder (once), the others asked to dump theirs, the launcher told where.
-        reason: "timeout" (a collective outwaited dist.timeout_s), "lost" (a peer's connection broke), "asked"."""
+        reason: "timeout" (a collective outwaited dist.timeout_s), "lost" (a peer's connection broke), "asked".
+        A rank that was stopped (SIGSTOP, a debugger) while another rank dumped before it (the others gave up on
+        it) ends here, once dumped: see _end_stopped."""
         with self._lock:
             if self.dumped:
                 return
             self.dumped = True
-            stopped_s = max(self._stopped_s, time.monotonic() - self._last_tick - TICK_S)
+            self._note_gap(time.monotonic())
+            stopped, gave_up = self._stopped_s >= STOPPED_AFTER_S, reason == "asked"
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
                 if self.dumps:
-                    _write_trace(self.directory / f"rank_{self.rank}.trace", self.rank, reason, stopped_s)
+                    _write_trace(self.directory / f"rank_{self.rank}.trace", self.rank, reason, self._stopped_s,
+                                 self._stopped_since_ns if stopped else None)
                 if self.note is not None:
                     _write_atomic(self.note, str(self.directory).encode())
                 if self._store is None:
                     self._store = self._connect()
+                gave_up = gave_up or self._store.check([DUMP_KEY])  # another rank dumped first: the others gave up
                 self._store.set(DUMP_KEY, str(self.rank))
             except Exception:  # noqa: BLE001 - a dump must never hide the failure it documents
                 pass
+        if stopped and gave_up:
+            self._end_stopped()
+
+    def _end_stopped(self) -> None:
+        """Ends this process with EXIT_HUNG and one line. It did not run for longer than its peers could wait, and
+        one of them dumped, so they gave up on it: run on, it would enter the collective they left and wait in it,
+        up to dist.timeout_s if a peer's connection outlives it, then blame the peers it stopped for. os._exit: it
+        runs in the watch thread too, while the main thread may be waiting in that collective."""
+        sys.stderr.write(f"distrib: error: rank {self.rank} did not run for {self._stopped_s:.1f} s (stopped: "
+                         "SIGSTOP, a debugger, or a frozen host) while the other ranks waited for it in a collective; "
+                         f"they gave up on it, so it ends too (every rank's trace: {self.directory})\n")
+        sys.stderr.flush()
+        os._exit(EXIT_HUNG)
 
 
-def _write_trace(path: Path, rank: int, reason: str, stopped_s: float) -> None:
+def _write_trace(path: Path, rank: int, reason: str, stopped_s: float, stopped_since_ns: int | None) -> None:
     """torch's dump without the collectives' stacks (symbolizing 2,000 of them takes seconds, which a stopped rank
     may not have before the launcher kills it), and, from the watch thread, the main thread's stack: where a rank
     that did not enter the others' collective is."""
@@ -126,7 +156,7 @@ def _write_trace(path: Path, rank: int, reason: str, stopped_s: float) -> None:
     frame = sys._current_frames().get(main.ident) if threading.current_thread() is not main else None
     stack = [(f.filename, f.lineno, f.name) for f in traceback.extract_stack(frame)[-8:]] if frame else []
     trace["distrib"] = {"rank": rank, "dumped_ns": time.time_ns(), "reason": reason,
-                        "stopped_s": round(stopped_s, 1), "main_stack": stack}
+                        "stopped_s": round(stopped_s, 1), "stopped_since_ns": stopped_since_ns, "main_stack": stack}
     _write_atomic(path, pickle.dumps(trace))
 
 

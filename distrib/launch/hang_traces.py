@@ -27,12 +27,15 @@ def read_traces(directory: Path, since_ns: int = 0) -> dict[int, dict]:
 
 def divergence(traces: dict[int, dict], world_size: int | None = None) -> str:
     """One line from every rank's trace: the first collective (in time) that some ranks of its process group
-    entered and others did not, or, when every rank entered the same ones, the last of them; with the ranks that
-    were stopped (their watch thread did not run) and the ranks that left no trace. Collectives created after the
-    first dump are left out: a stopped rank that runs again once the others gave up enters collectives then."""
+    entered and others did not, or, when the ranks that left a trace entered the same ones, the last of them; with
+    the ranks that were stopped (their watch thread did not run) and the ranks that left no trace. A rank's
+    collectives created after the first dump, or after it was stopped (its trace's stopped_since_ns), are left out
+    of the comparison and named apart: a stopped rank that runs again once the others gave up enters collectives
+    then, which its trace, dumped later, lists."""
     dumped = [trace["distrib"]["dumped_ns"] for trace in traces.values() if "distrib" in trace]
-    cutoff = min(dumped) if dumped else None
-    ranks = {rank: _collectives(trace, cutoff) for rank, trace in traces.items()}
+    first_dump = min(dumped) if dumped else None
+    limits = {rank: _limit(trace, first_dump) for rank, trace in traces.items()}
+    ranks = {rank: _collectives(trace, limits[rank]) for rank, trace in traces.items()}
     found = [split for group in sorted({g for by_group in ranks.values() for g in by_group})
              if (split := _split(group, ranks)) is not None]
     if found:
@@ -43,13 +46,38 @@ def divergence(traces: dict[int, dict], world_size: int | None = None) -> str:
         if not last:
             return "no rank's trace holds a collective"
         newest = max(last, key=lambda entry: entry["time_created_ns"])
-        line = (f"every rank entered {_op(newest)} #{newest['collective_seq_id']} of {_group(newest)}, the last "
-                "collective, and none went past it")
+        every = world_size is None or set(traces) == set(range(world_size))
+        line = (f"{'every rank' if every else _ranks(sorted(traces))} entered {_op(newest)} "
+                f"#{newest['collective_seq_id']} of {_group(newest)}, the last collective, and none went past it")
     stopped = {rank: trace["distrib"]["stopped_s"] for rank, trace in sorted(traces.items())
                if trace.get("distrib", {}).get("stopped_s", 0) >= STOPPED_AFTER_S}
     line += "".join(f"; rank {rank} did not run for {seconds:g} s (stopped)" for rank, seconds in stopped.items())
+    line += "".join(_later(rank, traces[rank], limits[rank]) for rank in sorted(traces))
     missing = sorted(set(range(world_size or 0)) - set(traces))
     return line + (f"; no trace from {_ranks(missing)}" if missing else "")
+
+
+def _limit(trace: dict, first_dump_ns: int | None) -> int | None:
+    """The time after which a rank's collectives are left out: the first dump, or, for a rank that was stopped, the
+    moment its stop had begun by (whichever is earlier); None for torch's own dumps, which say neither."""
+    since = trace.get("distrib", {}).get("stopped_since_ns")
+    times = [t for t in (first_dump_ns, since) if t is not None]
+    return min(times) if times else None
+
+
+def _later(rank: int, trace: dict, limit_ns: int | None) -> str:
+    """What a rank's trace lists past its limit: the collectives it entered once it ran again (or after the first
+    dump), which the comparison left out."""
+    later = sorted((e for e in trace.get("entries", []) if not e.get("is_p2p") and limit_ns is not None
+                    and e["time_created_ns"] > limit_ns), key=lambda e: e["time_created_ns"])
+    if not later:
+        return ""
+    since = trace.get("distrib", {}).get("stopped_since_ns")
+    what = f"{_op(later[0])} #{later[0]['collective_seq_id']} of {_group(later[0])}" + (
+        f" and {len(later) - 1} more" if len(later) > 1 else "")
+    if since is not None and later[0]["time_created_ns"] > since:
+        return f"; rank {rank}'s trace, dumped once it ran again, also lists {what}, which it entered then"
+    return f"; rank {rank}'s trace also lists {what}, entered after the first rank dumped"
 
 
 def _collectives(trace: dict, cutoff_ns: int | None) -> dict[str, list[dict]]:

@@ -9,6 +9,7 @@ import contextlib
 import ipaddress
 import json
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -141,10 +142,10 @@ def test_workers_end_with_their_launcher_even_on_sigkill(tmp_path, path):
 def test_a_stopped_rank_ends_the_run_within_the_timeout_and_is_named_with_the_collective(tmp_path):
     """World size 3, dist.timeout_s = 20: rank 1 stops (SIGSTOP) in its third forward, outside any collective. The
     run ends within the timeout plus 20 s with EXIT_HUNG, the ranks' line naming rank 1, its host and last step,
-    every rank's flight-recorder trace in run.dir/hang (rank 1's written once the launcher let it run again), and
-    the launcher's last line naming the collective that rank 1 did not enter. Meanwhile no process of the run
-    (launcher, lifelines, workers) listens on an address another machine could reach: c10d stores have no
-    authentication; the store and each worker's gloo listen on loopback."""
+    every rank's flight-recorder trace in run.dir/hang (rank 1's written once the launcher let it run again, after
+    which it ends at once), and the launcher's last line naming the collective that rank 1 did not enter.
+    Meanwhile no process of the run (launcher, lifelines, workers) listens on an address another machine could
+    reach: c10d stores have no authentication; the store and each worker's gloo listen on loopback."""
     timeout_s = 20
     run = tmp_path / "run"
     cmd = distrib_cmd("train", "--nproc-per-node", "3", "--config", CLUSTER_CONFIG, *LONG, "--set",
@@ -165,18 +166,28 @@ def test_a_stopped_rank_ends_the_run_within_the_timeout_and_is_named_with_the_co
         listening
     assert done.returncode == EXIT_HUNG, done.text()
     # The others' collective times out 20 s after they entered it, they watch the heartbeats for ~3 s (rank 1 is
-    # silent) and end; the agent stops rank 1 (SIGTERM and SIGCONT from its lifeline): it runs again, and its next
-    # collective fails at once. It dumps as it fails, or its watch at its next tick, whichever comes first.
+    # silent) and end; the agent stops rank 1 (SIGTERM and SIGCONT from its lifeline): it runs again, dumps at its
+    # watch's next tick (or as its next collective fails, whichever comes first) and ends there.
     assert seconds < timeout_s + 20, f"ended {seconds:.1f}s after the SIGSTOP\n{done.text()}"
     assert sorted(path.name for path in (run / "hang").iterdir()) == [f"rank_{r}.trace" for r in range(3)]
     *_, heartbeats, hang = done.stderr.strip().splitlines()
     assert "did not arrive: rank 1 (host " in heartbeats and f"pid {workers[1]}, after step 2;" in heartbeats, \
         done.text()
     assert "no heartbeat since" in heartbeats and heartbeats.endswith("[first failure]"), done.text()
+    # Rank 1's collectives from once it ran again (its trace may list the one the others left) are named apart.
     named = re.fullmatch(r"distrib launch: hang: rank 1 did not enter all_reduce #(\d+) of the default group \(ranks "
                          r"0, 2 entered it; last common sequence (\d+)\); rank 1 did not run for [\d.]+ s "
-                         rf"\(stopped\); every rank's trace: {re.escape(str(run / 'hang'))}", hang)
+                         r"\(stopped\)(?:; rank 1's trace, dumped once it ran again, also lists all_reduce #\1 of the "
+                         r"default group(?: and \d+ more)?, which it entered then)?; "
+                         rf"every rank's trace: {re.escape(str(run / 'hang'))}", hang)
     assert named and int(named[2]) == int(named[1]) - 1, done.text()
+    # The order that bounds the run's end: the others dumped; rank 1, run again, dumped because they had (asked, or
+    # its collective failed as they left) and ended there, with its own line, instead of waiting in the collective
+    # they had left (up to dist.timeout_s where a peer's connection outlived it) and then blaming them.
+    rank_1 = pickle.loads((run / "hang" / "rank_1.trace").read_bytes())["distrib"]
+    assert rank_1["reason"] in ("asked", "lost") and rank_1["stopped_since_ns"] is not None, rank_1
+    assert re.search(r"^distrib: error: rank 1 did not run for [\d.]+ s \(stopped: .* so it ends too", done.stderr,
+                     re.M) and "lost rank" not in done.stderr, done.text()
     print(f"stopped rank named after {seconds:.1f}s: {hang}")
 
 
