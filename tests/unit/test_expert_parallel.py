@@ -152,6 +152,33 @@ def test_experts_the_degree_does_not_divide_are_refused_before_any_worker_in_the
         "use a divisor of 6 (1, 2, 3, 6)")
 
 
+@pytest.mark.parametrize("num_experts, degree, code", [(4, 2, 0), (6, 4, 2)])
+def test_distrib_train_nproc_per_node_checks_the_folder_only_factory_s_experts_before_starting_workers(
+        tmp_path, monkeypatch, capsys, num_experts, degree, code):
+    """The command docs show, through the CLI up to the agent's start (which starts no worker here): 4 experts at
+    ep 2 reach it, 6 at ep 4 are refused before it in the sentence a worker would say, exit 2."""
+    import os
+
+    from distrib import cli
+    from distrib.launch import launcher
+
+    started = []
+    monkeypatch.setattr(launcher, "run_agent", lambda args: started.append(args.nproc_per_node) or 0)
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # the launcher sets the workers' environment in it
+    folder, _ = _hf_moe(tmp_path, "moe_from_config", num_experts, degree)
+    argv = ["train", "--nproc-per-node", "4", "--set", "model.factory=tests.helpers.pretrained:moe_from_config",
+            "--set", f'model.kwargs={{folder = "{folder}"}}', "--set", f"model.init_from={folder}",
+            "--set", "data.factory=tests.helpers.pretrained:token_dicts", "--set", "dist.device=cpu",
+            "--set", "dist.strategy=fsdp", "--set", f"dist.expert_parallel={degree}",
+            "--set", "train.global_batch_size=16", "--set", f"run.dir={tmp_path / 'run'}"]
+    assert cli.main(argv) == code
+    assert started == ([] if code else ["4"])
+    if code:
+        assert capsys.readouterr().err.strip().endswith(
+            "dist.expert_parallel = 4: model.layers.0.mlp.experts holds 6 experts, which 4 ranks cannot split "
+            "evenly; use a divisor of 6 (1, 2, 3, 6)")
+
+
 def test_plan_counts_each_rank_s_experts_the_all_to_all_and_the_worst_imbalance(tmp_path):
     config = load_config(None, [*GPT_MOE, f"run.dir={tmp_path}", "dist.expert_parallel=2"])
     planned = plan_run(config, Machine(1, 4))
