@@ -112,6 +112,13 @@ def _checkpointer(config: Config, runtime: Runtime, state: TrainState, global_ba
                              run_config=to_dict(config), identify=data.identity)
 
 
+def _finished_peers(config: Config, runtime: Runtime, state: TrainState, plan, data: Data,
+                    total_steps: int | None) -> fault_tolerance.FinishedPeers:
+    """How this replica group takes the final state of a group that finished the run: from its checkpoint.dir."""
+    return fault_tolerance.FinishedPeers(config, runtime.replica_group, total_steps, lambda peer: _checkpointer(
+        peer, runtime, state, plan.global_batch_size, data))
+
+
 def _resume(state: TrainState, config: Config, runtime: Runtime, checkpointer: Checkpointer,
             global_batch_size: int, data: Data, notes: list[str]) -> int | None:
     """Loads the checkpoint that rank 0 chose (checked against this run's config) into the state; the resumed step,
@@ -328,7 +335,9 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
                     collective_timeouts(config.dist.timeout_s, lambda: f"after step {state.progress.step}",
                                         runtime.peers), \
                     committing(checkpointer), \
-                    fault_tolerance.replica_groups(config, runtime, state, plan, recorder) as replicas:
+                    fault_tolerance.replica_groups(config, runtime, state, plan, recorder,
+                                                   _finished_peers(config, runtime, state, plan, data, total_steps)
+                                                   ) as replicas:
                 agreement = RankAgreement(stop, runtime.device, runtime.world_size, synced_at=state.progress.step,
                                           loss_ranks=dims.loss_ranks)
                 evaluator = _evaluator(config, runtime, dims, data, loss, task)

@@ -5,24 +5,29 @@ groups that took part, a commit, and a restarted group healed from a live one's 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib.util
 import logging
 import os
+import socket
 import time
+import uuid
 from datetime import timedelta
-from pathlib import Path
 from typing import Iterator
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from distrib.distributed.group_folders import GROUP_FOLDER, FinishedPeers, group_config, peer_config
 from distrib.distributed.parallel import local_tensor
 from distrib.distributed.runtime import LIGHTHOUSE_VAR, REPLICA_GROUP_VAR, Runtime
 from distrib.errors import ConfigError, UserError
 
-GROUP_FOLDER = "replica_group_{}"  # group g > 0 writes under run.dir/replica_group_g (group 0: run.dir itself)
+# group_config and peer_config: each group's folders, which the CLI and the worker take from here.
+__all__ = ["FinishedPeers", "LighthouseLost", "ReplicaGroups", "check", "group_config", "peer_config",
+           "replica_groups"]
+
 # What torchft's Manager keeps, unprefixed, in its group's store: a restarted group must not read its dead self's.
 _MANAGER_KEYS = ("manager_addr", "replica_id")
 # Parts of the training state that belong to one group's folders and trackers, not sent to a healing group.
@@ -30,6 +35,14 @@ _OWN_PARTS = ("trackers", "best")
 # The degrees a replica group cannot hold yet: each rank's local gradient would all-reduce alike across the groups,
 # but the heal of their state and the pipeline's schedule are not built.
 _NOT_INSIDE = ("pipeline_parallel", "tensor_parallel", "expert_parallel")
+# How often a group that waits at the start barrier asks for a quorum again: each ask is a request to the Lighthouse
+# (and a line of its log); without a pause a waiting group asked ~1,100 times a second.
+BARRIER_POLL_S = 0.5
+
+
+class LighthouseLost(Exception):
+    """The step's quorum timed out, or failed with the Lighthouse gone: this group's Manager can agree on no step any
+    more. The trainer checkpoints and stops with the preemption code (restarted, or a rerun, resumes there)."""
 
 
 def check(config) -> None:
@@ -47,17 +60,14 @@ def check(config) -> None:
                           "pip install 'distrib[ft]' (or torchft), or --set dist.fault_tolerant_groups=1")
 
 
-def group_config(config, group: int):
-    """The config replica group `group` runs: group 0 writes run.dir (and checkpoint.dir) as given, group g > 0 a folder
-    of its own in them (replica_group_g), so that every group keeps its own log, metrics and checkpoints."""
-    if config.dist.fault_tolerant_groups == 1 or group == 0:
-        return config
-    folder = GROUP_FOLDER.format(group)
-    checkpoint = config.checkpoint
-    if checkpoint.dir:
-        checkpoint = dataclasses.replace(checkpoint, dir=str(Path(checkpoint.dir) / folder))
-    return dataclasses.replace(config, run=dataclasses.replace(config.run, dir=str(Path(config.run.dir) / folder)),
-                               checkpoint=checkpoint)
+def lighthouse_answers(url: str, timeout_s: float = 2.0) -> bool:
+    """Whether something listens at the Lighthouse's address (a TCP connect)."""
+    address = urlsplit(url if "://" in url else f"http://{url}")
+    try:
+        with socket.create_connection((address.hostname, address.port or 29510), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
 
 
 def _check_launch(groups: int, runtime: Runtime) -> None:
@@ -100,10 +110,10 @@ class ReplicaGroups:
     commit. Every rank of the group makes the same calls; torchft pairs rank r of each group."""
 
     def __init__(self, manager, groups: int, group: int, state, global_batch_size: int, runtime: Runtime,
-                 recorder, timeout_s: float):
+                 recorder, timeout_s: float, finished: FinishedPeers | None = None):
         self.manager, self.groups, self.group = manager, groups, group
         self.state, self.global_batch_size, self.runtime = state, global_batch_size, runtime
-        self.recorder, self.timeout_s = recorder, timeout_s
+        self.recorder, self.timeout_s, self.finished = recorder, timeout_s, finished
         self.participants = 0  # groups in this step's quorum
         self._starting = True  # the job's first step waits for every group
         self._healed_from: int | None = None
@@ -112,24 +122,63 @@ class ReplicaGroups:
     def start_step(self) -> bool:
         """The step's quorum (the job's first: every group, a start barrier); True when it healed this group: the
         state is then a live group's, at its progress, and that quorum holds for the step read from there (the other
-        groups are in it already)."""
+        groups are in it already), or when this group took the final state of a group that finished the run (see
+        FinishedPeers)."""
         if self._held:
             self._held = False
             return False
         self._healed_from, started = None, time.perf_counter()
-        self.manager.start_quorum()
+        self._quorum()
         deadline = time.monotonic() + self.timeout_s
         while self._starting and self._healed_from is None and self.manager.num_participants() < self.groups:
-            if time.monotonic() > deadline:
+            peer, expired = self._barrier_verdict(deadline)
+            if peer is not None:
+                return self._take_finished(peer, started)
+            if expired:
                 raise UserError(f"only {self.manager.num_participants()} of dist.fault_tolerant_groups = "
                                 f"{self.groups} replica groups joined within dist.timeout_s = {self.timeout_s:g} s at "
                                 "the start; start every group (each one's log says why it did not), or raise "
                                 "dist.timeout_s")
-            self.manager.start_quorum()
+            time.sleep(BARRIER_POLL_S)
+            self._quorum()
         self._starting = False
         self._note(time.perf_counter() - started)
         self._held = self._healed_from is not None
         return self._held
+
+    def _quorum(self) -> None:
+        """torchft's quorum; LighthouseLost when it timed out or the Lighthouse is gone: torchft's Manager cannot ask
+        again after a failed quorum, and a Lighthouse started again does not answer a quorum asked of the old one."""
+        try:
+            self.manager.start_quorum()
+        except Exception as e:
+            if not isinstance(e, TimeoutError) and lighthouse_answers(self.runtime.lighthouse):
+                raise
+            answers = "was started again" if lighthouse_answers(self.runtime.lighthouse) else "does not answer"
+            raise LighthouseLost(f"replica group {self.group}: no quorum within dist.timeout_s = {self.timeout_s:g} s "
+                                 f"(torchft's Lighthouse at {self.runtime.lighthouse} {answers}): this group "
+                                 "checkpoints and stops (exit 75); its launcher restarts it from there "
+                                 "(--max-restarts), or run the same command again") from None
+
+    def _barrier_verdict(self, deadline: float) -> tuple[int | None, bool]:
+        """Rank 0's, heard by every rank of this group (one broadcast, so they act alike): a group that finished the
+        run while this one was down, and whether the start barrier's time is up."""
+        verdict = [self.finished.find() if self.finished else None, time.monotonic() > deadline]
+        if self.runtime.world_size > 1:
+            dist.broadcast_object_list(verdict, src=0)
+        return verdict[0], verdict[1]
+
+    def _take_finished(self, peer: int, started: float) -> bool:
+        """This group takes the final state of group `peer`, which finished the run: the caller's loop then ends, and
+        the run ends as a finished one (its checkpoint, evaluation, weights and summary.json)."""
+        self.finished.take(peer, self.state, self.runtime, self.global_batch_size, self.recorder.info)
+        step = self.state.progress.step
+        self.recorder.write({"step": step, "event": "took_finished_state", "from_group": peer,
+                             "seconds": time.perf_counter() - started, "time": time.time()})
+        self.recorder.info(f"replica group {self.group}: group {peer} finished the run ({step} steps) while this group "
+                           "was down; took its final state")
+        self._starting = False
+        return True
 
     def _note(self, seconds: float) -> None:
         """The log and metrics.jsonl: a heal, and each change in the groups that take part."""
@@ -208,9 +257,10 @@ def _forget_dead_manager(runtime: Runtime) -> None:
 
 
 @contextlib.contextmanager
-def replica_groups(config, runtime: Runtime, state, plan, recorder) -> Iterator[ReplicaGroups | None]:
+def replica_groups(config, runtime: Runtime, state, plan, recorder,
+                   finished: FinishedPeers | None = None) -> Iterator[ReplicaGroups | None]:
     """This group's ReplicaGroups for the training steps (None: dist.fault_tolerant_groups = 1), its torchft Manager
-    shut down after them."""
+    shut down after them; finished: how it takes the final state of a group that finished the run."""
     groups = config.dist.fault_tolerant_groups
     if groups == 1:
         yield None
@@ -222,13 +272,28 @@ def replica_groups(config, runtime: Runtime, state, plan, recorder) -> Iterator[
                         "dist.fault_tolerant_groups=1")
     manager = _manager(config, runtime)
     replicas = ReplicaGroups(manager, groups, runtime.replica_group, state, plan.global_batch_size, runtime, recorder,
-                             config.dist.timeout_s)
+                             config.dist.timeout_s, finished)
     manager.register_state_dict_fn("distrib", replicas.load_state_dict, replicas.state_dict)
     manager.load_state_dict({"step": state.progress.step, "batches_committed": 0})  # resumed: the checkpoint's step
     try:
         yield replicas
     finally:
         manager.shutdown(wait=False)
+
+
+class _StorePort(int):
+    """The port of the group's store, which torchft also formats into the address of the keys of its collectives
+    across the groups (f"{store_addr}:{store_port}", then "/torchft/{quorum_id}/..."): formatted with a prefix of this
+    worker's own, since the store outlives a restart and a Lighthouse started again counts quorum ids from 1 again, so
+    a restarted group would read a dead worker's address under the same quorum id (gloo: connection refused)."""
+
+    def __new__(cls, port: int, prefix: str):
+        made = super().__new__(cls, port)
+        made.prefix = prefix
+        return made
+
+    def __format__(self, spec: str) -> str:
+        return f"{int(self)}/{self.prefix}"
 
 
 class _OneLine(logging.Filter):
@@ -260,6 +325,7 @@ def _manager(config, runtime: Runtime):
     return Manager(pg=runtime.replica_process_group(collectives), load_state_dict=None, state_dict=None,
                    min_replica_size=config.dist.min_replicas, use_async_quorum=False, timeout=timeout,
                    quorum_timeout=timeout, connect_timeout=timeout, rank=runtime.rank, world_size=runtime.world_size,
-                   store_addr=host, store_port=int(port), lighthouse_addr=runtime.lighthouse,
+                   store_addr=host, store_port=_StorePort(int(port), f"worker_{uuid.uuid4().hex[:12]}"),
+                   lighthouse_addr=runtime.lighthouse,
                    replica_id=GROUP_FOLDER.format(runtime.replica_group), init_sync=False)
 

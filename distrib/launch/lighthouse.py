@@ -4,6 +4,7 @@ until a stop signal; what `distrib launch --replica-groups` starts on one node, 
 from __future__ import annotations
 
 import importlib.util
+import os
 import socket
 import sys
 import threading
@@ -57,6 +58,9 @@ def serve(min_replicas: int, bind: str = DEFAULT_BIND, join_timeout_ms: int = JO
 
     if min_replicas < 1:
         raise UserError(f"--min-replicas {min_replicas}: must be at least 1 (dist.min_replicas)")
+    # torchft's Rust side logs every quorum request at INFO (read once, at its import): warnings and errors only,
+    # unless the user asks for more; a group waiting for the others asks twice a second.
+    os.environ.setdefault("RUST_LOG", "warn")
     try:
         server = lighthouse_server_class()(bind=bind, min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
                                            quorum_tick_ms=QUORUM_TICK_MS, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)

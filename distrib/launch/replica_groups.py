@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -25,6 +26,8 @@ GROUP_VAR = "DISTRIB_REPLICA_GROUP"
 LIGHTHOUSE_VAR = "TORCHFT_LIGHTHOUSE"
 LIGHTHOUSE_START_S = 120.0  # `distrib lighthouse` imports no torch: under a second on a quiet machine
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # passed on to every group's launcher
+LIGHTHOUSE = "the Lighthouse"  # how the run's last line names it among the groups
+LIGHTHOUSE_RESTARTS = 3  # a Lighthouse this launch started is started again when it ends, this many times
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -151,13 +154,13 @@ def combined_exit_code(codes: Sequence[int]) -> int:
     return EXIT_PREEMPTED if EXIT_PREEMPTED in codes else 0
 
 
-def start_lighthouse(min_replicas: int, folder: Path) -> tuple[subprocess.Popen, str]:
-    """`distrib lighthouse` on a free loopback port (no other machine reaches it), its log in folder; returns the
-    process and its address once it listens. A process of its own: it logs every quorum, which stays out of the
-    run's output."""
-    log = folder / "lighthouse.log"
+def start_lighthouse(min_replicas: int, folder: Path, port: int = 0) -> tuple[subprocess.Popen, str]:
+    """`distrib lighthouse` on a loopback port (no other machine reaches it; 0: a free one), its log in folder (its
+    warnings only: lighthouse.serve); returns the process and its address once it listens. A process of its own,
+    whose lines stay out of the run's output."""
+    log = folder / ("lighthouse.log" if not port else f"lighthouse.{port}.{time.time_ns()}.log")
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "distrib", "lighthouse", "--bind", "127.0.0.1:0",
+        proc = subprocess.Popen([sys.executable, "-m", "distrib", "lighthouse", "--bind", f"127.0.0.1:{port}",
                                  "--min-replicas", str(min_replicas)], stdin=subprocess.DEVNULL, stdout=out,
                                 stderr=subprocess.STDOUT, preexec_fn=child_setup(os.getpid()))
     deadline = time.monotonic() + LIGHTHOUSE_START_S
@@ -176,15 +179,25 @@ class ReplicaGroups:
     """The launches of the groups and the Lighthouse, as one run: a stop signal goes on to every group; a group that
     ends with an error (its restarts spent) ends the run, the others stopped as a preemption stops them."""
 
-    def __init__(self, lighthouse: subprocess.Popen | None):
+    def __init__(self, lighthouse: subprocess.Popen | None, restart_lighthouse=None):
         self.lighthouse, self.groups = lighthouse, []
+        self.restart_lighthouse = restart_lighthouse  # () -> a new Lighthouse at the same address; None: none
+        self.lighthouse_restarts = 0
+        self.relays: list[threading.Thread] = []  # the threads that pass the groups' lines on, prefixed
         self.stop_signal: int | None = None  # set by the handler: the run was asked to stop
         self.stopping = False  # the other groups were told to stop, after a failure
         self.lost = False  # the Lighthouse ended while groups ran
 
     def start(self, cmd: list[str], env: Mapping[str, str]) -> None:
-        self.groups.append(subprocess.Popen(cmd, env=dict(env), stdin=subprocess.DEVNULL,
-                                            preexec_fn=child_setup(os.getpid())))
+        """Replica group len(groups): its launch, each line it prints prefixed with "[group g] " (the groups' lines
+        are alike, and they come out interleaved)."""
+        proc = subprocess.Popen(cmd, env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, preexec_fn=child_setup(os.getpid()))
+        prefix = f"[group {len(self.groups)}] ".encode()
+        for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+            self.relays.append(threading.Thread(target=_prefixed, args=(stream, out, prefix), daemon=True))
+            self.relays[-1].start()
+        self.groups.append(proc)
 
     def forward(self, signum, frame=None) -> None:
         """The signal handler: passes the signal on to every group's launcher (they to their workers)."""
@@ -210,16 +223,40 @@ class ReplicaGroups:
                 if proc.poll() is not None:
                     del running[index]
                     ended.append((f"group {index}", shell_code(proc.returncode)))
-                    if ended[-1][1] != 0:
+                    if ended[-1][1] != 0 and not self.lost:  # without a Lighthouse each group stops on its own
                         self._stop_after(f"replica group {index} ended with exit {ended[-1][1]} (its --max-restarts "
                                          "spent, or stopped)")
             if running and self.lighthouse is not None and self.lighthouse.poll() is not None and not self.lost:
+                if self._restarted_lighthouse():
+                    continue
                 self.lost = True
-                ended.append(("the Lighthouse", shell_code(self.lighthouse.returncode) or 1))
-                self._stop_after(f"torchft's Lighthouse ended (exit {ended[-1][1]}): no group goes on without it")
+                ended.append((LIGHTHOUSE, shell_code(self.lighthouse.returncode) or 1))
+                # Not a signal: a group inside torchft's quorum could not act on it before the agent's grace ran
+                # out. Each group's quorum fails on its own (dist.timeout_s); the group then checkpoints and exits 75.
+                say(f"distrib launch: torchft's Lighthouse ended (exit {ended[-1][1]}): no step can be agreed without "
+                    "it; each replica group checkpoints and stops (exit 75) once its quorum gives up (dist.timeout_s)"
+                    "; run the same command again to resume")
             if running:
                 time.sleep(poll_s)
         return ended
+
+    def _restarted_lighthouse(self) -> bool:
+        """A Lighthouse that ended started again at its address (LIGHTHOUSE_RESTARTS times at most). torchft cannot
+        take a quorum in flight over to it: each group's quorum gives up (dist.timeout_s), the group checkpoints and
+        ends 75, and its launcher restarts it (--max-restarts) from that checkpoint, at the new Lighthouse."""
+        if self.restart_lighthouse is None or self.lighthouse_restarts >= LIGHTHOUSE_RESTARTS:
+            return False
+        code = shell_code(self.lighthouse.returncode)
+        try:
+            self.lighthouse = self.restart_lighthouse()
+        except UserError as e:
+            say(f"distrib launch: torchft's Lighthouse ended (exit {code}) and did not start again: {e}")
+            return False
+        self.lighthouse_restarts += 1
+        say(f"distrib launch: torchft's Lighthouse ended (exit {code}); started it again at the same address "
+            f"({self.lighthouse_restarts} of {LIGHTHOUSE_RESTARTS}): each replica group's quorum in flight gives up "
+            "(dist.timeout_s), then the group checkpoints, ends 75 and is restarted from there (--max-restarts)")
+        return True
 
     def close(self) -> None:
         """Ends what is still running (the Lighthouse, or every group when this launcher is leaving early)."""
@@ -228,6 +265,16 @@ class ReplicaGroups:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 proc.wait()
+        for relay in self.relays:  # the groups' last lines (their pipes end with them)
+            relay.join(timeout=5.0)
+
+
+def _prefixed(stream, out, prefix: bytes) -> None:
+    """Passes a group's output on, line by line, each line prefixed."""
+    with stream:
+        for line in iter(stream.readline, b""):
+            out.buffer.write(prefix + line)
+            out.flush()
 
 
 def run_groups(args: argparse.Namespace, argv: Sequence[str], num_workers: int, num_gpus: int) -> int:
@@ -239,7 +286,8 @@ def run_groups(args: argparse.Namespace, argv: Sequence[str], num_workers: int, 
     per_group = num_workers // num_groups
     folder = Path(tempfile.mkdtemp(prefix="distrib-lighthouse-"))
     lighthouse, address = (None, args.lighthouse) if args.lighthouse else start_lighthouse(args.min_replicas, folder)
-    run = ReplicaGroups(lighthouse)
+    port = int(address.rpartition(":")[2]) if lighthouse else 0
+    run = ReplicaGroups(lighthouse, (lambda: start_lighthouse(args.min_replicas, folder, port)[0]) if port else None)
     try:
         with signal_handlers(FORWARDED, run.forward):
             say(f"distrib launch: {num_groups} replica groups of {per_group} workers, torchft's Lighthouse at "
@@ -253,12 +301,20 @@ def run_groups(args: argparse.Namespace, argv: Sequence[str], num_workers: int, 
             ended = run.wait()
     finally:
         run.close()
-    code = EXIT_PREEMPTED if run.stop_signal and not ended else combined_exit_code([code for _, code in ended])
+    code = run_exit_code(run.stop_signal, ended)
     if code == 0 or lighthouse is None:  # a failed run's Lighthouse log stays, named in the last line
         shutil.rmtree(folder, ignore_errors=True)
     if code != 0:
         say(end_line(run.stop_signal, ended, code, folder if lighthouse else None))
     return code
+
+
+def run_exit_code(stop_signal: int | None, ended: Sequence[tuple[str, int]]) -> int:
+    """The run's exit code from how its parts ended: the groups' codes (combined_exit_code). A lost Lighthouse is in
+    the last line, not the code: the groups it left without quorums checkpointed and ended 75, which resumes."""
+    if stop_signal and not ended:
+        return EXIT_PREEMPTED
+    return combined_exit_code([code for who, code in ended if who != LIGHTHOUSE])
 
 
 def end_line(stop_signal: int | None, ended: Sequence[tuple[str, int]], code: int, folder: Path | None) -> str:

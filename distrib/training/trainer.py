@@ -20,7 +20,7 @@ from distrib.config import TrainConfig
 from distrib.data import Batch, BatchPlan, epoch_steps
 from distrib.data.samples import named
 from distrib.distributed.agreement import RankAgreement
-from distrib.distributed.fault_tolerance import ReplicaGroups
+from distrib.distributed.fault_tolerance import LighthouseLost, ReplicaGroups
 from distrib.distributed.parallel import local_tensor, unwrap
 from distrib.distributed.strategies import DDPStrategy, StepLoss, Strategy
 from distrib.errors import ConfigError, UserError
@@ -187,11 +187,25 @@ class Trainer:
         do not commit is taken again on the same samples; None: the quorum healed this group (its state is now a live
         group's, further on: the caller reads on from its progress)."""
         while True:
-            if self.replicas is not None and self.replicas.start_step():
+            if self.replicas is not None and self._start_replicas_step():
                 return None
             loss = self._try_step(micro_batches)
             if loss is not None:
                 return loss
+
+    def _start_replicas_step(self) -> bool:
+        """The groups' quorum; without a Lighthouse no step can be agreed: this group checkpoints and stops."""
+        try:
+            return self.replicas.start_step()
+        except LighthouseLost as lost:
+            self.recorder.info(str(lost))
+            raise self._stopped() from None
+
+    def _stopped(self) -> Preempted:
+        """A stop at this step boundary: the checkpoint is written, and the Preempted to raise."""
+        step = self.state.progress.step
+        path = self.checkpointer.save(step) if self.checkpointer else None
+        return Preempted(step, path, announce=self.recorder.enabled)  # rank 0's recorder says it once
 
     def _try_step(self, micro_batches: list[Batch]) -> torch.Tensor | None:
         step = self.state.progress.step + 1

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers.processes import EVENT_S, Launches, clean_env, wait_for
+from tests.helpers.processes import EVENT_S, Launches, clean_env, descendants, wait_for
 from tests.helpers.support import SMALL, load_weights, max_relative_diff, sets
 
 pytest.importorskip("torchft")
@@ -170,3 +172,64 @@ def test_two_groups_of_fsdp_started_by_distrib_train_heal_a_killed_rank(tmp_path
     assert all(result.returncode == 0 for result in done), "\n".join(result.text() for result in done)
     assert "Traceback" not in done[0].stderr, done[0].stderr  # the lost group is a line, not a traceback
     assert_outlived(run_dir, 2, 1, heal, 6, 69)
+
+
+def lighthouse_of(launcher_pid: int) -> int | None:
+    """The pid of the `distrib lighthouse` that the launcher started, if it runs."""
+    for pid in descendants(launcher_pid):
+        with contextlib.suppress(OSError):
+            if b"lighthouse\x00--bind" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+    return None
+
+
+def test_a_group_lost_while_the_other_finishes_takes_its_final_state(tmp_path):
+    """Two groups of ddp 2: rank 1 of group 0 SIGKILLed late (step 8 of 12, after its step-5 checkpoint) and, in a
+    second run, early (step 2, before any checkpoint); its restart is held back until group 1 has finished (its
+    summary.json exists), as a node that reboots. Group 0 comes back to a finished run: it takes group 1's final
+    state, and run.dir holds model.pt and summary.json, the same bits as group 1's; the run ends 0."""
+    runs = {died_at: tmp_path / f"killed_at_{died_at}" for died_at in (8, 2)}
+    with Launches(tmp_path) as launches:
+        for died_at, run_dir in runs.items():
+            env = clean_env(DISTRIB_TEST_DIE_AT=str(died_at), DISTRIB_TEST_DIE_RANK="1", DISTRIB_TEST_DIE_GROUP="0",
+                            DISTRIB_TEST_DIE_ONCE=str(tmp_path / f"died_{died_at}"),
+                            DISTRIB_TEST_REVIVE_WHEN=str(run_dir / "replica_group_1" / "summary.json"))
+            launches.start([sys.executable, "-m", "distrib", "train", "--nproc-per-node", "4", "--max-restarts", "1",
+                            *sets(*RUN, f"run.dir={run_dir}", "dist.fault_tolerant_groups=2", "train.max_steps=12",
+                                  "checkpoint.every_steps=5")], env)
+        done = launches.wait(EVENT_S)
+    assert all(result.returncode == 0 for result in done), "\n".join(result.text() for result in done)
+    for died_at, run_dir in runs.items():
+        assert (tmp_path / f"died_{died_at}").exists() and (run_dir / "model.pt").exists()
+        assert summary(run_dir, 0)["steps"] == summary(run_dir, 1)["steps"] == 12
+        took = [r for r in records(run_dir, 0) if r.get("event") == "took_finished_state"]
+        assert [r["from_group"] for r in took] == [1] and summary(run_dir, 1)["restart_count"] == 0
+        assert max_relative_diff(load_weights(run_dir), load_weights(group_dir(run_dir, 1))) < 1e-5
+        assert_groups_equal(run_dir, 2)  # the same bits
+
+
+def test_a_lighthouse_killed_is_started_again_and_the_groups_resume_from_a_checkpoint_at_the_stop(tmp_path):
+    """The Lighthouse that `distrib train` started is SIGKILLed at step 5 of two groups of one: the launcher starts
+    it again at its address; each group's quorum in flight gives up (dist.timeout_s), the group checkpoints at the
+    step it stopped at, ends 75 and is restarted from there; the run ends 0. Every group's line is prefixed by its
+    group, and no log of the run grows past 10 MB."""
+    run_dir = tmp_path / "groups"
+    env = clean_env(DISTRIB_TEST_PACE_UNTIL=str(tmp_path / "never"), DISTRIB_TEST_PACE_S="0.2")
+    with Launches(tmp_path) as launches:
+        launches.start([sys.executable, "-m", "distrib", "train", "--nproc-per-node", "2", "--max-restarts", "1",
+                        *sets(*RUN, f"run.dir={run_dir}", "dist.fault_tolerant_groups=2", "train.max_steps=24",
+                              "dist.timeout_s=15", PACED)], env)
+        procs = [proc for proc, _, _ in launches.procs]
+        wait_for(lambda: sum("loss" in r for r in records(run_dir, 0)) >= 5, EVENT_S, "step 5", procs)
+        os.kill(wait_for(lambda: lighthouse_of(procs[0].pid), EVENT_S, "the Lighthouse", procs), signal.SIGKILL)
+        done = launches.wait(EVENT_S)
+    assert done[0].returncode == 0, done[0].text()
+    stderr = done[0].stderr
+    assert "started it again at the same address (1 of 3)" in stderr
+    for group in range(2):
+        stopped = next(r for r in records(run_dir, group) if r.get("event") == "resume")["step"]
+        assert stopped >= 5 and summary(run_dir, group)["resumed_from_step"] == stopped
+        assert f"[group {group}] [distrib] replica group {group}: no quorum within" in stderr
+    assert not [line for line in stderr.splitlines() if line.startswith("[distrib]")]  # every group line prefixed
+    assert max(path.stat().st_size for path in tmp_path.rglob("*") if path.is_file()) < 10 * 2**20
+    assert_groups_equal(run_dir, 2)

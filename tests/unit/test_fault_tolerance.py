@@ -13,7 +13,14 @@ import torch.nn as nn
 
 from distrib.config import DistConfig, TrainConfig
 from distrib.data import make_plan
-from distrib.distributed.fault_tolerance import ReplicaGroups, group_config
+from distrib.distributed import fault_tolerance
+from distrib.distributed.fault_tolerance import (
+    FinishedPeers,
+    LighthouseLost,
+    ReplicaGroups,
+    group_config,
+    peer_config,
+)
 from distrib.distributed.mesh import ParallelDims
 from distrib.distributed.runtime import Runtime, read_launch_env
 from distrib.distributed.strategies import check_config, parallel_dims
@@ -60,6 +67,11 @@ def test_each_group_but_the_first_writes_a_folder_of_its_own(tmp_path):
     second = group_config(config, 2)
     assert Path(second.run.dir) == tmp_path / "run" / "replica_group_2"
     assert Path(second.checkpoint.dir) == tmp_path / "ckpt" / "replica_group_2"
+    for group in range(3):  # and each group finds the folders of the others
+        for peer in range(3):
+            mine, theirs = group_config(config, group), group_config(config, peer)
+            assert (peer_config(mine, group, peer).run.dir, peer_config(mine, group, peer).checkpoint.dir) == (
+                theirs.run.dir, theirs.checkpoint.dir)
 
 
 def test_a_group_reads_the_samples_of_its_ranks_in_one_world(tmp_path):
@@ -140,3 +152,43 @@ def test_a_heal_loads_the_live_group_s_state_and_holds_its_quorum_for_the_next_s
     moments = [state.optimizer.state_dict()["state"][0]["exp_avg"] for state in (source, healing)]
     assert torch.equal(*moments)
     assert healing.scheduler.state_dict() == source.scheduler.state_dict()
+
+
+def test_a_group_back_in_a_finished_run_takes_the_final_state_of_the_group_that_finished(tmp_path, monkeypatch):
+    """Group 0 waits at the start barrier alone (its peer has ended); once group 1's summary.json says every step
+    is done, it takes group 1's newest checkpoint, and the caller's loop ends there. The barrier asks the Lighthouse
+    at BARRIER_POLL_S, not in a spin."""
+    sleeps = []
+    monkeypatch.setattr(fault_tolerance.time, "sleep", sleeps.append)
+    config = small_config(tmp_path / "run", "dist.fault_tolerant_groups=2")
+    source, behind = small_state(0), small_state(1)
+    source.progress.step = 4
+    summary = Path(group_config(config, 1).run.dir) / "summary.json"
+
+    def find_after_two_polls():
+        if len(sleeps) == 2:
+            summary.parent.mkdir(parents=True)
+            summary.write_text('{"steps": 4}')
+        return FinishedPeers.find(finished)
+
+    loaded = []
+    checkpointer = SimpleNamespace(load=lambda resume, say: {**source.state_dict(24), "world_size": 1,
+                                                              "rng": [runtime().rng_state()]})
+    finished = FinishedPeers(config, 0, 4, lambda peer: loaded.append(peer.run.dir) or checkpointer)
+    groups = replicas(FakeManager([1]), behind, groups=2)
+    groups.finished = SimpleNamespace(find=find_after_two_polls, take=finished.take)
+    assert groups.start_step() and behind.progress.step == 4 and loaded == [group_config(config, 1).run.dir]
+    assert sleeps == [fault_tolerance.BARRIER_POLL_S] * 2
+    assert all(torch.equal(tensor, behind.model.state_dict()[name])
+               for name, tensor in source.model.state_dict().items())
+
+
+def test_a_quorum_that_times_out_without_a_lighthouse_is_a_stop_not_a_crash():
+    class Lost(FakeManager):
+        def start_quorum(self):
+            raise TimeoutError("status: Cancelled, message: Timeout expired")
+
+    groups = replicas(Lost([2]), small_state(0), groups=2)
+    groups.runtime = Runtime(0, 0, 1, 1, CPU, "gloo", lighthouse="http://127.0.0.1:9")  # nothing listens there
+    with pytest.raises(LighthouseLost, match="no quorum within dist.timeout_s = 30 s .* does not answer"):
+        groups.start_step()

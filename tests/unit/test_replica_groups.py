@@ -174,14 +174,16 @@ def test_a_stop_signal_goes_to_every_group_and_a_preemption_is_no_failure(monkey
         "75, group 1 exit 75); exit 75")
 
 
-def test_a_lost_lighthouse_ends_the_run(monkeypatch, capsys):
+def test_a_lost_lighthouse_is_said_once_and_the_groups_it_stopped_make_the_runs_code(monkeypatch, capsys):
+    """No signal: each group's quorum gives up on its own, and the group checkpoints and ends 75 (resumable)."""
     run, (group0, group1), lighthouse_proc = _run(2)
-    monkeypatch.setattr(replica_groups.time, "sleep", _ending(run, {0: (lighthouse_proc, -9), 1: (group0, 143),
-                                                                    2: (group1, 143)}))
+    monkeypatch.setattr(replica_groups.time, "sleep", _ending(run, {0: (lighthouse_proc, -9), 1: (group0, 75),
+                                                                    2: (group1, 75)}))
     ended = run.wait()
-    assert ended[0] == ("the Lighthouse", 137) and group0.signals == group1.signals == [signal.SIGTERM]
-    assert "torchft's Lighthouse ended (exit 137): no group goes on without it" in capsys.readouterr().err
-    assert replica_groups.combined_exit_code([code for _, code in ended]) == 137
+    assert ended[0] == ("the Lighthouse", 137) and group0.signals == group1.signals == []
+    assert capsys.readouterr().err.count("torchft's Lighthouse ended (exit 137): no step can be agreed") == 1
+    assert replica_groups.run_exit_code(None, ended) == EXIT_PREEMPTED
+    assert replica_groups.run_exit_code(None, [*ended[:2], ("group 1", 1)]) == 1  # a group's failure stays its own
 
 
 def test_distrib_train_passes_the_groups_of_its_config_to_the_launcher(no_launch_env, monkeypatch, tmp_path):
