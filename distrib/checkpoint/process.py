@@ -1,14 +1,18 @@
 """The checkpoint process of `checkpoint.async_save = process`: torch's DCP writer process, started as training
-begins and tied to its rank by Linux's parent-death signal; and the check that the script can start one at all (a
-process started with spawn runs the top level of the script that started it again)."""
+begins and tied to its rank by Linux's parent-death signal, its death said at once and agreed on by every rank; and
+the check that the script can start one at all (a process started with spawn runs the top level of the script that
+started it again)."""
 
 from __future__ import annotations
 
 import ast
 import contextlib
+import multiprocessing.connection
 import os
 import signal
 import sys
+import threading
+import time
 from multiprocessing import resource_tracker
 from pathlib import Path
 
@@ -18,11 +22,13 @@ from torch.distributed.checkpoint import _async_process_executor as torch_proces
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from distrib.checkpoint.format import CheckpointError
+from distrib.errors import say
 from distrib.launch.lifeline import STOP_SIGNALS, tied_to_parent
 
 GUARD = 'if __name__ == "__main__":'
 START_TIMEOUT_S = 1800  # torch's own wait for its process's gloo group (every rank's process must join it)
 STOP_S = 1.0
+DEATH_S = 5.0  # after a failed write, how long to wait for the checkpoint process's end to show (agree_on_writers)
 
 
 class CheckpointProcess(torch_process._AsyncCheckpointProcess):
@@ -50,7 +56,31 @@ class CheckpointProcess(torch_process._AsyncCheckpointProcess):
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         child_end.close()  # the parent's copy: a receive fails at once if the process dies
-        self.started = False
+        self.started, self.closing, self.rank = False, False, dist.get_rank()
+        threading.Thread(target=self._watch, daemon=True, name="distrib-ckpt-watch").start()
+
+    def _watch(self) -> None:
+        """Says at once when the process dies while this rank still needs it (a thread waiting on it): the ranks act
+        on it together at the next save (ShardedStorage.write)."""
+        multiprocessing.connection.wait([self._save_process.sentinel])
+        if not self.closing and self.death(wait_s=DEATH_S):
+            say(f"distrib: warning: {self.death()} died; the next checkpoint is written without it and starts new ones")
+
+    def death(self, wait_s: float = 0.0) -> str | None:
+        """'rank R's checkpoint process (pid P, killed by SIGKILL)' once it ended without being asked to; else None.
+        wait_s: how long to wait for its end (a write that failed as the process died: its pipe closes a moment
+        before its exit can be read)."""
+        deadline = time.monotonic() + wait_s
+        while self._save_process.exitcode is None and time.monotonic() < deadline and not self.closing:
+            time.sleep(0.01)  # polled, not joined: the watching thread may be the one that reaps it
+        if self.closing or self._save_process.exitcode is None:
+            return None
+        code = self._save_process.exitcode
+        try:
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        except ValueError:
+            how = f"killed by signal {-code}"
+        return f"rank {self.rank}'s checkpoint process (pid {self.pid}, {how})"
 
     @property
     def pid(self) -> int:
@@ -76,6 +106,7 @@ class CheckpointProcess(torch_process._AsyncCheckpointProcess):
     def close(self) -> None:
         """Ends the process once no write is in flight: a request, then SIGKILL after STOP_S (it ignores SIGTERM;
         with no write in flight it holds nothing, and tearing torch down takes it seconds)."""
+        self.closing = True
         if torch_process._CHECKPOINT_PROCESS is self:
             torch_process._CHECKPOINT_PROCESS = None
         if self._save_process.is_alive():
@@ -89,6 +120,17 @@ class CheckpointProcess(torch_process._AsyncCheckpointProcess):
     def __del__(self) -> None:  # torch's sends SIGTERM, which this process ignores
         with contextlib.suppress(Exception):
             self.close()
+
+
+def agree_on_writers(process: CheckpointProcess | None, error: BaseException | None) -> tuple[list[str], list[str]]:
+    """Every rank (a collective): the checkpoint processes that died (CheckpointProcess.death) and the writes that
+    failed ('rank R: why'), of every rank, so that all act alike."""
+    died = process.death(wait_s=DEATH_S if error is not None else 0.0) if process is not None else None
+    mine = [died, f"{error}" if error is not None else None]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return ([died for died, _ in every if died],
+            [f"rank {rank}: {failed}" for rank, (_, failed) in enumerate(every) if failed])
 
 
 def shared_stager(pin_memory: bool) -> DefaultStager:

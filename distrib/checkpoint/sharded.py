@@ -38,9 +38,9 @@ from distrib.checkpoint.format import (
     read_checkpoint,
     save_atomic,
 )
-from distrib.checkpoint.process import CheckpointProcess, shared_stager
+from distrib.checkpoint.process import CheckpointProcess, agree_on_writers, shared_stager
 from distrib.distributed.runtime import Runtime
-from distrib.errors import UserError
+from distrib.errors import EnvironmentFault, UserError, say
 
 MANIFEST, TRAINER = "manifest.json", "trainer.pt"
 WRITER = ".writer.lock"  # in a temporary directory: rank 0 holds its lock until the directory is committed
@@ -125,6 +125,12 @@ def verify(path: Path, device: torch.device) -> dict:
     return read_checkpoint(path / TRAINER, device)
 
 
+def _abandon(tmp: Path, lock: int) -> None:
+    """Rank 0: a write that failed (its checkpoint process died) is removed, and its writer's lock let go."""
+    os.close(lock)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 def load_shards(path: Path, template: dict) -> dict:
     """Every rank: the DCP parts of checkpoint `path`, read into `template` (this run's own view of model,
     optimizer and EMA, keyed by name: its shards under fsdp, whole tensors under ddp), in place."""
@@ -137,8 +143,10 @@ class _Write:
     """An asynchronous DCP write in flight and, on rank 0, its commit once the write is done (a thread of its own,
     so that neither the write nor the checksums hold up training)."""
 
-    def __init__(self, future, commit: Callable[[], None] | None):
+    def __init__(self, future, commit: Callable[[], None] | None, name: str = "",
+                 abandon: Callable[[], None] | None = None):
         self.error: BaseException | None = None
+        self.name, self.abandon = name, abandon  # the checkpoint's name; rank 0: removes a write that failed
         self.thread = threading.Thread(target=self._run, args=(future, commit), daemon=True, name="distrib-ckpt")
         self.thread.start()
 
@@ -156,6 +164,10 @@ class _Write:
             raise CheckpointError(f"asynchronous checkpoint write failed: {self.error}") from self.error
 
 
+# How many times the checkpoint processes are replaced after one died, before the run saves blocking for good.
+REPLACEMENTS = 3
+
+
 class ShardedStorage:
     """The model, optimizer and EMA shards through DCP, the rest of the state (and every rank's RNGs) into
     trainer.pt. async_save (checkpoint.async_save): "off"; "thread", one write at a time in a thread of this
@@ -170,6 +182,8 @@ class ShardedStorage:
         self.process: CheckpointProcess | None = None  # started by start(), or by the first write
         self.stager = None  # the process's copies in shared memory, reused by every save
         self.pending: _Write | None = None
+        self.died: str | None = None  # every rank: what died since the last save, agreed on (_settle)
+        self.replaced = 0  # how many times the checkpoint processes were replaced
 
     def start(self) -> None:
         """Every rank (a broadcast): the checkpoint process of checkpoint.async_save = process starts."""
@@ -205,13 +219,19 @@ class ShardedStorage:
             if committed is not None:
                 committed()
 
-        if self.async_save != "off":
-            self.pending = _Write(self._start_write(shards, tmp), commit if self.runtime.is_main else None)
+        if self.async_save == "process" and not self.died:
+            self._settle(None, final=False)  # one that died between saves
+        if self.async_save != "off" and not self.died:
+            main = self.runtime.is_main
+            self.pending = _Write(self._start_write(shards, tmp), commit if main else None, path.name,
+                                  (lambda: _abandon(tmp, lock)) if main else None)
             return
         dcp.save(shards, checkpoint_id=tmp)  # returns once every rank's shards and the .metadata are written
         if self.runtime.is_main:
             commit()
         dist.barrier()  # nobody moves on (or exits) before the checkpoint is in place
+        if self.died:
+            self._replace(path.name)
 
     def _start_write(self, shards: dict, tmp: Path):
         """The write's future, once this rank's shards are copied: to host memory (thread), or to shared memory
@@ -223,18 +243,60 @@ class ShardedStorage:
         return dcp.async_save(shards, checkpoint_id=tmp, process_group=self.group, async_stager=self.stager,
                               async_checkpointer_type=AsyncCheckpointerType.PROCESS)
 
-    def wait(self) -> None:
-        """Blocks until the asynchronous write in flight (if any) is written and, on rank 0, committed."""
+    def wait(self, final: bool = False) -> None:
+        """Blocks until the asynchronous write in flight (if any) is written and, on rank 0, committed. final: no
+        checkpoint follows (the end of the run, a preemption)."""
         pending, self.pending = self.pending, None
-        if pending is not None:
+        if pending is None:
+            return
+        if self.async_save != "process":
             pending.wait()
+            return
+        pending.thread.join()
+        self._settle(pending, final)
+
+    def _settle(self, pending: _Write | None, final: bool) -> None:
+        """Every rank, in process mode, after a write (pending) or before one: whether any rank's
+        checkpoint process died. One that did is no user's mistake: the next checkpoint is written by the training
+        processes and new checkpoint processes start (_replace); the write it took with it is lost, which only the
+        last one of a run cannot make good: an EnvironmentFault (exit 74) that says what died."""
+        deaths, errors = agree_on_writers(self.process, pending.error if pending else None)
+        if not deaths:
+            if errors:
+                raise CheckpointError(f"asynchronous checkpoint write failed: {errors[0]}")
+            return
+        if errors and pending.abandon is not None and pending.error is not None:  # rank 0, which never committed it
+            pending.abandon()
+        self.died = ", ".join(deaths) + (f" died, and the write of {pending.name} with it" if errors else " died")
+        if final and errors:
+            raise EnvironmentFault(f"checkpoint.async_save = process: {self.died}; the run's last checkpoint is lost, "
+                                   "the one before is intact: run the same command again to resume there")
+
+    def _replace(self, name: str) -> None:
+        """Every rank, once the checkpoint `name` is written without them: the checkpoint processes are replaced
+        (the new ones start as training goes on), or, after REPLACEMENTS, the run saves blocking from here on."""
+        self._end_process()
+        self.replaced += 1
+        again = self.replaced < REPLACEMENTS
+        if self.runtime.is_main:
+            say(f"distrib: warning: {self.died}; checkpoint {name} was written by the training processes, "
+                + ("the next ones by new checkpoint processes" if again else
+                   f"and so are the next ones (the checkpoint processes died {self.replaced} times)"))
+        self.died = None
+        if again:
+            self.start()
+        else:
+            self.async_save = "off"
+
+    def _end_process(self) -> None:
+        if self.process is not None:
+            self.process.close()
+            self.stager.close()
+            self.process = None
 
     def close(self) -> None:
         """Waits for the write in flight, then ends the checkpoint process and frees the shared copies."""
         try:
-            self.wait()
+            self.wait(final=True)
         finally:
-            if self.process is not None:
-                self.process.close()
-                self.stager.close()
-                self.process = None
+            self._end_process()

@@ -1,7 +1,7 @@
 """Saves a 32 MB sharded checkpoint asynchronously (checkpoint.async_save) over and over until killed, each step's
 weights all equal to the step (for the test that a kill during an asynchronous write is never resumed from).
 
-argv: DIR"""
+argv: DIR [MODE]: MODE is checkpoint.async_save's, thread (the default) or process."""
 
 import sys
 
@@ -21,9 +21,11 @@ if __name__ == "__main__":
         model = parallelize(nn.Linear(2048, 2048), strategy.dims, strategy.config, runtime)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         progress = {"step": 0}
-        checkpointer = Checkpoints(ShardedStorage(runtime, async_save="thread"), sys.argv[1], runtime,
+        mode = sys.argv[2] if len(sys.argv) > 2 else "thread"
+        checkpointer = Checkpoints(ShardedStorage(runtime, async_save=mode), sys.argv[1], runtime,
                                    lambda: {**strategy.training_state(model, optimizer), "progress": dict(progress)},
                                    every_steps=1, keep_last=2)
+        checkpointer.start()  # the checkpoint process (process), as training's start does
         while True:
             progress["step"] += 1
             with torch.no_grad():

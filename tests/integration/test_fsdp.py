@@ -124,16 +124,23 @@ def test_sharded_checkpoint_resumes_at_world_sizes_1_and_3(tmp_path, fsdp_whole,
 
 
 @pytest.mark.timeout(900)
-def test_a_kill_during_an_async_write_is_never_resumed_from(tmp_path):
+def test_a_dead_checkpoint_process_is_replaced_and_a_kill_during_an_async_write_is_never_resumed_from(tmp_path):
+    """async_save_loop.py saves at every step through its checkpoint process (checkpoint.async_save = process). That
+    process SIGKILLed: one line says so at once, the next save is written by the training process and says what died
+    (and the write lost with it), a new checkpoint process writes the ones after, and the loop saves on. Then the
+    loop is killed while a write is in flight: the partial write is never resumed from."""
     import torch.distributed.checkpoint as dcp
 
-    directory = tmp_path / "checkpoints"
-    for _ in range(3):  # the kill must land while a write is in flight: nearly always on the first try
+    directory, out = tmp_path / "checkpoints", tmp_path / "loop.out"
+    for attempt in range(3):  # the kill must land while a write is in flight: nearly always on the first try
         shutil.rmtree(directory, ignore_errors=True)  # each try counts from step 1 again
         script = REPO / "tests" / "helpers" / "async_save_loop.py"
-        proc = subprocess.Popen([sys.executable, str(script), str(directory)],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        with open(out, "w") as sink:
+            proc = subprocess.Popen([sys.executable, str(script), str(directory), "process"], stdout=sink,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
         try:
+            if attempt == 0:
+                _its_checkpoint_process_killed_and_replaced(proc, directory, out)
             wait_for(lambda: len(list_sharded(directory)) >= 2 and list(directory.glob(".step_*.tmp")), EVENT_S,
                      "a committed checkpoint and a write in flight", [proc])
         finally:
@@ -149,6 +156,27 @@ def test_a_kill_during_an_async_write_is_never_resumed_from(tmp_path):
     shards = {"model": {"weight": torch.zeros(2048, 2048), "bias": torch.zeros(2048)}}
     dcp.load(shards, checkpoint_id=path)
     assert bool((shards["model"]["weight"] == state["progress"]["step"]).all())  # staged whole, not mid-update
+
+
+def _its_checkpoint_process_killed_and_replaced(proc: subprocess.Popen, directory: Path, out: Path) -> None:
+    writer = wait_for(lambda: list_sharded(directory) and next(iter(_checkpoint_processes(proc.pid)), None), EVENT_S,
+                      "a checkpoint written through the checkpoint process", [proc])
+    os.kill(writer, signal.SIGKILL)
+    died = f"rank 0's checkpoint process (pid {writer}, killed by SIGKILL) died"
+    said = wait_for(lambda: [line for line in out.read_text().splitlines() if died in line][1:] and out.read_text(),
+                    EVENT_S, "the line of the save after the kill", [proc])
+    lines = [line for line in said.splitlines() if died in line]
+    at_once = f"distrib: warning: {died}; the next checkpoint is written without it and starts new ones"
+    assert len(lines) == 2 and at_once in lines and "Traceback" not in said, said  # said at once, by its rank
+    replaced = re.fullmatch(rf"distrib: warning: {re.escape(died)}(?:, and the write of (step_\d+) with it)?; "
+                            r"checkpoint (step_\d+) was written by the training processes, the next ones by new "
+                            r"checkpoint processes", lines[1 - lines.index(at_once)])
+    assert replaced, said
+    wait_for(lambda: [child for child in _checkpoint_processes(proc.pid) if child != writer], EVENT_S,
+             "a new checkpoint process", [proc])
+    wait_for(lambda: _step(list_sharded(directory)[0].name) >= _step(replaced[2]) + 2, EVENT_S,
+             "checkpoints written through the new checkpoint process", [proc])
+    assert replaced[1] is None or not (directory / f".{replaced[1]}.tmp").exists()  # a lost write: removed
 
 
 def _alive(pid: int) -> bool:
