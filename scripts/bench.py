@@ -371,8 +371,11 @@ def _gpt_headlines(result: dict) -> list[str]:
     return lines
 
 
-def parse_args(argv):
+def parse_args(argv, add_options=None):
+    """bench.py's options, and another script's own (add_options(parser), scripts/bench_compile.py's)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    if add_options is not None:
+        add_options(parser)
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per measurement (default 200; "
                         "--model gpt: 100)")
     parser.add_argument("--skip", type=int, default=20, help="first steps left out of the clock (warm-up, compile)")
@@ -416,10 +419,10 @@ def parse_args(argv):
 
 
 def run_bench(argv: list[str], script: str = __file__, measure=measure_all, summarise=summarise,
-              table=table) -> int:
-    """A bench script's main (this one's, scripts/bench_compile.py's): as a worker, measure; else launch the workers
-    at each world size, then write the JSON and print the table."""
-    args = parse_args(argv)
+              table=table, add_options=None) -> int:
+    """A bench script's main (this one's, scripts/bench_compile.py's, whose own options add_options adds): as a
+    worker, measure; else launch the workers at each world size, then write the JSON and print the table."""
+    args = parse_args(argv, add_options)
     if args.worker:
         worker(args, measure)
     runs = {int(ws): run_world(args, argv, int(ws), script=script) for ws in args.world_sizes.split(",")}
