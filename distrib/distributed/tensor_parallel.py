@@ -159,8 +159,8 @@ def torch_style(style: str):
 def apply_tensor_parallel(model: nn.Module, tp_mesh, stage: bool = False) -> nn.Module:
     """Splits the planned modules over tp_mesh in place (on the meta device, as the strategy builds it: each rank's
     slices are materialised afterwards), one style per module by its own name (torch's `*` resolution warns for
-    every subtree a pattern does not reach); their outputs are plain tensors again. A weight two planned modules
-    share (an lm_head tied to the embedding) is split once and shared again."""
+    every subtree a pattern does not reach); their outputs are plain tensors again, each its own (_own_output). A
+    weight two planned modules share (an lm_head tied to the embedding) is split once and shared again."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     plan = tensor_parallel_plan(model, tp_mesh.size(), stage=stage)
@@ -169,10 +169,31 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, stage: bool = False) -> nn.
     quiet_redistribute_warning()
     for name, style in planned.items():
         parallelize_module(model.get_submodule(name), tp_mesh, torch_style(style))
+        model.get_submodule(name).register_forward_hook(_own_output)  # after torch's hook that makes it local
     for (first, key), *others in ties:
         for module, other in others:
             module._parameters[other] = first._parameters[key]
     return model
+
+
+class _Own(torch.autograd.Function):
+    """The identity, whose output is a tensor of its own (sharing the input's memory), not a view of it."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _own_output(module: nn.Module, args, output):
+    """torch's styles hand a planned module's output back as a view of its DTensor's local tensor (to_local's
+    view_as). Where that module is, or ends, an FSDP2 unit (an embedding or a head of its own, a pipeline stage whose
+    last unit is the head), FSDP2 hooks its pre-backward on the view, which an in-place op on it would drop (FSDP2
+    warns "returned a view tensor ... wrong gradients" each run): a tensor of its own keeps the hook, at no copy."""
+    return _Own.apply(output) if isinstance(output, torch.Tensor) else output
 
 
 # The dimension each splitting style cuts a weight along (torch's Colwise: Shard(0); Rowwise: Shard(1) of a Linear,

@@ -181,6 +181,33 @@ def test_transformers_own_plan_splits_every_linear_the_embedding_and_the_head_as
     assert all(param.grad is not None for param in model.parameters())
 
 
+def test_a_split_module_under_fsdp_returns_a_tensor_of_its_own_and_fsdp_warns_of_no_view():
+    """torch's styles return a split module's output as a view of its DTensor's local tensor; FSDP2 warns ("returned
+    a view tensor ... wrong gradients") for a unit whose output that is, the embedding, the head and the model at tp 2
+    x fsdp 2 (a pipeline's last stage ends with the head): each is a tensor of its own, and the gradients flow."""
+    import warnings
+
+    from torch.distributed.fsdp import fully_shard
+
+    from distrib.distributed.tensor_parallel import apply_tensor_parallel
+
+    model = _tiny("Llama")
+    with fake_rank(0, 4), warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        dims = ParallelDims(1, 2, 2)
+        mesh = dims.build_mesh("cpu")
+        apply_tensor_parallel(model, mesh["tp"])
+        for unit in (model.model.embed_tokens, model.lm_head, model):
+            fully_shard(unit, mesh=dims.data_parallel_mesh())
+        outputs = []
+        model.model.embed_tokens.register_forward_hook(lambda module, args, output: outputs.append(output))
+        logits = model(torch.randint(0, 128, (2, 8))).logits
+        logits.sum().backward()
+    assert not [str(each.message) for each in said if "view tensor" in str(each.message)]
+    assert outputs[0]._base is None and logits._base is None  # not views
+    assert all(param.grad is not None for param in model.parameters())
+
+
 def test_a_tied_head_is_split_once_and_a_tie_split_two_ways_is_one_line():
     from distrib.distributed.tensor_parallel import apply_tensor_parallel
 
