@@ -128,8 +128,9 @@ class PeerWatch:
                 break  # a killed rank is named in seconds, not after the whole grace of a busy host
         after = self.beats()
         silent = _silent(before, after)
-        if failure == "lost":  # a connection broke: the lost ranks are those whose heartbeat stopped
-            missing = sorted(silent - {self.rank}) or sorted(set(range(self.world_size)) - arrived)
+        if failure == "lost":  # a connection broke: the lost ranks are those whose heartbeat stopped, less those
+            # that arrived here too: they saw the same failure and said so, then ended (not lost: their line is theirs)
+            missing = sorted(silent - arrived) or sorted(everyone - arrived)
         else:
             missing = sorted(set(range(self.world_size)) - arrived)
         return "; ".join(_describe(rank, after.get(rank), rank in silent) for rank in missing)

@@ -30,6 +30,7 @@ from distrib.launch.reporting import (
     failure_lines,
     hang_line,
     quiet_torch_failure_lines,
+    restart_line,
 )
 
 # Flags whose defaults we choose ourselves; None after parsing means neither the flag nor its PET_* form was given.
@@ -336,13 +337,18 @@ def run_agent(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.rendezvous import RendezvousError
 
     from distrib.launch import rendezvous
-    from distrib.launch.lifeline import read_statuses
+    from distrib.launch.lifeline import read_attempt, read_statuses
 
     def signal_exception(signum: int) -> SignalException:  # what torch's own handler raises
         return SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
 
+    def restarting() -> None:  # torch's agent stopped a failed attempt's workers: say who failed it, if it restarts
+        line = restart_line(*read_attempt(status), args.max_restarts) if status.is_dir() else None
+        if line:
+            say(replica_groups.tagged(args, line))
+
     started_ns = time.time_ns()
-    with lifelines(args) as status, stop_handlers(signal_exception), quiet_torch_failure_lines(), \
+    with lifelines(args) as status, stop_handlers(signal_exception), quiet_torch_failure_lines(restarting), \
             rendezvous.registered():
         try:
             torchrun.run(rendezvous.private_args(args))

@@ -65,34 +65,46 @@ def tied_to_parent(parent_pid: int, target: Callable, *args) -> None:
 @dataclass(frozen=True, slots=True)
 class Status:
     """How one worker of the latest attempt stands: its lifeline's pid (the one torch's agent reports), the worker's
-    own pid, and its exit code (negative: killed by that signal; None: running, or killed with its lifeline)."""
+    own pid, and its exit code (negative: killed by that signal; None: running, or killed with its lifeline); its
+    rank and local rank (None where torch's agent gave none), and when it ended (time.time_ns(); None: running)."""
 
     pid: int
     worker_pid: int
     code: int | None
+    rank: int | None = None
+    local_rank: int | None = None
+    ended_ns: int | None = None
 
 
 def write_status(status_dir: Path, attempt: str, status: Status) -> None:
     """DIR/ATTEMPT.PID, written to a temp name and renamed, so the launcher never reads half a file."""
     path = status_dir / f"{attempt}.{status.pid}"
     temp = path.with_name(f"{path.name}.tmp")  # per worker: the lifelines of one attempt write at the same time
-    temp.write_text(json.dumps({"worker_pid": status.worker_pid, "code": status.code}))
+    temp.write_text(json.dumps({"worker_pid": status.worker_pid, "code": status.code, "rank": status.rank,
+                                "local_rank": status.local_rank, "ended_ns": status.ended_ns}))
     os.replace(temp, path)
 
 
 def read_statuses(status_dir: Path) -> list[Status]:
     """The latest attempt's workers; an empty list when no worker was ever started."""
+    return read_attempt(status_dir)[1]
+
+
+def read_attempt(status_dir: Path) -> tuple[int, list[Status]]:
+    """The latest attempt's number (TORCHELASTIC_RESTART_COUNT: 0 for the first) and its workers; (0, []) when no
+    worker was ever started."""
     by_attempt: dict[int, list[Status]] = {}
     for path in Path(status_dir).glob("*.*"):
         attempt, _, pid = path.name.partition(".")
         if attempt.isdigit() and pid.isdigit():
             try:
                 saved = json.loads(path.read_text())
-                status = Status(int(pid), saved["worker_pid"], saved["code"])
+                status = Status(int(pid), saved["worker_pid"], saved["code"], saved.get("rank"),
+                                saved.get("local_rank"), saved.get("ended_ns"))
             except (OSError, ValueError, KeyError):
                 status = Status(int(pid), int(pid), None)
             by_attempt.setdefault(int(attempt), []).append(status)
-    return by_attempt[max(by_attempt)] if by_attempt else []
+    return (max(by_attempt), by_attempt[max(by_attempt)]) if by_attempt else (0, [])
 
 
 def catches(pid: int, signum: int) -> bool:
@@ -184,14 +196,17 @@ def supervise(parent_pid: int, status_dir: Path, command: Sequence[str]) -> int:
     """Runs command under this lifeline; returns its exit code (negative: the signal that ended it)."""
     die_with_parent(parent_pid)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # set by the elastic agent for each attempt
+    # The worker's ranks, as the agent set them for it, only to be written in the status: the launcher's line about
+    # a restart names the rank that died (the worker itself reads them in runtime.read_launch_env).
+    ranks = [int(os.environ[key]) if os.environ.get(key, "").isdigit() else None for key in ("RANK", "LOCAL_RANK")]
     relay = Relay(doomed_by_a_lost_peer(status_dir))
     for signum in STOP_SIGNALS:  # before the child exists: a stop request must never end this process alone
         signal.signal(signum, relay)
     child = subprocess.Popen(list(command), preexec_fn=child_setup(os.getpid()))
     relay.start(child)
-    write_status(status_dir, attempt, Status(os.getpid(), child.pid, None))
+    write_status(status_dir, attempt, Status(os.getpid(), child.pid, None, *ranks))
     code = relay.wait()
-    write_status(status_dir, attempt, Status(os.getpid(), child.pid, code))
+    write_status(status_dir, attempt, Status(os.getpid(), child.pid, code, *ranks, time.time_ns()))
     return code
 
 

@@ -9,9 +9,10 @@ import contextlib
 import os
 import signal
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
-from distrib.errors import EXIT_PREEMPTED, UserError
+from distrib.errors import EXIT_HUNG, EXIT_PREEMPTED, UserError
+from distrib.launch.lifeline import Status
 
 # Set by distrib launch for its workers: it prints their errors (from torch's error file) in its last line, once for
 # all ranks that share one, so a worker on its last attempt writes its error there instead of to stderr.
@@ -126,14 +127,44 @@ def hang_line(note: Path, since_ns: int, world_size: int | None) -> str | None:
     return f"distrib launch: hang: {divergence(traces, world_size)}; every rank's trace: {folder}"
 
 
+def restart_line(attempt: int, statuses: list[Status], max_restarts: int) -> str | None:
+    """After attempt `attempt` (0 for the first) failed with a restart left: one line naming the rank whose end
+    failed it (the first to end otherwise than 0, 75 or the launcher's SIGTERM; else the first to end) and how, and
+    "restarting (n of N)"; None on the last attempt (failure_lines says how it ended) or when no worker ended. The
+    other ranks were stopped by the launcher, or failed because that rank was gone: they are not named."""
+    ended = sorted((s for s in statuses if s.code not in (None, 0) and s.ended_ns is not None),
+                   key=lambda s: s.ended_ns)
+    if attempt >= max_restarts or not ended:
+        return None
+    cause = next((s for s in ended if s.code not in (EXIT_PREEMPTED, -signal.SIGTERM)), ended[0])
+    if cause.code < 0:
+        how = f"was killed by signal {-cause.code} ({signal.Signals(-cause.code).name})"
+    elif cause.code == EXIT_HUNG:
+        how = f"exited with code {cause.code}: it lost a peer, or waited for a hung one (its own line above " \
+              "names which)"
+    else:
+        how = f"exited with code {cause.code}"
+    who = f"rank {cause.rank} (local rank {cause.local_rank}, pid {cause.worker_pid})" if cause.rank is not None \
+        else f"a worker (pid {cause.worker_pid})"
+    return f"distrib launch: {who} {how}; restarting ({attempt + 1} of {max_restarts})"
+
+
 @contextlib.contextmanager
-def quiet_torch_failure_lines() -> Iterator[None]:
+def quiet_torch_failure_lines(on_failure: Callable[[], None] = lambda: None) -> Iterator[None]:
     """Leaves out torch's agent's own log lines about failed and stopped workers ("failed (exitcode: 2) local_rank:
-    ...", "Sending process ... closing signal SIGTERM"): failure_lines says the same once, with the cause."""
+    ...", "Sending process ... closing signal SIGTERM"): failure_lines (or, before a restart, restart_line) says the
+    same once, with the cause; on_failure() runs where the first of them is logged, once the agent has stopped
+    every worker of the attempt and before it restarts them. Also torch's "Unable to shutdown process ... via 15,
+    forcefully exiting via 9": a worker that outlived the agent's grace after its SIGTERM is one that waited in a
+    collective for the rank that failed (it could neither finish its step nor checkpoint); it ended because of that
+    rank, which the launcher's line names, and is not a failure of its own."""
     import logging
 
     def keep(record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(("failed (exitcode", "Sending process"))
+        message = str(record.msg)
+        if message.startswith("failed (exitcode"):
+            on_failure()
+        return not message.startswith(("failed (exitcode", "Sending process", "Unable to shutdown process"))
 
     logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     logger.addFilter(keep)

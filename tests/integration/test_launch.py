@@ -149,8 +149,9 @@ def reference(tmp_path_factory) -> Path:
     return train_reference(tmp_path_factory.mktemp("reference") / "run")
 
 
-def _two_nodes(tmp_path: Path, run_dir: Path, *train: str, restarts: int = 0, env=None) -> None:
-    """Two launchers on this machine as two nodes of 2 workers (c10d over loopback), running distrib train."""
+def _two_nodes(tmp_path: Path, run_dir: Path, *train: str, restarts: int = 0, env=None) -> str:
+    """Two launchers on this machine as two nodes of 2 workers (c10d over loopback), running distrib train; returns
+    their stderr."""
     endpoint = f"127.0.0.1:{free_port()}"
     node = ["launch", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
             endpoint, "--rdzv-id", f"loopback-{os.getpid()}-{run_dir.name}", f"--max-restarts={restarts}"]
@@ -162,6 +163,7 @@ def _two_nodes(tmp_path: Path, run_dir: Path, *train: str, restarts: int = 0, en
     for done in results:
         assert done.returncode == 0, done.text()
     assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 4
+    return "".join(done.stderr for done in results)
 
 
 HSDP_NODES = ["--set", "dist.strategy=hsdp", "--set", "checkpoint.every_steps=10",
@@ -173,10 +175,21 @@ def test_two_nodes_under_hsdp_train_like_one_process_through_a_killed_worker(tmp
     """hsdp over 2 launchers x 2 workers: shard groups of LOCAL_WORLD_SIZE = 2 (one node each), replicated across the
     nodes; checkpoints every 10 of the 20 steps. Rank 3 is SIGKILLed in step 12 (after the step-10 checkpoint); both
     launchers restart their workers, which resume from the sharded checkpoint and end where one process ends. (A
-    resume after a kill is bitwise: test_fsdp.py, test_resume.py.)"""
+    resume after a kill is bitwise: test_fsdp.py, test_resume.py.) The launchers say once that rank 3 was killed by
+    SIGKILL, "restarting (1 of 1)", and no line names another rank as killed or lost (nor torch's own lines about
+    workers it stopped)."""
     marker, run_dir = tmp_path / "died", tmp_path / "run"
-    _two_nodes(tmp_path, run_dir, *HSDP_NODES, "--set", f"model.kwargs={{marker='{marker}', at_forward=12}}",
-               restarts=1, env=clean_env(PYTHONPATH=str(REPO)))
+    stderr = _two_nodes(tmp_path, run_dir, *HSDP_NODES, "--set", f"model.kwargs={{marker='{marker}', at_forward=12}}",
+                        restarts=1, env=clean_env(PYTHONPATH=str(REPO)))
+    said = [line for line in stderr.splitlines() if line.startswith("distrib launch: ")]
+    [killed] = [line for line in said if "killed" in line or "lost" in line and "it lost a peer" not in line]
+    assert re.fullmatch(r"distrib launch: rank 3 \(local rank 1, pid \d+\) was killed by signal 9 \(SIGKILL\); "
+                        r"restarting \(1 of 1\)", killed), stderr
+    # The other node's launcher: nothing, or its own rank that ended because rank 3 was gone (as the agent sees it).
+    assert all(re.search(r"exited with code 69: it lost a peer.*restarting \(1 of 1\)$", line)
+               for line in said if "restarting" in line and line != killed), stderr
+    assert set(re.findall(r"lost rank (\d+)", stderr)) <= {"3"}, stderr
+    assert "Unable to shutdown" not in stderr and "Sending process" not in stderr, stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert marker.exists() and summary["restart_count"] == 1 and summary["resumed_from_step"] == 10
     assert summary["state_bytes_per_rank"] > 0

@@ -205,6 +205,49 @@ def test_a_rank_that_fails_during_a_preemption_is_the_failure_and_stopped_ranks_
         "ended the run"
 
 
+def test_a_restart_names_the_rank_that_died_and_its_signal_once_and_no_rank_the_launcher_stopped(tmp_path):
+    """Attempt 0 of --max-restarts 1 at world 4: rank 1 SIGKILLed first; rank 3 lost it (69) and rank 0 ended with
+    the launcher's SIGTERM after it; rank 2 outlived the agent's grace and was SIGKILLed with its lifeline (no
+    code). The lifelines' statuses, as the launcher reads them when torch's agent logs the failure: one line, rank 1
+    and SIGKILL, "restarting (1 of 1)"; none on the last attempt, where failure_lines says how the run ended."""
+    from distrib.launch.lifeline import Status, read_attempt, write_status
+    from distrib.launch.reporting import restart_line
+
+    for rank, code, ended_s in ((0, -signal.SIGTERM, 12), (1, -signal.SIGKILL, 10), (2, None, None), (3, 69, 11)):
+        write_status(tmp_path, "0", Status(100 + rank, 200 + rank, code, rank, rank, ended_s and ended_s * 10**9))
+    attempt, statuses = read_attempt(tmp_path)
+    assert attempt == 0 and sorted(s.rank for s in statuses) == [0, 1, 2, 3]
+    assert restart_line(attempt, statuses, 1) == \
+        "distrib launch: rank 1 (local rank 1, pid 201) was killed by signal 9 (SIGKILL); restarting (1 of 1)"
+    assert restart_line(1, statuses, 1) is None
+    assert restart_line(0, [statuses[0], statuses[3]], 1) == (  # another node's: its ranks lost rank 1
+        "distrib launch: rank 3 (local rank 3, pid 203) exited with code 69: it lost a peer, or waited for a hung one "
+        "(its own line above names which); restarting (1 of 1)")
+    write_status(tmp_path, "1", Status(104, 204, 1, 4, 0, 5))  # another node's rank 4, on the second of 3 attempts
+    assert restart_line(*read_attempt(tmp_path), 3) == \
+        "distrib launch: rank 4 (local rank 0, pid 204) exited with code 1; restarting (2 of 3)"
+
+
+def test_torchs_lines_about_failed_and_stopped_workers_are_left_out_and_a_failure_is_heard():
+    """torch's agent logs "failed (exitcode ...)" once it stopped a failed attempt's workers: the launcher's cue for
+    restart_line; that line, "Sending process ... closing signal" and "Unable to shutdown process ... via 15" are
+    left out (the launcher's lines say who failed)."""
+    import logging
+
+    from distrib.launch.reporting import quiet_torch_failure_lines
+
+    heard, logger = [], logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    records = [logger.makeRecord(logger.name, logging.WARNING, __file__, 1, msg, args, None) for msg, args in (
+        ("Sending process %s closing signal %s", (12, "SIGTERM")),
+        ("Unable to shutdown process %s via %s, forcefully exiting via %s", (12, 15, 9)),
+        ("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s", (-9, 1, 12, "python")),
+        ("Process %s did not exit after %s within %ss", (12, "SIGKILL", 30)))]
+    with quiet_torch_failure_lines(lambda: heard.append(1)):
+        kept = [record.msg for record in records if logger.filter(record)]
+    assert kept == ["Process %s did not exit after %s within %ss"] and heard == [1]
+    assert all(logger.filter(record) for record in records)  # outside: as torch logs them
+
+
 def test_a_collective_timeout_or_lost_peer_names_the_step_and_other_errors_pass_through():
     with pytest.raises(CollectiveTimeoutError, match=r"^after step 7: a collective waited longer than "
                                                       r"dist.timeout_s = 3 s \(Timed out waiting 3000ms") as caught:

@@ -68,6 +68,24 @@ def test_the_diagnosis_names_who_did_not_arrive_and_whether_it_still_beats():
                    "stopped, killed, or its host is gone)"
 
 
+def test_a_lost_peer_is_the_rank_that_went_silent_not_those_that_said_so_and_ended(monkeypatch):
+    """World 4, rank 3's collective broke: ranks 0 and 2 arrived at the failure too (they said so, then ended, so
+    they beat no more); rank 1 went silent without arriving (it was killed). Only rank 1 is lost."""
+    import torch.distributed as dist
+
+    from distrib.distributed import peers
+
+    monkeypatch.setattr(peers, "SILENT_AFTER_S", 0.5)  # a silence this long means stopped: no 3 s wait here
+    store = dist.HashStore()
+    watches = [PeerWatch(lambda: store, rank, 4, timeout_s=40.0) for rank in range(4)]
+    for watch in watches:
+        watch.beat()
+    for rank in (0, 2):
+        store.set(f"arrived/{rank}", "after step 4")
+    text = watches[3].diagnose("lost")
+    assert text.startswith("rank 1 (host ") and text.count("rank ") == 1, text
+
+
 # ---------------------------------------------------------------- the entry point's stop handlers
 
 
