@@ -137,17 +137,17 @@ def _refuse_damaged(directory: Path, broken: dict[Path, str]) -> None:
     raise CheckpointError(
         f"checkpoint.dir = '{directory}': nothing to resume, its {len(broken)} checkpoint(s) that could continue the "
         f"run are damaged (the newest: {newest}); restore them from a copy and run the same command again, or start "
-        "afresh beside them with --set checkpoint.resume=never (this run's saves then replace them)")
+        "afresh beside them with --set checkpoint.resume=never (they stay, but for one a save of its step replaces)")
 
 
 def decide(resume: str, foreign: str, directory: Path, device: torch.device,
            say) -> tuple[Path | None, dict | None, str, list[Path], bool]:
     """Rank 0: the checkpoint to resume (if any), the run id this run writes, its checkpoints in the folder, oldest
-    first (the only ones it will ever prune: a damaged one under this run's names first), and whether its names carry
-    its run id: when the folder holds another run's checkpoints (checkpoint.foreign = keep), so that no save of this
-    run ever takes one of their names. A damaged checkpoint is said once and skipped; cut short or garbled (its run
-    id unreadable), it counts as no run's. With every one damaged, resume=auto is refused in one line (foreign=keep:
-    the run starts afresh)."""
+    first (the only ones it will ever prune: a resumed run's damaged ones under its names first), and whether its
+    names carry its run id: when the folder holds another run's checkpoints (checkpoint.foreign = keep), so that no
+    save of this run ever takes one of their names. A damaged checkpoint is said once and skipped; cut short or
+    garbled (its run id unreadable), it counts as no run's. With every one damaged, resume=auto is refused in one
+    line (foreign=keep: the run starts afresh)."""
     broken = damaged(directory)
     path, state = choose(resume, directory, device, lambda line: None, broken)  # said below, once each
     if state is None and resume == "auto" and broken and foreign == "refuse":
@@ -160,8 +160,9 @@ def decide(resume: str, foreign: str, directory: Path, device: torch.device,
         run_id = uuid.uuid4().hex[:12]
     ids = {p: stored_run_id(p) for p in [*listing(directory), *listing(directory, "best")]}
     tagged = any(other != run_id for p, other in ids.items() if other or p not in broken)  # one unread is nobody's
-    ours = [p for p in reversed(listing(directory)) if p in broken and (ids[p] == run_id if ids[p] else
-                                                                        _named_for(p, run_id, tagged))]
+    resumed = state is not None  # only a run that continues here takes a damaged one under its names for its own
+    ours = [p for p in reversed(listing(directory)) if p in broken and resumed and (ids[p] == run_id if ids[p] else
+                                                                                    _named_for(p, run_id, tagged))]
     for broken_path in sorted(broken, key=step_of, reverse=True):
         fate = "; deleted as this run prunes its older checkpoints" if broken_path in ours else ""
         say(f"{broken[broken_path]}: damaged, so skipped (never resumed){fate}")

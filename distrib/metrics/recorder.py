@@ -116,7 +116,7 @@ class Recorder:
         """A checkpoint saved after `step`: how long the save held training up (a blocking write whole; an asynchronous
         one its staging, and any wait for the write before it), as save_blocked_s beside the step's metrics."""
         self.write({"step": step, "save_blocked_s": round(seconds, 6)})
-        self.info(f"checkpoint {Path(path).name} at step {step}: the save held training {seconds:.3f}s")
+        self.info(f"saved {Path(path).name} at step {step}: training held {seconds:.3f}s")
 
     def log_eval(self, step: int, epoch: int, metrics: dict) -> None:
         """One record; a line per evaluated split (val_*: a validation set, test_*)."""

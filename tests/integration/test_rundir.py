@@ -117,20 +117,23 @@ def older_run(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("case", ["resume=never", "junk only"])
 def test_a_new_run_beside_another_runs_checkpoints_is_refused_and_touches_nothing(capsys, tmp_path, older_run,
                                                                                    case):
-    if case == "junk only":  # resume=auto finds nothing it can resume: still not this run's folder to prune
+    if case == "junk only":  # resume=auto finds only a damaged file: said so, and still not this run's to prune
         (tmp_path / "checkpoints").mkdir()
         (tmp_path / "checkpoints" / "step_99999999.pt").write_bytes(b"junk")
-        overrides, newest = ["checkpoint.resume=auto"], "step_99999999.pt"
+        overrides = ["checkpoint.resume=auto"]
+        said = ("nothing to resume, its 1 checkpoint(s) that could continue the run are damaged (the newest: "
+                "checkpoint", "step_99999999.pt: unreadable", "restore them", "checkpoint.resume=never")
     else:
         shutil.copytree(older_run, tmp_path, dirs_exist_ok=True)
-        overrides, newest = ["checkpoint.resume=never"], "step_00000040.pt"
+        overrides = ["checkpoint.resume=never"]
+        said = ("newest step_00000040.pt", "checkpoint.resume=auto", "move them away", "new --set run.dir",
+                "checkpoint.foreign=keep")
     before = snapshot(tmp_path)
     code, err = _cli(capsys, tmp_path, "train.max_steps=12", "checkpoint.every_steps=4", *overrides)
     err = err.splitlines()[-1]  # after the run's info lines, one line and no traceback
     assert code == 2 and err.startswith("distrib: error: checkpoint.dir = ") and "Traceback" not in err, err
-    for text in (f"newest {newest}", "checkpoint.resume=auto", "move them away", "new --set run.dir",
-                 "checkpoint.foreign=keep"):
-        assert text in err
+    for text in said:
+        assert text in err, err
     assert snapshot(tmp_path) == before  # every earlier file byte for byte, and no new one (but the lock)
 
 
