@@ -86,3 +86,45 @@ def test_fit_in_a_process_that_reruns_the_script_is_refused(monkeypatch):
     with pytest.raises(UserError, match=r"distrib.fit: called in a process that this script's run started .* put the "
                                         r"training under `if __name__ == \"__main__\":`"):
         api._without_spawn_if_unguarded(load_config(None, []))
+
+
+class _Dead:
+    """A checkpoint process that died (what CheckpointProcess.death says), for the ranks' agreement in one process."""
+
+    def death(self, wait_s: float = 0.0) -> str:
+        return "rank 0's checkpoint process (pid 4242, killed by SIGKILL)"
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_checkpoint_process_dead_with_a_write_is_agreed_on_and_only_the_last_write_stops_the_run():
+    """A write lost with its checkpoint process: before the next save it is only noted (that save is then written
+    blocking, and new processes started: tests/integration/test_fsdp.py); lost at the end of the run (close), it is
+    an EnvironmentFault, exit 74, saying what died, not a user's mistake (2)."""
+    from concurrent.futures import Future
+
+    from distrib.checkpoint.sharded import ShardedStorage, _Write
+    from distrib.config import DistConfig
+    from distrib.distributed.runtime import open_runtime
+    from distrib.errors import EnvironmentFault
+
+    def lost(name: str) -> _Write:
+        future = Future()
+        future.set_exception(BrokenPipeError(32, "Broken pipe"))
+        return _Write(future, None, name)
+
+    with open_runtime(DistConfig(device="cpu")) as runtime:
+        storage = ShardedStorage(runtime, async_save="process")
+        storage.process, storage.stager = _Dead(), _Dead()
+        storage.pending = lost("step_00000004")
+        storage.wait()
+        assert storage.died == ("rank 0's checkpoint process (pid 4242, killed by SIGKILL) died, and the write of "
+                                "step_00000004 with it")
+        storage.died, storage.pending = None, lost("step_00000006")
+        with pytest.raises(EnvironmentFault) as info:
+            storage.close()
+    assert info.value.exit_code == 74 and str(info.value) == (
+        "checkpoint.async_save = process: rank 0's checkpoint process (pid 4242, killed by SIGKILL) died, and the "
+        "write of step_00000006 with it; the run's last checkpoint is lost, the one before is intact: run the same "
+        "command again to resume there")
