@@ -359,7 +359,9 @@ def run_agent(args: argparse.Namespace) -> int:
             say(replica_groups.tagged(args, _stopped_line(int(e.sigval), codes, code)))
             return code
         except ChildFailedError as e:
-            lines = failure_lines(e, {worker.pid: worker.worker_pid for worker in read_statuses(status)})
+            workers = read_statuses(status)  # a lifeline torch's agent SIGKILLed after its grace left no code
+            lines = failure_lines(e, {worker.pid: worker.worker_pid for worker in workers},
+                                  {worker.pid for worker in workers if worker.code is None})
             hang = hang_line(status.parent / "hang_note", started_ns, fixed_world_size(args))  # where ranks diverged
             say(replica_groups.tagged(args, "\n".join(lines + ([hang] if hang else []))))
             return exit_code(e)

@@ -9,7 +9,7 @@ import contextlib
 import os
 import signal
 from pathlib import Path
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Collection, Iterator, Mapping
 
 from distrib.errors import EXIT_HUNG, EXIT_PREEMPTED, UserError
 from distrib.launch.lifeline import Status
@@ -78,11 +78,14 @@ def cause_of(error) -> int | None:
     return min(failed, key=lambda rank: (error.failures[rank].timestamp, rank)) if failed else None
 
 
-def failure_lines(error, worker_pids: Mapping[int, int] | None = None) -> list[str]:
+def failure_lines(error, worker_pids: Mapping[int, int] | None = None,
+                  killed_with_lifeline: Collection[int] = ()) -> list[str]:
     """A ChildFailedError as one line per way of ending, the cause last (where one looks first): which ranks, how they
     ended, and the first line of their exception, uncut, when the worker's entry point has @record. Ranks that
     failed alike (one mistake every rank makes) share one line. A run whose first rank to end was preempted (exit
-    EXIT_PREEMPTED), and no rank failed otherwise, is a preemption: no line calls it a failure."""
+    EXIT_PREEMPTED), and no rank failed otherwise, is a preemption: no line calls it a failure. killed_with_lifeline:
+    the lifeline pids that recorded no exit code (torch's agent SIGKILLed them once its grace after the SIGTERM
+    ended, its worker with it): stopped by the launcher, as are ranks that ended with its SIGTERM."""
     cause = cause_of(error)
     preemption = error.get_first_failure()[1].exitcode == EXIT_PREEMPTED  # the first rank to end was preempted
     by_how: dict[str, list[int]] = {}
@@ -91,7 +94,8 @@ def failure_lines(error, worker_pids: Mapping[int, int] | None = None) -> list[s
         how = _how(failure)
         if preemption and failure.exitcode == EXIT_PREEMPTED:
             how = f"{{verb}} preempted (exit {EXIT_PREEMPTED}: checkpointed, or stopped before training)"
-        elif rank != cause and _stopped(failure):  # not a failure of its own
+        elif rank != cause and (_stopped(failure) or failure.exitcode == -signal.SIGKILL
+                                and failure.pid in killed_with_lifeline):  # not a failure of its own
             how = f"{{verb}} stopped by the launcher when the {'preemption' if preemption else 'first failure'} " \
                   "ended the run"
         by_how.setdefault(how, []).append(rank)

@@ -205,6 +205,19 @@ def test_a_rank_that_fails_during_a_preemption_is_the_failure_and_stopped_ranks_
         "ended the run"
 
 
+def test_ranks_the_agent_killed_after_its_grace_are_stopped_by_the_launcher_not_failures():
+    """Rank 1 SIGKILLed (its lifeline recorded -9, then ended alike); rank 2 waited in a collective for it past the
+    agent's grace and was SIGKILLed with its lifeline (no code recorded): only rank 1 is a failure."""
+    failures = {0: ProcessFailure(0, 100, -signal.SIGTERM, "/nonexistent"),
+                1: ProcessFailure(1, 101, -signal.SIGKILL, "/nonexistent"),
+                2: ProcessFailure(2, 102, -signal.SIGKILL, "/nonexistent")}
+    failures[1].timestamp = failures[0].timestamp - 30
+    lines = launcher.failure_lines(ChildFailedError("train", failures), {}, {102})
+    assert lines == ["distrib launch: ranks 0, 2 (pids 100, 102) were stopped by the launcher when the first failure "
+                     "ended the run",
+                     "distrib launch: rank 1 (local rank 1, pid 101) was killed by signal 9 (SIGKILL) [first failure]"]
+
+
 def test_a_restart_names_the_rank_that_died_and_its_signal_once_and_no_rank_the_launcher_stopped(tmp_path):
     """Attempt 0 of --max-restarts 1 at world 4: rank 1 SIGKILLed first; rank 3 lost it (69) and rank 0 ended with
     the launcher's SIGTERM after it; rank 2 outlived the agent's grace and was SIGKILLed with its lifeline (no
