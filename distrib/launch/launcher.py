@@ -343,9 +343,10 @@ def run_agent(args: argparse.Namespace) -> int:
         return SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
 
     def restarting() -> None:  # torch's agent stopped a failed attempt's workers: say who failed it, if it restarts
-        line = restart_line(*read_attempt(status), args.max_restarts) if status.is_dir() else None
-        if line:
-            say(replica_groups.tagged(args, line))
+        with contextlib.suppress(Exception):  # called inside torch's logging call: never break the agent's restart
+            line = restart_line(*read_attempt(status), args.max_restarts)
+            if line:
+                say(replica_groups.tagged(args, line))
 
     started_ns = time.time_ns()
     with lifelines(args) as status, stop_handlers(signal_exception), quiet_torch_failure_lines(restarting), \
