@@ -157,7 +157,7 @@ def digest(state: dict) -> str:
 def load_failure(error: BaseException) -> str:
     """Why torch.load failed, in one line. A file the weights-only unpickler refused would run code when unpickled:
     say so and give the unpickler's own reason, never torch's hint to retry with weights_only=False."""
-    text = " ".join(str(error).split())
+    text = " ".join(str(error).split()).split(" This is an internal miniz error.")[0]  # then torch's advice, 300 chars
     unpickler = re.search(r"WeightsUnpickler error: (.*?)(?: Check the documentation|$)", text)
     if unpickler and "Unsupported global" in unpickler.group(1):
         return (f"unsafe: the weights-only unpickler refused it ({unpickler.group(1).strip()}); it names code, not "

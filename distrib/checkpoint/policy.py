@@ -137,7 +137,7 @@ def _refuse_damaged(directory: Path, broken: dict[Path, str]) -> None:
     raise CheckpointError(
         f"checkpoint.dir = '{directory}': nothing to resume, its {len(broken)} checkpoint(s) that could continue the "
         f"run are damaged (the newest: {newest}); restore them from a copy and run the same command again, or start "
-        "afresh beside them with --set checkpoint.resume=never (they stay, but for one a save of its step replaces)")
+        "afresh with --set checkpoint.resume=never (the damaged files stay, unless a save takes one's name)")
 
 
 def decide(resume: str, foreign: str, directory: Path, device: torch.device,

@@ -238,9 +238,9 @@ def test_with_every_checkpoint_damaged_the_one_line_says_so_and_what_to_do(tmp_p
     assert said == [] and str(info.value).startswith(
         f"checkpoint.dir = '{tmp_path}': nothing to resume, its 3 checkpoint(s) that could continue the run are "
         f"damaged (the newest: checkpoint {tmp_path / 'step_00000012.pt'}: unreadable (")
-    assert str(info.value).endswith("restore them from a copy and run the same command again, or start afresh beside "
-                                    "them with --set checkpoint.resume=never (they stay, but for one a save of its "
-                                    "step replaces)")
+    assert str(info.value).endswith("restore them from a copy and run the same command again, or start afresh with "
+                                    "--set checkpoint.resume=never (the damaged files stay, unless a save takes one's "
+                                    "name)")
     # the way out it names: a new run, not refused as beside "another run's" checkpoints, short names; a new run
     # never prunes what it did not write
     path, state, run_id, owned, tagged = decide("never", "refuse", tmp_path, CPU, said.append)
