@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from distrib.distributed.expert_parallel import inverse, route
+from distrib.distributed.expert_routing import inverse, route
 from distrib.distributed.hf_experts import lora_delta
 
 

@@ -13,7 +13,8 @@ from torch.distributed.tensor import DTensor
 
 from distrib.config import DistConfig, load_config
 from distrib.distributed.expert_modules import find_experts
-from distrib.distributed.expert_parallel import apply_expert_parallel, check_model, inverse, local_expert_order
+from distrib.distributed.expert_parallel import apply_expert_parallel, check_model
+from distrib.distributed.expert_routing import inverse, local_expert_order
 from distrib.distributed.mesh import ParallelDims
 from distrib.distributed.strategies import check_config, parallel_dims
 from distrib.errors import ConfigError
