@@ -29,7 +29,7 @@ from distrib.distributed.tensor_parallel import layers_split
 from distrib.models.build import build_model
 from distrib.plan.batch import first_samples, num_tokens, positions, shaped_batch
 from distrib.plan.cost import startup_memory, step_traffic
-from distrib.plan.experts import MetaRouting, expert_plan, expert_rows, held_experts
+from distrib.plan.experts import MetaRouting, autocast_on_meta, expert_plan, expert_rows, held_experts
 from distrib.plan.fixes import Run, Step, fixes
 from distrib.plan.host import (  # noqa: F401 - distrib.plan's names too
     KEPT_SLACK,
@@ -300,7 +300,8 @@ def plan_run(config: Config, machine: Machine) -> dict:
     from distrib.plan.pipeline import no_pipeline, plan_pipeline  # (it builds on this module's helpers)
 
     sample, pipeline = first_samples(data.train, batches.micro_batch_size), None
-    with fake_process_group(machine.world_size), MetaRouting():  # MetaRouting: an MoE layer's meta passes
+    # MetaRouting: an MoE layer's meta passes; autocast_on_meta: peft's LoRA on its experts, on meta
+    with fake_process_group(machine.world_size), MetaRouting(), autocast_on_meta():
         if shape.pipeline > 1:  # every pipeline rank's stages: the fullest rank's state
             pipeline = plan_pipeline(config, strategy, data.info, machine, device, batches, sample)
             parts, local_params, held = pipeline["parts"], pipeline["local_parameters"], pipeline["experts"]

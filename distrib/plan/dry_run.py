@@ -34,7 +34,7 @@ from distrib.distributed.strategies.materialise import build_on_meta
 from distrib.models.build import build_model
 from distrib.plan import Machine, _size, fake_process_group, meta_model
 from distrib.plan.batch import first_samples, shaped_batch, staged_inputs
-from distrib.plan.experts import MetaRouting
+from distrib.plan.experts import MetaRouting, autocast_on_meta
 from distrib.plan.pipeline import in_flight
 from distrib.training.evaluation import autocast
 from distrib.training.losses import build_loss, forward, step_loss
@@ -62,8 +62,9 @@ def dry_run(config: Config, machine: Machine) -> dict:
                         dims.data_parallel, config.train.seed)
     ranks = sorted({dims.rank_at(pp=0), dims.rank_at(pp=dims.pipeline - 1)})  # every other coordinate 0: the fullest
     sample = first_samples(data.train, batches.micro_batch_size)  # the data's structure, dtypes and shapes
-    # one group for all ranks (torch's meshes outlive a destroyed group); MetaRouting: an MoE layer's fake step
-    with fake_process_group(machine.world_size), MetaRouting():
+    # one group for all ranks (torch's meshes outlive a destroyed group); MetaRouting: an MoE layer's fake step;
+    # autocast_on_meta: peft's LoRA on its experts in stage_inputs' meta pass
+    with fake_process_group(machine.world_size), MetaRouting(), autocast_on_meta():
         measured = [measure_rank(config, machine, data.info, batches, rank, sample) for rank in ranks]
     top = max(measured, key=lambda figures: figures["peak_bytes"])
     return {"dry_run_peak_bytes_per_rank": top["peak_bytes"], "dry_run_rank": top["rank"],

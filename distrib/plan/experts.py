@@ -1,10 +1,13 @@
 """What a model's experts add to `distrib plan`: each rank's expert bytes (of the layout the run builds), expert
 parallel's all-to-all bytes per step, and the rows a rank's experts take when routing is at its worst; and the meta
-passes through MoE layers, whose routing has no meta kernels (shape-only stand-ins, MetaRouting)."""
+passes through MoE layers, whose routing has no meta kernels (shape-only stand-ins, MetaRouting), nor autocast a
+meta device (autocast_on_meta)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+from typing import Iterator
 
 import torch
 import torch.nn as nn
@@ -40,6 +43,27 @@ class MetaRouting(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _MetaAsCPU(torch.autocast):
+    """torch.autocast, which refuses device_type "meta" (no autocast dtype: "unsupported scalarType"), taking it as
+    the CPU's: autocast acts on its own device's tensors only, so on meta tensors either does nothing."""
+
+    def __init__(self, device_type: str, *args, **kwargs):
+        super().__init__("cpu" if device_type == "meta" else device_type, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def autocast_on_meta() -> Iterator[None]:
+    """The plan's meta passes through code that opens an autocast of its tensors' device: peft's LoRA on fused experts
+    (its parametrization's fold, _LoraFactorsProxy, runs under torch.autocast(W.device.type, enabled=False)). A mode
+    cannot catch it (autocast's constructor is no torch function): torch.autocast is swapped for the pass only."""
+    real = torch.autocast, torch.amp.autocast
+    torch.autocast = torch.amp.autocast = _MetaAsCPU
+    try:
+        yield
+    finally:
+        torch.autocast, torch.amp.autocast = real
+
+
 def model_experts(model: nn.Module) -> dict[str, nn.Module]:
     """{name: experts module} of each MoE layer the model holds in a form expert parallel splits (the built-in GPT's,
     transformers' fused experts); {} for a model without, or with experts of another form (fsdp shards those like any
@@ -72,8 +96,12 @@ def expert_layers(model: nn.Module) -> list[dict]:
 
 def held_experts(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """This rank's part of the experts, from its laid-out model (its local shards, as the run holds them): the bytes of
-    their parameters, and of their parameters, gradients and optimizer state; and their layers (expert_layers)."""
-    params = [p for experts in model_experts(model).values() for p in experts.parameters()]
+    their parameters, and of their parameters, gradients and optimizer state; and their layers (expert_layers). Under
+    peft's LoRA on the experts their adapters are among them (trained, split with them); frozen weights have neither
+    gradients nor optimizer state."""
+    # the outermost LoRA wrapper's parameters hold the inner wrappers' and the experts module's, each once
+    params = [p for experts in split_experts(model).values()
+              for p in (experts.adapters[0] if experts.adapters else experts.module).parameters()]
     parameters = sum(local_tensor(p).nbytes for p in params)
     gradients = sum(local_tensor(p).nbytes for p in params if p.requires_grad)
     optimizer_bytes = sum(local_tensor(value).nbytes for p in params for value in optimizer.state.get(p, {}).values()

@@ -306,28 +306,32 @@ def test_a_transformers_moes_load_is_its_routers_choices_counted_once_per_traini
 
 @pytest.mark.parametrize("factory", ["qwen3_moe", "lora_moe"])
 def test_plan_and_its_dry_run_count_the_experts_of_a_transformers_moe_fed_dict_samples(tmp_path, factory, capsys):
-    """distrib plan of a Qwen3-MoE (and it under peft's LoRA) from a safetensors folder, with dict samples
-    (input_ids, attention_mask, labels) from a data factory: its passes take the data's own structure (not a float
-    batch), and each rank's expert bytes are its 1/4 of the fused experts (ep 2 x fsdp 2)."""
+    """distrib plan of a Qwen3-MoE (and it under peft's LoRA on q_proj and its fused experts) from a safetensors
+    folder, with dict samples (input_ids, attention_mask, labels) from a data factory: its passes take the data's own
+    structure (not a float batch), peft's fold of the experts' LoRA runs on meta (its autocast of the meta device),
+    and each rank's expert bytes are its 1/4 of the fused experts and of their adapters (ep 2 x fsdp 2)."""
     import json
 
     from distrib.cli import main
     from tests.helpers.support import sets
 
     folder = save_moe(tmp_path / "qwen3_moe", "qwen3_moe")
-    kwargs = [f'model.kwargs={{folder = "{folder}"}}'] if factory == "lora_moe" else []
+    targets = "q_proj,gate_proj,up_proj,down_proj"
+    kwargs = [f'model.kwargs={{folder = "{folder}", targets = "{targets}"}}'] if factory == "lora_moe" else []
     argv = sets(f"model.factory=tests.helpers.pretrained:{factory}", *kwargs, f"model.init_from={folder}",
                 "data.factory=tests.helpers.pretrained:token_dicts", "dist.device=cpu", "dist.strategy=fsdp",
                 "dist.expert_parallel=2", "train.global_batch_size=16", "train.optimizer=adamw")
     assert main(["plan", *argv, "--world-size", "4", "--dry-run", "--json"]) == 0
     figures = json.loads(capsys.readouterr().out)
-    experts = [p for name, p in qwen3_moe().named_parameters() if ".experts." in name]
+    model = lora_moe(str(folder), targets=targets) if factory == "lora_moe" else qwen3_moe()
+    experts = [p for name, p in model.named_parameters() if ".experts." in name]  # LoRA's A and B among them
+    trained = [p for p in experts if p.requires_grad]
+    assert len(trained) == (8 if factory == "lora_moe" else len(experts))  # A and B of 2 fused tensors x 2 layers
+    held = 4 * sum(p.numel() for p in experts) // 4  # fp32, a rank's 1/4 of each (the adapters split with them)
     assert figures["moe_layers_per_rank"] == 2 and figures["expert_parallel"] == 2
-    assert figures["expert_parameter_bytes_per_rank"] == sum(p.numel() for p in experts) * 4 // 4
+    assert figures["expert_parameter_bytes_per_rank"] == held
     # trained: gradients, AdamW's two moments and a step count per tensor; frozen under LoRA: none of them
-    state = 4 * figures["expert_parameter_bytes_per_rank"] + 4 * len(experts)
-    assert figures["expert_state_bytes_per_rank"] == (figures["expert_parameter_bytes_per_rank"]
-                                                      if factory == "lora_moe" else state)
+    assert figures["expert_state_bytes_per_rank"] == held + 3 * sum(p.numel() for p in trained) + 4 * len(trained)
     assert figures["all_to_all_bytes_per_step_intra_node"] > 0 and figures["activation_bytes_per_micro_batch"] > 0
     assert figures["dry_run_peak_bytes_per_rank"] > 0 and figures["dry_run_activations_bytes"] > 0
 
