@@ -42,7 +42,7 @@ def _train(args: argparse.Namespace) -> int:
     check_folders(config, probe_locks=True)  # writable and not another live run's (rank 0 then locks them)
     require_loggers(config.metrics)  # a missing tracker package: one line here, not one per worker
     launch_flags = train_flags(args)  # --nproc-per-node, --max-restarts, --nnodes, --rdzv-*: as for distrib launch
-    launch_flags += _group_flags(config.dist)
+    launch_flags += _group_flags(config)
     if launch_flags or wants_launcher(os.environ):  # PET_* (a Kubeflow TrainJob) or SkyPilot: as distrib launch
         return launch_trainer(launch_flags, args.argv, _before_workers(config))
     check_pod(os.environ)
@@ -59,13 +59,15 @@ def _train(args: argparse.Namespace) -> int:
         return record(_worker)(config)  # under a launcher, a failing rank's exception reaches its summary
 
 
-def _group_flags(dist) -> list[str]:
-    """dist.fault_tolerant_groups as distrib launch's flags: the launcher starts the Lighthouse and the groups (or,
-    given --replica-group or DISTRIB_REPLICA_GROUP, runs as one group of a run across nodes). A worker launches
-    nothing."""
+def _group_flags(config) -> list[str]:
+    """dist.fault_tolerant_groups as distrib launch's flags: the launcher starts the Lighthouse, its log in run.dir,
+    and the groups (or, given --replica-group or DISTRIB_REPLICA_GROUP, runs as one group of a run across nodes). A
+    worker launches nothing."""
+    dist = config.dist
     if dist.fault_tolerant_groups == 1 or is_worker(os.environ):
         return []
-    return ["--replica-groups", str(dist.fault_tolerant_groups), "--min-replicas", str(dist.min_replicas)]
+    return ["--replica-groups", str(dist.fault_tolerant_groups), "--min-replicas", str(dist.min_replicas),
+            "--lighthouse-log", os.path.join(config.run.dir, "lighthouse.log")]
 
 
 def _before_workers(config):

@@ -25,7 +25,7 @@ from distrib.distributed.runtime import LIGHTHOUSE_VAR, REPLICA_GROUP_VAR, Runti
 from distrib.errors import ConfigError, UserError
 
 # group_config and peer_config: each group's folders, which the CLI and the worker take from here.
-__all__ = ["FinishedPeers", "LighthouseLost", "ReplicaGroups", "check", "group_config", "peer_config",
+__all__ = ["FinishedPeers", "QuorumLost", "ReplicaGroups", "check", "group_config", "peer_config",
            "replica_groups"]
 
 # What torchft's Manager keeps, unprefixed, in its group's store: a restarted group must not read its dead self's.
@@ -40,9 +40,16 @@ _NOT_INSIDE = ("pipeline_parallel", "tensor_parallel", "expert_parallel")
 BARRIER_POLL_S = 0.5
 
 
-class LighthouseLost(Exception):
-    """The step's quorum timed out, or failed with the Lighthouse gone: this group's Manager can agree on no step any
-    more. The trainer checkpoints and stops with the preemption code (restarted, or a rerun, resumes there)."""
+# Tries of one step in a row that the groups did not commit, after which this group stops (QuorumLost). A lost group
+# costs the others one try; more means the groups' collectives are broken (e.g. a Lighthouse started again counts
+# quorum ids from 1, and torchft does not rebuild them for an id it has seen).
+MAX_UNCOMMITTED = 5
+
+
+class QuorumLost(Exception):
+    """The step's quorum timed out or failed with the Lighthouse gone, or the groups committed none of
+    MAX_UNCOMMITTED tries: this group can agree on no step with the others any more. The trainer checkpoints and stops
+    with the preemption code (its launcher's restart, or a rerun, resumes there and joins afresh)."""
 
 
 def check(config) -> None:
@@ -118,6 +125,7 @@ class ReplicaGroups:
         self._starting = True  # the job's first step waits for every group
         self._healed_from: int | None = None
         self._held = False  # a heal's quorum, held for the step the healed state takes next
+        self._uncommitted = 0  # tries in a row that the groups did not commit
 
     def start_step(self) -> bool:
         """The step's quorum (the job's first: every group, a start barrier); True when it healed this group: the
@@ -127,6 +135,10 @@ class ReplicaGroups:
         if self._held:
             self._held = False
             return False
+        if self._uncommitted >= MAX_UNCOMMITTED:
+            raise QuorumLost(f"replica group {self.group}: the groups committed none of {self._uncommitted} tries of "
+                             f"step {self.state.progress.step + 1}: this group checkpoints and stops (exit 75); its "
+                             "launcher restarts it from there (--max-restarts), or run the same command again")
         self._healed_from, started = None, time.perf_counter()
         self._quorum()
         deadline = time.monotonic() + self.timeout_s
@@ -147,7 +159,7 @@ class ReplicaGroups:
         return self._held
 
     def _quorum(self) -> None:
-        """torchft's quorum; LighthouseLost when it timed out or the Lighthouse is gone: torchft's Manager cannot ask
+        """torchft's quorum; QuorumLost when it timed out or the Lighthouse is gone: torchft's Manager cannot ask
         again after a failed quorum, and a Lighthouse started again does not answer a quorum asked of the old one."""
         try:
             self.manager.start_quorum()
@@ -155,7 +167,7 @@ class ReplicaGroups:
             if not isinstance(e, TimeoutError) and lighthouse_answers(self.runtime.lighthouse):
                 raise
             answers = "was started again" if lighthouse_answers(self.runtime.lighthouse) else "does not answer"
-            raise LighthouseLost(f"replica group {self.group}: no quorum within dist.timeout_s = {self.timeout_s:g} s "
+            raise QuorumLost(f"replica group {self.group}: no quorum within dist.timeout_s = {self.timeout_s:g} s "
                                  f"(torchft's Lighthouse at {self.runtime.lighthouse} {answers}): this group "
                                  "checkpoints and stops (exit 75); its launcher restarts it from there "
                                  "(--max-restarts), or run the same command again") from None
@@ -215,8 +227,10 @@ class ReplicaGroups:
 
     def commit(self) -> bool:
         """Whether every group rank's step went through with enough groups (dist.min_replicas): the update is taken
-        only then; else the same samples again after a new quorum."""
-        return self.manager.should_commit()
+        only then; else the same samples again after a new quorum. The same answer on every rank of the group."""
+        committed = self.manager.should_commit()
+        self._uncommitted = 0 if committed else self._uncommitted + 1
+        return committed
 
     @property
     def share(self) -> float:

@@ -43,6 +43,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--replica-group", type=int, default=None, metavar="INDEX",
                        help="this launch is replica group INDEX of a run across nodes (default: "
                             "$DISTRIB_REPLICA_GROUP); needs --lighthouse")
+    group.add_argument("--lighthouse-log", default=None, metavar="PATH",
+                       help="where the Lighthouse that --replica-groups starts writes its warnings (distrib train: "
+                            "run.dir/lighthouse.log); default: a temporary folder, removed when the run ends 0")
     group.add_argument("--lighthouse", default=None, metavar="URL",
                        help="a running torchft Lighthouse, http://HOST:PORT (default: $TORCHFT_LIGHTHOUSE); with "
                             "--replica-groups on one node none is started")
@@ -154,18 +157,19 @@ def combined_exit_code(codes: Sequence[int]) -> int:
     return EXIT_PREEMPTED if EXIT_PREEMPTED in codes else 0
 
 
-def start_lighthouse(min_replicas: int, folder: Path, port: int = 0) -> tuple[subprocess.Popen, str]:
-    """`distrib lighthouse` on a loopback port (no other machine reaches it; 0: a free one), its log in folder (its
+def start_lighthouse(min_replicas: int, log: Path, port: int = 0) -> tuple[subprocess.Popen, str]:
+    """`distrib lighthouse` on a loopback port (no other machine reaches it; 0: a free one), appending to log (its
     warnings only: lighthouse.serve); returns the process and its address once it listens. A process of its own,
     whose lines stay out of the run's output."""
-    log = folder / ("lighthouse.log" if not port else f"lighthouse.{port}.{time.time_ns()}.log")
-    with open(log, "wb") as out:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        start = out.tell()  # a Lighthouse started again appends: its own line is read after what is there
         proc = subprocess.Popen([sys.executable, "-m", "distrib", "lighthouse", "--bind", f"127.0.0.1:{port}",
                                  "--min-replicas", str(min_replicas)], stdin=subprocess.DEVNULL, stdout=out,
                                 stderr=subprocess.STDOUT, preexec_fn=child_setup(os.getpid()))
     deadline = time.monotonic() + LIGHTHOUSE_START_S
     while time.monotonic() < deadline and proc.poll() is None:
-        listening = re.search(rb"distrib lighthouse: listening at (\S+)", log.read_bytes())
+        listening = re.search(rb"distrib lighthouse: listening at (\S+)", log.read_bytes()[start:])
         if listening:
             return proc, listening.group(1).decode()
         time.sleep(0.05)
@@ -284,14 +288,14 @@ def run_groups(args: argparse.Namespace, argv: Sequence[str], num_workers: int, 
 
     num_groups = args.replica_groups
     per_group = num_workers // num_groups
-    folder = Path(tempfile.mkdtemp(prefix="distrib-lighthouse-"))
-    lighthouse, address = (None, args.lighthouse) if args.lighthouse else start_lighthouse(args.min_replicas, folder)
+    log = Path(args.lighthouse_log or Path(tempfile.mkdtemp(prefix="distrib-lighthouse-")) / "lighthouse.log")
+    lighthouse, address = (None, args.lighthouse) if args.lighthouse else start_lighthouse(args.min_replicas, log)
     port = int(address.rpartition(":")[2]) if lighthouse else 0
-    run = ReplicaGroups(lighthouse, (lambda: start_lighthouse(args.min_replicas, folder, port)[0]) if port else None)
+    run = ReplicaGroups(lighthouse, (lambda: start_lighthouse(args.min_replicas, log, port)[0]) if port else None)
     try:
         with signal_handlers(FORWARDED, run.forward):
             say(f"distrib launch: {num_groups} replica groups of {per_group} workers, torchft's Lighthouse at "
-                f"{address}" + (f" (min_replicas {args.min_replicas}; its log: {folder / 'lighthouse.log'})"
+                f"{address}" + (f" (min_replicas {args.min_replicas}; its log: {log})"
                                 if lighthouse else ""))
             for group in range(num_groups):
                 if run.stop_signal is None:
@@ -302,10 +306,10 @@ def run_groups(args: argparse.Namespace, argv: Sequence[str], num_workers: int, 
     finally:
         run.close()
     code = run_exit_code(run.stop_signal, ended)
-    if code == 0 or lighthouse is None:  # a failed run's Lighthouse log stays, named in the last line
-        shutil.rmtree(folder, ignore_errors=True)
+    if not args.lighthouse_log and (code == 0 or lighthouse is None):  # a failed run's stays, named in the last line
+        shutil.rmtree(log.parent, ignore_errors=True)
     if code != 0:
-        say(end_line(run.stop_signal, ended, code, folder if lighthouse else None))
+        say(end_line(run.stop_signal, ended, code, log if lighthouse else None))
     return code
 
 
@@ -317,10 +321,10 @@ def run_exit_code(stop_signal: int | None, ended: Sequence[tuple[str, int]]) -> 
     return combined_exit_code([code for who, code in ended if who != LIGHTHOUSE])
 
 
-def end_line(stop_signal: int | None, ended: Sequence[tuple[str, int]], code: int, folder: Path | None) -> str:
+def end_line(stop_signal: int | None, ended: Sequence[tuple[str, int]], code: int, log: Path | None) -> str:
     """The parent's last line when the run did not simply finish: how each group ended, in order, and the code."""
     how = (f"stopped by {signal.Signals(stop_signal).name}, passed on to every replica group" if stop_signal
            else "the run of replica groups ended")
     order = ", ".join(f"{who} exit {code}" for who, code in ended) or "no group had started"
-    log = f"; the Lighthouse's log: {folder / 'lighthouse.log'}" if folder else ""
+    log = f"; the Lighthouse's log: {log}" if log else ""
     return f"distrib launch: {how} (in the order they ended: {order}){log}; exit {code}"

@@ -20,7 +20,7 @@ from distrib.config import TrainConfig
 from distrib.data import Batch, BatchPlan, epoch_steps
 from distrib.data.samples import named
 from distrib.distributed.agreement import RankAgreement
-from distrib.distributed.fault_tolerance import LighthouseLost, ReplicaGroups
+from distrib.distributed.fault_tolerance import QuorumLost, ReplicaGroups
 from distrib.distributed.parallel import local_tensor, unwrap
 from distrib.distributed.strategies import DDPStrategy, StepLoss, Strategy
 from distrib.errors import ConfigError, UserError
@@ -194,10 +194,10 @@ class Trainer:
                 return loss
 
     def _start_replicas_step(self) -> bool:
-        """The groups' quorum; without a Lighthouse no step can be agreed: this group checkpoints and stops."""
+        """The groups' quorum; when the groups can agree on no step any more, this group checkpoints and stops."""
         try:
             return self.replicas.start_step()
-        except LighthouseLost as lost:
+        except QuorumLost as lost:
             self.recorder.info(str(lost))
             raise self._stopped() from None
 

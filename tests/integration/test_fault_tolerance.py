@@ -208,28 +208,36 @@ def test_a_group_lost_while_the_other_finishes_takes_its_final_state(tmp_path):
         assert_groups_equal(run_dir, 2)  # the same bits
 
 
-def test_a_lighthouse_killed_is_started_again_and_the_groups_resume_from_a_checkpoint_at_the_stop(tmp_path):
-    """The Lighthouse that `distrib train` started is SIGKILLed at step 5 of two groups of one: the launcher starts
-    it again at its address; each group's quorum in flight gives up (dist.timeout_s), the group checkpoints at the
-    step it stopped at, ends 75 and is restarted from there; the run ends 0. Every group's line is prefixed by its
-    group, and no log of the run grows past 10 MB."""
+def test_a_lighthouse_lost_stops_the_groups_at_a_checkpoint_and_one_started_again_resumes_them(tmp_path):
+    """The Lighthouse that `distrib train` started hangs at step 5 of two groups of one (SIGSTOP): each group's quorum
+    gives up (dist.timeout_s), the group checkpoints at the step it stopped at (the run takes no periodic ones) and
+    ends 75. Then it is SIGKILLed: the launcher starts it again at its address, each group's launcher restarts its
+    group from that checkpoint, and the run ends 0, every step once, the groups the same bits. Every group's line is
+    prefixed by its group, and no log of the run (the Lighthouse's is in run.dir) grows past 10 MB."""
     run_dir = tmp_path / "groups"
     env = clean_env(DISTRIB_TEST_PACE_UNTIL=str(tmp_path / "never"), DISTRIB_TEST_PACE_S="0.2")
+    checkpoints = [group_dir(run_dir, group) / "checkpoints" for group in range(2)]
     with Launches(tmp_path) as launches:
         launches.start([sys.executable, "-m", "distrib", "train", "--nproc-per-node", "2", "--max-restarts", "1",
-                        *sets(*RUN, f"run.dir={run_dir}", "dist.fault_tolerant_groups=2", "train.max_steps=24",
+                        *sets(*RUN, f"run.dir={run_dir}", "dist.fault_tolerant_groups=2", "train.max_steps=16",
                               "dist.timeout_s=15", PACED)], env)
         procs = [proc for proc, _, _ in launches.procs]
         wait_for(lambda: sum("loss" in r for r in records(run_dir, 0)) >= 5, EVENT_S, "step 5", procs)
-        os.kill(wait_for(lambda: lighthouse_of(procs[0].pid), EVENT_S, "the Lighthouse", procs), signal.SIGKILL)
+        pid = wait_for(lambda: lighthouse_of(procs[0].pid), EVENT_S, "the Lighthouse", procs)
+        os.kill(pid, signal.SIGSTOP)
+        wait_for(lambda: all(any(folder.glob("step_*.pt")) for folder in checkpoints), EVENT_S,
+                 "each group's checkpoint at the stop", procs)
+        os.kill(pid, signal.SIGKILL)
         done = launches.wait(EVENT_S)
     assert done[0].returncode == 0, done[0].text()
     stderr = done[0].stderr
     assert "started it again at the same address (1 of 3)" in stderr
     for group in range(2):
-        stopped = next(r for r in records(run_dir, group) if r.get("event") == "resume")["step"]
+        stopped = next(r for r in records(run_dir, group) if r.get("event") == "resume")["step"]  # no periodic ones
         assert stopped >= 5 and summary(run_dir, group)["resumed_from_step"] == stopped
-        assert f"[group {group}] [distrib] replica group {group}: no quorum within" in stderr
+        assert sorted({r["step"] for r in records(run_dir, group) if "loss" in r}) == list(range(1, 17))
+        assert f"[group {group}] [distrib] replica group {group}: no quorum within dist.timeout_s = 15 s" in stderr
     assert not [line for line in stderr.splitlines() if line.startswith("[distrib]")]  # every group line prefixed
+    assert (run_dir / "lighthouse.log").read_text().count("distrib lighthouse: listening at") == 2  # started again
     assert max(path.stat().st_size for path in tmp_path.rglob("*") if path.is_file()) < 10 * 2**20
     assert_groups_equal(run_dir, 2)

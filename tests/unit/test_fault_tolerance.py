@@ -16,7 +16,7 @@ from distrib.data import make_plan
 from distrib.distributed import fault_tolerance
 from distrib.distributed.fault_tolerance import (
     FinishedPeers,
-    LighthouseLost,
+    QuorumLost,
     ReplicaGroups,
     group_config,
     peer_config,
@@ -190,5 +190,19 @@ def test_a_quorum_that_times_out_without_a_lighthouse_is_a_stop_not_a_crash():
 
     groups = replicas(Lost([2]), small_state(0), groups=2)
     groups.runtime = Runtime(0, 0, 1, 1, CPU, "gloo", lighthouse="http://127.0.0.1:9")  # nothing listens there
-    with pytest.raises(LighthouseLost, match="no quorum within dist.timeout_s = 30 s .* does not answer"):
+    with pytest.raises(QuorumLost, match="no quorum within dist.timeout_s = 30 s .* does not answer"):
+        groups.start_step()
+
+
+def test_steps_the_groups_never_commit_stop_the_group_after_a_few_tries():
+    """torchft's collectives broken for good (say, a Lighthouse started again reuses a quorum id): the group stops
+    with QuorumLost (the trainer checkpoints and exits 75) instead of retrying the step for ever."""
+    class NeverCommits(FakeManager):
+        def should_commit(self):
+            return False
+
+    groups = replicas(NeverCommits([3]), small_state(0))
+    for _ in range(fault_tolerance.MAX_UNCOMMITTED):
+        assert not groups.start_step() and not groups.commit()
+    with pytest.raises(QuorumLost, match=f"committed none of {fault_tolerance.MAX_UNCOMMITTED} tries of step 1"):
         groups.start_step()
