@@ -89,7 +89,7 @@ def measure_rank(config: Config, machine: Machine, info, batches: BatchPlan, ran
     with fake:
         optimizer = build_optimizer(model, config.train)
         _create_state(model, optimizer)
-        tracker = _tracker(model, optimizer)
+        tracker = _tracker(strategy, model, optimizer)
         with tracker:
             if strategy.dims.pipeline > 1:
                 _pipeline_step(config, strategy, model, sample, batches, rank, given, tracker.reset_mod_stats)
@@ -135,13 +135,13 @@ def _create_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def _tracker(model: nn.Module, optimizer: torch.optim.Optimizer):
-    """FSDPMemTracker over a sharded model (its stages' roots under pp), MemTracker over DDP's."""
+def _tracker(strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer):
+    """FSDPMemTracker over a sharded model (the runner's roots: its stages' under pp), MemTracker over DDP's."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import FSDPModule
 
-    roots = list(model.pipeline.stages.values()) if getattr(model, "pipeline", None) is not None else [model]
+    roots = strategy.runner.roots(model)
     if not isinstance(roots[0], FSDPModule):
         tracker = MemTracker()
         tracker.track_external(model, optimizer)
@@ -189,7 +189,7 @@ def _pipeline_step(config: Config, strategy: Strategy, model: nn.Module, sample,
     """Each micro-step, this rank's stages on their microbatches as torch's schedule holds them: as many forwarded
     before the first backward as the schedule keeps in flight (distrib.plan.pipeline.in_flight), then the others one
     by one; each stage reduces its gradients in its last backward only (the schedule's no-sync backwards)."""
-    dist_config, stages = config.dist, model.pipeline.stages
+    dist_config, stages = config.dist, strategy.runner.stages
     count = pipeline.microbatches(dist_config)
     mine = pipeline.stages_of(strategy.dims.pipeline_rank(rank), dist_config.pipeline_parallel,
                               dist_config.stages_per_rank, dist_config.pipeline_schedule)

@@ -173,7 +173,7 @@ def plan_pipeline(config: Config, strategy: Strategy, info, machine: Machine, de
                                             figures["allocator_slack_bytes"], batches.grad_accum_steps)
         intra, inter = _sent(strategy.dims, pipeline_rank, mine, passes, config, machine, batches, microbatches)
         stages = [{"stage": s, "units": list(split.stage_units(s)),
-                   "state_bytes": _stage_state(held.pipeline.stages[s], optimizer, strategy, device),
+                   "state_bytes": _stage_state(strategy.runner.stages[s], optimizer, strategy, device),
                    "activation_bytes_per_microbatch": passes[s][key], "microbatches_in_flight": count}
                   for s, count in zip(mine, counts)]
         ranks.append({"pipeline_rank": pipeline_rank, **figures, "sent_bytes_per_step_intra_node": intra,

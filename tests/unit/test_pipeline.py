@@ -129,6 +129,24 @@ def test_microbatches_must_divide_the_micro_batch():
     assert pipeline_degree.microbatches(DistConfig(strategy="fsdp", pipeline_parallel=2)) == 2
 
 
+def test_the_step_runner_is_chosen_once_and_is_the_one_owner_of_a_ranks_stages():
+    from distrib.distributed.pipeline import PipelineRunner
+    from distrib.distributed.runner import Runner
+    from distrib.distributed.runtime import Runtime
+    from distrib.plan import fake_process_group
+
+    plain = make_strategy(DistConfig(strategy="fsdp"), 4, 4)
+    assert type(plain.runner) is Runner and plain.logs_extra_losses
+    strategy = make_strategy(DistConfig(pipeline_parallel=2), 4, 4)  # chosen before any model is built
+    assert isinstance(strategy.runner, PipelineRunner) and not strategy.logs_extra_losses
+    with fake_process_group(4):  # rank 2: pipeline rank 1, the last stage's
+        held = strategy.plan_module(build_on_meta(_gpt, 0), Runtime(2, 2, 4, 4, torch.device("cpu"), "fake"), "fp32")
+    runner = strategy.runner
+    assert held.pipeline is runner.pipeline  # the module's forward-only passes run the runner's stages
+    assert list(runner.stages) == [1] and runner.roots(held) == [runner.stages[1]]
+    assert "this rank holds stage 1 (" in runner.describe()[0]
+
+
 def test_a_device_mismatch_inside_a_stage_names_the_stage():
     from distrib.distributed.parallel import explain_device_errors
     from distrib.distributed.pipeline.stages import Pipeline, _naming_stage

@@ -43,7 +43,8 @@ def _empty_like_header(header: torch.Tensor, device: torch.device) -> torch.Tens
 @dataclass(eq=False)
 class Pipeline:
     """This rank's part of the pipeline: its stages (views), the group of its stage ranks, and the schedule. Owned by
-    the strategy; the Pipelined module that the optimizer and checkpoints see runs its forward through it."""
+    the step runner (distrib.distributed.pipeline.runner); the Pipelined module that the optimizer and checkpoints see
+    runs its forward through it."""
 
     split: StageSplit
     stages: dict[int, nn.Module]  # stage index -> its view (an FSDP root once sharded)
@@ -184,7 +185,7 @@ class Pipelined(nn.Module):
     the EMA and checkpoints see), and a forward that runs the whole pipeline (Pipeline.forward, a collective of the
     stage ranks) for evaluation, prediction and the pre-flight batch."""
 
-    pipeline: Pipeline | None = None  # set by distrib.distributed.pipeline.lay_out, once the stages are sharded
+    pipeline: Pipeline | None = None  # handed over by the step runner that owns it, once the stages are sharded
 
     def forward(self, *args, **kwargs):
         if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):

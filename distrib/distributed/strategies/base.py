@@ -17,9 +17,10 @@ import torch
 import torch.nn as nn
 
 from distrib.config import Config, DistConfig, SpeedConfig
-from distrib.distributed.compile import explain_compile_errors
+from distrib.distributed import pipeline
 from distrib.distributed.mesh import ParallelDims
-from distrib.distributed.parallel import clip_grad_norm, explain_device_errors
+from distrib.distributed.parallel import clip_grad_norm
+from distrib.distributed.runner import Runner
 from distrib.distributed.runtime import Runtime
 from distrib.distributed.unused import DryForward
 from distrib.errors import ConfigError, UserError
@@ -65,15 +66,6 @@ class StepLoss:
     device: torch.device
 
 
-def zero_missing_grads(model: nn.Module) -> None:
-    """A zero gradient for each trainable parameter that got none in the step (an expert no token reached on any rank):
-    what FSDP2 reduces for them (set_reduce_scatter_unused_params), so that every strategy and world size steps the
-    same parameters, and an optimizer's momentum and weight decay act alike on them."""
-    for param in model.parameters():
-        if param.requires_grad and param.grad is None:
-            param.grad = torch.zeros_like(param)
-
-
 # dist.strategy -> the class that serves it, filled by each subclass's `names` as it is defined.
 _REGISTERED: dict[str, type[Strategy]] = {}
 
@@ -111,6 +103,9 @@ class Strategy(ABC):
 
     def __init__(self, config: DistConfig, dims: ParallelDims):
         self.config, self.dims = config, dims
+        # How a step runs on this rank's model (the plain step, or a pipeline's schedule), chosen once: the model's
+        # layout, its step, its gradient norm and its gathered state ask it (distrib.distributed.runner).
+        self.runner: Runner = pipeline.runner_for(config, dims)
 
     # ---------------------------------------------------------------- the config's rules and the mesh
 
@@ -154,43 +149,36 @@ class Strategy(ABC):
         """Wraps the whole forward AND backward of a micro-step; enabled only in the last one of a step."""
 
     def forward_backward(self, model: nn.Module, micro_batches: list, step: StepLoss) -> torch.Tensor:
-        """The forward and backward of one optimizer step's micro-batches, gradients synced in the last; returns this
-        rank's share of the step's loss (the sum of what it backwarded). Pipeline parallel runs a schedule instead."""
-        losses = []
-        for index, (inputs, targets) in enumerate(micro_batches):
-            with self.grad_sync(model, index == len(micro_batches) - 1), explain_compile_errors(model), \
-                    explain_device_errors(model, step.device, step.batch(inputs, targets)):
-                with step.autocast():  # DDP decides in the forward whether to sync: forward and backward inside
-                    loss = step.loss(step.forward(model, inputs), targets, 1)
-                step.backward(loss)
-            losses.append(loss.detach())
-        zero_missing_grads(model)
-        return torch.stack(losses).sum()
+        """The forward and backward of one optimizer step's micro-batches, gradients synced in the last (grad_sync);
+        returns this rank's share of the step's loss (the sum of what it backwarded). The runner's: the plain step, or
+        a pipeline's schedule."""
+        return self.runner.forward_backward(model, micro_batches, step, self.grad_sync)
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Scales the gradients to a total norm of at most max_norm, the norm of every parameter of the model (on
         every rank that holds a part of it); returns the norm."""
-        return clip_grad_norm(model.parameters(), max_norm)
+        return clip_grad_norm(model.parameters(), max_norm, across=self.runner.norm_group)
 
     def whole_on_rank0(self, state: dict) -> dict:
         """A state_dict made whole on each rank that holds a part (full_model_state's, an EMA's) as rank 0's: the
         same under every strategy but pipeline parallel, whose stages send theirs to rank 0. A collective."""
-        return state
+        return self.runner.whole_on_rank0(state)
 
     def complete(self, model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The model's tensors (model_tensors, an EMA's) under every name of the whole model, as the weights files
         lay them out on every rank: as they are, but under pipeline parallel (the other stages' as meta tensors)."""
-        return tensors
+        return self.runner.complete(tensors)
 
     def check_micro_batch(self, micro_batch_size: int) -> None:
         """A one-line ConfigError if the strategy cannot run micro-batches of this size (pipeline parallel cuts each
         into microbatches)."""
+        self.runner.check_micro_batch(micro_batch_size)
 
     @property
     def logs_extra_losses(self) -> bool:
         """Whether the trainer's loss sees each micro-batch's outputs whole, so that the model's extra losses are
         logged (not under pipeline parallel, whose last stage sees its microbatches' outputs only)."""
-        return self.dims.pipeline == 1
+        return self.runner.logs_extra_losses
 
     @property
     def loss_ranks(self) -> int:

@@ -17,17 +17,14 @@ from typing import Iterator
 
 import torch
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from distrib.config import DistConfig, SpeedConfig
-from distrib.distributed import fsdp, pipeline
-from distrib.distributed.parallel import clip_grad_norm, explain_device_errors, mismatch_error, place_model, unwrap
-from distrib.distributed.parallelize import parallelize
-from distrib.distributed.pipeline import Pipeline
+from distrib.distributed import fsdp
+from distrib.distributed.parallel import mismatch_error, place_model, unwrap
 from distrib.distributed.runtime import Runtime
 from distrib.distributed.strategies import materialise
-from distrib.distributed.strategies.base import Build, StepLoss, Strategy
-from distrib.errors import ConfigError, UserError
+from distrib.distributed.strategies.base import Build, Strategy
+from distrib.errors import ConfigError
 
 # On the CPU, glibc keeps the whole parameters a sharded model gathers and frees block by block in its heap (the fsdp
 # workers of a 203M-parameter GPT peaked at 1.8-2.1x its bytes instead of 0.92x) unless the runtime fixes its mmap
@@ -54,15 +51,9 @@ def _requires_gradient_sync(module, enabled: bool) -> Iterator[None]:
         module.set_requires_gradient_sync(True)
 
 
-
-
 class FSDPStrategy(Strategy):
     names = ("fsdp", "hsdp")
     sharded_state = True
-
-    def __init__(self, config: DistConfig, dims):
-        super().__init__(config, dims)
-        self.pipeline: Pipeline | None = None  # this rank's stages, under dist.pipeline_parallel > 1 (lay_out)
 
     @classmethod
     def check_keys(cls, config: DistConfig) -> None:
@@ -107,21 +98,14 @@ class FSDPStrategy(Strategy):
             self._fill(model, whole, build, runtime, self_init, buffers)
         elif build.load_weights is not None:
             build.load_weights(model)
-        if self.pipeline is not None:
-            config = self.config
-            build.log(f"pipeline parallel: {self.dims.pipeline} ranks x {config.stages_per_rank} stage(s) each, "
-                      f"schedule {config.pipeline_schedule}, {self.pipeline.microbatches} microbatches per "
-                      f"micro-step; this rank holds {self.pipeline.describe()}: no rank held the model whole")
+        for line in self.runner.describe():
+            build.log(line)
         return model
 
     def _lay_out(self, whole: nn.Module, runtime: Runtime, speed: SpeedConfig, precision: str, log) -> nn.Module:
-        """The whole model laid out by the one parallelize, or under pipeline parallel runtime.rank's stages of it,
-        which this strategy then holds."""
-        if self.dims.pipeline == 1:
-            return parallelize(whole, self.dims, self.config, runtime, speed=speed, precision=precision, log=log)
-        held = pipeline.lay_out(whole, self.dims, self.config, runtime, speed=speed, precision=precision, log=log)
-        self.pipeline = held.pipeline
-        return held
+        """The model as the runner runs it, laid out by the one parallelize: the whole model, or under pipeline
+        parallel runtime.rank's stages of it, which the runner then holds."""
+        return self.runner.lay_out(whole, self.dims, self.config, runtime, speed=speed, precision=precision, log=log)
 
     def _fill(self, model: nn.Module, whole: nn.Module, build: Build, runtime: Runtime, self_init: bool,
               buffers: dict[str, torch.Tensor]) -> None:
@@ -137,7 +121,7 @@ class FSDPStrategy(Strategy):
             materialise.init_shards(whole, build.seed)
         else:
             materialise.load_from_rank0(model, build.factory, build.seed, runtime, build.log,
-                                        part=self.pipeline is not None)
+                                        part=self.runner.holds_part)
 
     def _materialise(self, model: nn.Module, runtime: Runtime) -> None:
         """Empty shards and buffers where they live (shards in host memory under dist.cpu_offload), then the
@@ -156,39 +140,15 @@ class FSDPStrategy(Strategy):
                                  "so that model.to(device) moves them, and do not pin them to a device")
 
     def grad_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
-        if self.pipeline is not None:  # the schedule's stages reduce their gradients after their last backward
-            return contextlib.nullcontext()
         # FSDP reduce-scatters in the backward unless told not to (it then keeps unsharded gradients until the last).
+        # A pipeline's runner does not ask: its schedule's stages reduce their gradients after their last backward.
         return _requires_gradient_sync(model, enabled)
-
-    def forward_backward(self, model: nn.Module, micro_batches: list, step: StepLoss) -> torch.Tensor:
-        if self.pipeline is None:
-            return super().forward_backward(model, micro_batches, step)
-        total = torch.zeros((), device=step.device)
-        pieces = self.pipeline.microbatches
-        for inputs, targets in micro_batches:
-            if not isinstance(inputs, torch.Tensor):
-                raise UserError("dist.pipeline_parallel > 1: the samples' inputs are not one tensor, and a pipeline "
-                                "cuts one tensor into microbatches; use --set dist.pipeline_parallel=1")
-            with explain_device_errors(model, step.device, step.batch(inputs, targets)), step.autocast():
-                loss = self.pipeline.train_step(inputs, targets, lambda out, tgt: step.loss(out, tgt, pieces))
-            if loss is not None:
-                total = total + loss
-        return total
-
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        across = self.pipeline.group if self.pipeline is not None else None  # every stage's part of the norm
-        return clip_grad_norm(model.parameters(), max_norm, across=across)
-
-    def check_micro_batch(self, micro_batch_size: int) -> None:
-        if self.dims.pipeline > 1:
-            pipeline.check_micro_batch(self.config, micro_batch_size)
 
     def after_forward_only(self, model: nn.Module) -> None:
         # With dist.reshard_after_forward = false (and for the root module always) a forward leaves the parameters
         # gathered until a backward reshards them; an optimizer built then, or a checkpoint taken after an
         # evaluation, would see the gathered tensors, not the shards (torch's state_dict helpers then crashed).
-        for root in self.pipeline.stages.values() if self.pipeline is not None else [unwrap(model)]:
+        for root in self.runner.roots(model):
             fsdp.reshard(root)
 
     def training_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, named: bool = False) -> dict:
@@ -197,23 +157,12 @@ class FSDPStrategy(Strategy):
     def load_training_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
         if fsdp.keyed_by_name(state["optimizer"]):  # DCP shards, resharded to this mesh
             fsdp.load_sharded_state(unwrap(model), optimizer, state)
-        elif self.pipeline is not None:
-            raise UserError("a one-file (ddp) checkpoint cannot be resumed under dist.pipeline_parallel > 1 (its "
-                            "optimizer state is keyed by the whole model's parameter order); resume it under ddp or "
-                            "fsdp once, then under pipeline parallel from that run's (sharded) checkpoint")
         else:  # a one-file checkpoint: each rank keeps its slices of the whole
+            self.runner.check_one_file_state()
             fsdp.load_full_state(unwrap(model), optimizer, state)
 
     def full_model_state(self, model: nn.Module) -> dict:
-        if self.pipeline is None:
-            return fsdp.full_model_state(unwrap(model))
-        return self.pipeline.whole_on_rank0(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))
-
-    def whole_on_rank0(self, state: dict) -> dict:
-        return state if self.pipeline is None else self.pipeline.whole_on_rank0(state)
-
-    def complete(self, model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return tensors if self.pipeline is None else self.pipeline.complete(tensors)
+        return self.runner.full_model_state(model)
 
     def plan_module(self, model: nn.Module, runtime: Runtime, precision: str,
                     speed: SpeedConfig = SpeedConfig()) -> nn.Module:
