@@ -19,7 +19,8 @@ import torch.nn as nn
 from distrib.checkpoint import BestCheckpoints, Checkpointer, CheckpointError, committing, make_checkpointer
 from distrib.checkpoint.init_from import check_weights, clear_weights, load_weights, open_source
 from distrib.checkpoint.policy import resumable
-from distrib.checkpoint.weights import WEIGHTS_DIR, write_run_weights
+from distrib.checkpoint.run_weights import write_run_weights
+from distrib.checkpoint.weight_files import WEIGHTS_DIR
 from distrib.config import Config, to_dict, write_resolved
 from distrib.data import Data, load_data, make_plan
 from distrib.data.batching import load_source_state, source_state

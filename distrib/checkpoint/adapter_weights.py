@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from distrib.checkpoint.blocks import block_slices, local_block, local_part
 from distrib.checkpoint.export_check import (
     agree_checked,
     architecture,
@@ -23,11 +24,12 @@ from distrib.checkpoint.export_check import (
     check_folder,
     check_pretrained_folder,
 )
-from distrib.checkpoint.weights import MAX_FILE_BYTES, WEIGHTS_DIR, block_slices, local_block, local_part
+from distrib.checkpoint.weight_files import ADAPTER_FILE, MAX_FILE_BYTES, WEIGHTS_DIR, agree_write, write_fault
+from distrib.checkpoint.weights import hf_config, replace_folder, save_weights
 from distrib.distributed.hf_experts import lora_delta
 from distrib.models.adapters import base_name, is_adapter_name
 
-ADAPTER_FILE, ADAPTER_CONFIG, MERGED_DIR = "adapter_model.safetensors", "adapter_config.json", "merged"
+ADAPTER_CONFIG, MERGED_DIR = "adapter_config.json", "merged"
 _WRAPPED = "base_model.model."
 _MERGE_YOURSELF = "PeftModel.from_pretrained(base, weights/).merge_and_unload() merges it"
 
@@ -225,7 +227,6 @@ def save_adapter_run(model: nn.Module, tensors: dict[str, torch.Tensor], folder:
     """Every rank: `folder` as an adapter run's weights/ (the adapter, and merged/ unless model.merged_weights =
     false, in files of at most max_file_bytes), built in a temporary folder that rank 0 moves into place whole, then
     checked by loading it back."""
-    from distrib.checkpoint.weights import _agree, _fault, hf_config, replace_folder, save_weights
     from distrib.models.adapters import base_model
 
     tmp = folder.with_name(f".{folder.name}.tmp")
@@ -238,8 +239,8 @@ def save_adapter_run(model: nn.Module, tensors: dict[str, torch.Tensor], folder:
             shutil.rmtree(tmp, ignore_errors=True)  # a write that died
             write_adapter(model, whole, tmp, base)
         except OSError as e:
-            error = _fault(folder, e)
-    _agree(error)
+            error = write_fault(folder, e)
+    agree_write(error)
     merged_state, why = merged_tensors(model, tensors, whole) if merged else ({}, "model.merged_weights = false")
     if merged_state:
         save_weights(merged_state, tmp / MERGED_DIR, rank, hf_config(base_model(model)), max_file_bytes)
@@ -247,8 +248,8 @@ def save_adapter_run(model: nn.Module, tensors: dict[str, torch.Tensor], folder:
         try:
             replace_folder(tmp, folder)
         except OSError as e:
-            error = _fault(folder, e)
-    _agree(error)
+            error = write_fault(folder, e)
+    agree_write(error)
     agree_checked(rank, lambda: check_adapter_run(folder, model, merged_state, base))
     log(_described(folder, base, why, trained_base(model)))
 

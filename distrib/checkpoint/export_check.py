@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from distrib.checkpoint.weight_files import ADAPTER_FILE
 from distrib.errors import UserError
 
 
@@ -127,7 +128,6 @@ def check_adapter_folder(folder: Path, model: nn.Module, adapter: str) -> None:
     from peft.utils import set_peft_model_state_dict
     from safetensors import safe_open
 
-    from distrib.checkpoint.adapter_weights import ADAPTER_FILE
     from distrib.models.adapters import is_adapter_name
 
     file = folder / ADAPTER_FILE

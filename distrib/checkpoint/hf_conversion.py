@@ -12,7 +12,7 @@ from copy import deepcopy
 import torch
 import torch.nn as nn
 
-from distrib.checkpoint.weights import block_slices, local_block, local_part
+from distrib.checkpoint.blocks import block_slices, local_block, local_part
 from distrib.errors import UserError
 
 

@@ -18,8 +18,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distrib.checkpoint import hf_conversion
+from distrib.checkpoint.blocks import block_slices, local_block, local_part
 from distrib.checkpoint.format import FORMAT
-from distrib.checkpoint.weights import INDEX, SINGLE, WEIGHTS_DIR, aliases_of, block_slices, local_block, local_part
+from distrib.checkpoint.weight_files import INDEX, SINGLE, WEIGHTS_DIR
+from distrib.checkpoint.weights import aliases_of
 from distrib.errors import UserError
 from distrib.models import adapters
 

@@ -1,6 +1,6 @@
 """A run's trained weights as safetensors, written shard by shard: every rank writes the slices it holds straight into
-the final files (nothing is gathered), rank 0 the headers, the index and a Hugging Face model's config.json; which
-block of a (DTensor) tensor a rank holds; and reading such a folder back whole (eval, predict, generate).
+the final files (nothing is gathered), rank 0 the headers, the index and a Hugging Face model's config.json; and
+reading such a folder back whole (eval, predict, generate). What a run writes at its end: checkpoint.run_weights.
 
     run.dir/weights/
         model.safetensors                       every tensor of the unwrapped state_dict (tied ones once), or, over
@@ -18,55 +18,18 @@ import shutil
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate
 
-from distrib.distributed.strategies import Strategy
-from distrib.errors import EnvironmentFault, UserError
+from distrib.checkpoint.blocks import local_block, local_part, writes_block
+from distrib.checkpoint.weight_files import INDEX, MAX_FILE_BYTES, SINGLE, agree_write, write_fault
+from distrib.errors import UserError
 
-WEIGHTS_DIR, SINGLE, INDEX = "weights", "model.safetensors", "model.safetensors.index.json"
-MAX_FILE_BYTES = 5 * 2**30  # model.max_shard_size's default (save_pretrained's max_shard_size)
 # model.pt under a sharded strategy is gathered whole into rank 0's host memory: only up to this size, and up to one
 # file of weights/, so that rank 0's save holds at most one file more than the other ranks.
 MODEL_PT_MAX_BYTES = 256 * 2**20
 DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
           torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
-
-
-# ---------------------------------------------------------------- which block of a tensor this rank holds
-
-
-def local_block(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(global offsets, sizes) of the block this rank holds: a DTensor's local shard (FSDP's rows, tensor
-    parallel's columns, both, uneven ones included), or the whole of a plain tensor."""
-    if isinstance(tensor, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        sizes, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-        return tuple(offsets), tuple(sizes)
-    return (0,) * tensor.dim(), tuple(tensor.shape)
-
-
-def block_slices(offsets, sizes) -> tuple[slice, ...]:
-    return tuple(slice(offset, offset + size) for offset, size in zip(offsets, sizes))
-
-
-def local_part(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def writes_block(tensor: torch.Tensor, rank: int) -> bool:
-    """Whether this rank writes its block: of the ranks holding the same block (replicas: hsdp's groups, tensor
-    parallel's norms, a plain tensor on every rank) only the first."""
-    if tensor.is_meta:  # another pipeline stage's: its own ranks write it
-        return False
-    if isinstance(tensor, DTensor):
-        coordinate = tensor.device_mesh.get_coordinate() or []
-        return all(coordinate[dim] == 0 for dim, placement in enumerate(tensor.placements)
-                   if isinstance(placement, Replicate))
-    return rank == 0
 
 
 # ---------------------------------------------------------------- what a model's weights are
@@ -151,22 +114,6 @@ def byte_runs(offsets, sizes, shape, itemsize: int):
 
 
 # ---------------------------------------------------------------- writing, every rank its own blocks
-
-
-def _agree(error: str | None) -> None:
-    """Every rank learns whether any rank failed (the first reason), so that none waits in the next collective."""
-    errors = [error]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-    failed = next((e for e in errors if e), None)
-    if failed:
-        raise EnvironmentFault(failed)
-
-
-def _fault(folder: Path, e: OSError) -> str:
-    return (f"{folder}: the weights cannot be written ({e.strerror}); free some space or fix the folder "
-            "(permissions, a read-only mount), then run the same command again")
 
 
 # A file being written: its header and size are final from the start, so safe_open would take it with the blocks not
@@ -260,20 +207,20 @@ def save_weights(tensors: dict[str, torch.Tensor], folder: Path, rank: int, conf
         try:
             _create(tmp, files)
         except OSError as e:
-            error = _fault(folder, e)
-    _agree(error)  # the files exist before any rank writes into them
+            error = write_fault(folder, e)
+    agree_write(error)  # the files exist before any rank writes into them
     written, error = 0, None
     try:
         written = _write_blocks(tmp, files, tensors, rank)
     except OSError as e:
-        error = _fault(folder, e)
-    _agree(error)  # every block is written before rank 0 renames the folder
+        error = write_fault(folder, e)
+    agree_write(error)  # every block is written before rank 0 renames the folder
     if rank == 0:
         try:
             _finish(tmp, folder, files, config)
         except OSError as e:
-            error = _fault(folder, e)
-    _agree(error)
+            error = write_fault(folder, e)
+    agree_write(error)
     return written
 
 
@@ -298,52 +245,3 @@ def model_pt_written(nbytes: int, sharded: bool, max_file_bytes: int = MAX_FILE_
 def model_pt_is_cheap(tensors: dict[str, torch.Tensor], sharded: bool, max_file_bytes: int = MAX_FILE_BYTES) -> bool:
     """model_pt_written for these tensors (model_tensors: a tied one once)."""
     return model_pt_written(sum(t.numel() * t.element_size() for t in tensors.values()), sharded, max_file_bytes)
-
-
-def write_run_weights(model: nn.Module, ema, run_dir: Path, rank: int, strategy: Strategy, init_from: str = "",
-                      merged_weights: bool = True, log=lambda line: None, max_file_bytes: int = MAX_FILE_BYTES
-                      ) -> list[str]:
-    """Every rank: the unwrapped model's weights into run_dir/weights/ (and the EMA's into weights_ema/), shard by
-    shard in files of at most max_file_bytes (the strategy's save of trained weights), checked by loading them back;
-    a peft model's as its adapter and weights/merged/ (distrib.checkpoint.adapter_weights). Then, where
-    model_pt_is_cheap, model.pt and model_ema.pt (the whole wrapped state, which the config's model takes back),
-    written by rank 0 one at a time. Returns the names of those written (the same on every rank)."""
-    from distrib.checkpoint import adapter_weights
-    from distrib.checkpoint.export_check import agree_checked, check_folder, check_state_folder
-    from distrib.models.adapters import is_peft
-
-    tensors = strategy.complete(model, model_tensors(model))  # under pipeline parallel: every stage's names
-    folder = Path(run_dir) / WEIGHTS_DIR
-    if is_peft(model):
-        adapter_weights.save_adapter_run(model, tensors, folder, rank, init_from, merged_weights, log, max_file_bytes)
-    else:
-        save_weights(tensors, folder, rank, hf_config(model), max_file_bytes)
-        agree_checked(rank, lambda: check_folder(folder, model, tensors))
-    if ema is not None:
-        averaged, ema_folder = strategy.complete(model, ema.state_dict()), Path(run_dir) / f"{WEIGHTS_DIR}_ema"
-        save_weights(averaged, ema_folder, rank, max_file_bytes=max_file_bytes)
-        shapes = {name: tuple(tensor.shape) for name, tensor in averaged.items()}
-        agree_checked(rank, lambda: check_state_folder(ema_folder, shapes))
-    if not model_pt_is_cheap(tensors, strategy.sharded_state, max_file_bytes):
-        return []
-    whole = {"model.pt": lambda: strategy.full_model_state(model)}  # a sharded model is gathered onto rank 0
-    if ema is not None:
-        whole["model_ema.pt"] = lambda: strategy.whole_on_rank0(ema.full_state_dict())  # a gather under fsdp
-    for name, gather in whole.items():
-        _save_whole(gather, Path(run_dir) / name, rank)
-    return list(whole)
-
-
-def _save_whole(gather, path: Path, rank: int) -> None:
-    """Every rank: gather() (a collective), and rank 0 writes what it returns to `path`, then lets it go before the
-    next file is gathered: rank 0 never holds more than one whole file above the other ranks."""
-    from distrib.checkpoint.format import save_atomic
-
-    state, error = gather(), None
-    if rank == 0:
-        try:
-            save_atomic(state, path)
-        except EnvironmentFault as e:
-            error = str(e)
-    del state
-    _agree(error)  # no rank goes on to the next gather while rank 0's write failed

@@ -11,7 +11,8 @@ import torch
 import torch.nn as nn
 
 from distrib.checkpoint.format import list_checkpoints, load_failure, read_checkpoint
-from distrib.checkpoint.weights import INDEX, SINGLE, WEIGHTS_DIR, aliases_of, read_weights
+from distrib.checkpoint.weight_files import INDEX, SINGLE, WEIGHTS_DIR
+from distrib.checkpoint.weights import aliases_of, read_weights
 from distrib.config import Config, load_config
 from distrib.data import DataInfo
 from distrib.errors import UserError

@@ -10,9 +10,10 @@ import json
 import pytest
 import torch
 
-from distrib.checkpoint.adapter_weights import ADAPTER_CONFIG, ADAPTER_FILE, MERGED_DIR  # noqa: E402
+from distrib.checkpoint.adapter_weights import ADAPTER_CONFIG, MERGED_DIR  # noqa: E402
 from distrib.checkpoint.export_check import ExportCheckError  # noqa: E402
-from distrib.checkpoint.weights import WEIGHTS_DIR, write_run_weights  # noqa: E402
+from distrib.checkpoint.run_weights import write_run_weights  # noqa: E402
+from distrib.checkpoint.weight_files import ADAPTER_FILE, WEIGHTS_DIR  # noqa: E402
 from distrib.distributed.strategies.ddp import DDPStrategy  # noqa: E402
 from distrib.errors import UserError  # noqa: E402
 from tests.helpers.pretrained import SIZES, lora_llama, save_llama  # noqa: E402

@@ -9,7 +9,9 @@ import torch
 import torch.nn as nn
 
 from distrib.checkpoint.export_check import ExportCheckError, check_folder
-from distrib.checkpoint.weights import SINGLE, WEIGHTS_DIR, hf_config, model_tensors, write_run_weights
+from distrib.checkpoint.run_weights import write_run_weights
+from distrib.checkpoint.weight_files import SINGLE, WEIGHTS_DIR
+from distrib.checkpoint.weights import hf_config, model_tensors
 from distrib.distributed.strategies.ddp import DDPStrategy
 from tests.helpers.pretrained import llama
 

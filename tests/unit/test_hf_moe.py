@@ -231,7 +231,8 @@ def test_lora_on_the_experts_is_merged_into_merged_which_loads_as_the_trained_mo
     """weights/merged/ of a LoRA on the fused experts (peft's ParamWrapper: an A and a B per expert), as a user loads
     it with from_pretrained: the wrapped model's logits (the base's are 0.8 away)."""
     from distrib.checkpoint.adapter_weights import MERGED_DIR
-    from distrib.checkpoint.weights import WEIGHTS_DIR, write_run_weights
+    from distrib.checkpoint.run_weights import write_run_weights
+    from distrib.checkpoint.weight_files import WEIGHTS_DIR
     from distrib.distributed.strategies.ddp import DDPStrategy
 
     folder = save_moe(tmp_path / "qwen3_moe", "qwen3_moe")

@@ -13,8 +13,8 @@ import torch.nn as nn
 
 from distrib.checkpoint.format import FORMAT
 from distrib.checkpoint.init_from import Safetensors, TorchFile, check_weights, load_weights, open_source, read_plan
+from distrib.checkpoint.weight_files import INDEX
 from distrib.checkpoint.weights import (
-    INDEX,
     byte_runs,
     hf_config,
     layout,
@@ -325,7 +325,8 @@ def test_a_runs_weights_come_in_files_of_model_max_shard_size_and_model_pt_in_on
     """write_run_weights splits weights/ at max_file_bytes (model.max_shard_size) with its index, as save_pretrained
     does, and rank 0 writes model.pt itself; under a sharded strategy model.pt (gathered whole on rank 0) only for a
     model of at most one such file, so rank 0's save never holds more than one file above the other ranks."""
-    from distrib.checkpoint.weights import model_pt_is_cheap, write_run_weights
+    from distrib.checkpoint.run_weights import write_run_weights
+    from distrib.checkpoint.weights import model_pt_is_cheap
     from distrib.distributed.strategies import DDPStrategy
     from distrib.models.network import Network
 
