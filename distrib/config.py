@@ -514,7 +514,7 @@ class DistConfig:
         if self.pipeline_parallel == 1 and self.pipeline_split:
             _fail("dist", "pipeline_split", self.pipeline_split, "splits the model into pipeline stages, and "
                   "dist.pipeline_parallel is 1", "set --set dist.pipeline_parallel=2 (or more), or drop it")
-        # The schedule's own rules, and what a pipeline cannot compose with: distrib.distributed.pipeline.check_keys.
+        # The schedule's own rules, and what a pipeline cannot compose with: distrib.distributed.dimensions.pipeline.
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

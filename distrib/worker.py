@@ -25,7 +25,7 @@ from distrib.config import Config, to_dict, write_resolved
 from distrib.data import Data, load_data, make_plan
 from distrib.data.batching import load_source_state, source_state
 from distrib.data.split import split_validation
-from distrib.distributed import fault_tolerance
+from distrib.distributed import dimensions, fault_tolerance
 from distrib.distributed.agreement import RankAgreement
 from distrib.distributed.mesh import ParallelDims
 from distrib.distributed.parallel import memory_report, sync_batchnorm, unwrap
@@ -393,7 +393,7 @@ def _memory(config: Config, runtime: Runtime, state: TrainState, recorder: Recor
     """state_bytes_per_rank (and peak_memory_bytes on CUDA), the fullest rank's, into the log. A collective."""
     memory = memory_report(state.model, state.optimizer, runtime)
     peak, dims = memory["peak_memory_bytes"], state.strategy.dims
-    layout = f": {dims.describe()}" if dims.pipeline * dims.tensor_parallel > 1 else ""
+    layout = dimensions.layout_words(dims)  # spelt out where the strategy's name does not say what a rank holds
     recorder.info(f"parameters + gradients + optimizer state: {memory['state_bytes_per_rank'] / 2**20:.1f} MiB on "
                   f"the fullest rank ({config.dist.strategy}{layout})"
                   + (f"; peak device memory {peak / 2**20:.1f} MiB" if peak else ""))

@@ -12,9 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from distrib.config import DistConfig
-from distrib.errors import ConfigError
-
 # Each degree's mesh dimension, outermost first.
 PP, REPLICATE, SHARD, TP = "pp", "replicate", "shard", "tp"
 # Under expert parallel the shard dimension is built as two, (shard / E, E), and the dense parameters' `shard` is
@@ -186,35 +183,6 @@ def _forget_earlier_meshes() -> None:
     _clear_sharding_prop_cache()
     _redistribute._gen_transform_infos.cache_clear()
     _redistribute.clear_redistribute_planner_cache()
-
-
-def data_parallel_size(config: DistConfig, world_size: int, local_world_size: int) -> int:
-    """The ranks that read different micro-batches once dist.pipeline_parallel and dist.tensor_parallel have taken
-    their share of the world, or a one-line ConfigError naming the degree that does not divide it. How a strategy
-    lays these ranks out (replicas, shard groups) is its own: Strategy.replicas_and_shards."""
-    pp, tp = config.pipeline_parallel, config.tensor_parallel
-    if world_size % pp:
-        raise ConfigError(f"dist.pipeline_parallel = {pp}: does not divide world size {world_size}; use "
-                          f"{either(divisors(world_size))} (the divisors of {world_size}), or a world size that is a "
-                          f"multiple of {pp}")
-    if world_size // pp % tp:
-        raise ConfigError(f"dist.tensor_parallel = {tp}: does not divide world size {world_size}"
-                          + (f" / pipeline parallel {pp}" if pp > 1 else "")
-                          + f"; use a divisor of {world_size // pp} (ideally of the {local_world_size} ranks per "
-                          f"node), or a world size that is a multiple of {pp * tp}")
-    return world_size // (pp * tp)
-
-
-def check_expert_parallel(config: DistConfig, shard: int) -> None:
-    """A one-line ConfigError when dist.expert_parallel does not divide the shard group whose ranks split the experts
-    (fsdp: every data-parallel rank; hsdp: dist.shard_size's)."""
-    experts = config.expert_parallel
-    if shard % experts:
-        group = "hsdp's shard groups (dist.shard_size)" if config.strategy == "hsdp" else \
-            "the fsdp ranks (world size / dist.pipeline_parallel / dist.tensor_parallel)"
-        raise ConfigError(f"dist.expert_parallel = {experts}: does not divide the {shard} ranks of {group}, among "
-                          f"which the experts are split; use {either(divisors(shard))}, or more ranks per shard "
-                          "group")
 
 
 def divisors(number: int) -> list[int]:

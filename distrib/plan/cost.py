@@ -1,42 +1,24 @@
 """The plan's cost model of a layout: the bytes each rank sends per step over the mesh's dimensions (ring collectives,
-hierarchical across nodes) and what start-up holds before the first step, as functions of the run's ParallelDims."""
+hierarchical across nodes) and what start-up holds before the first step, as functions of the run's ParallelDims.
+Each degree's bytes are its declaration's (distrib.distributed.dimensions), through group_split, the unit of
+traffic, re-exported here."""
 
 from __future__ import annotations
 
 from distrib.config import DistConfig
-from distrib.distributed import pipeline
+from distrib.distributed import dimensions
+from distrib.distributed.dimensions import StepCost, group_split
 from distrib.distributed.mesh import ParallelDims
-
-
-def group_split(size: int, inner: int, per_node: int, nbytes: float, rounds: int) -> tuple[float, float]:
-    """(intra-node, inter-node) bytes one rank sends in a ring collective over a mesh dimension of `size` ranks
-    spaced `inner` apart (ranks numbered node by node), done hierarchically: within the node over its ranks of the
-    group, then across nodes on 1/l of the data each. rounds: 1 all-gather / reduce-scatter, 2 all-reduce."""
-    local = max(1, min(size, per_node // inner)) if per_node % inner == 0 else 1
-    nodes = size // local
-    return rounds * (local - 1) / local * nbytes, rounds * (nodes - 1) / nodes * nbytes / local
 
 
 def step_traffic(dims: ParallelDims, config: DistConfig, per_node: int, local_params: int, compute_bytes: int,
                  grad_accum: int, tp_activation_bytes: float = 0) -> tuple[float, float]:
-    """(intra-node, inter-node) bytes each rank sends per optimizer step for gradients and parameters. DDP: one
-    all-reduce of the fp32 gradients. FSDP2: all-gathers of parameters in every forward (and backward, when
-    resharded) of every micro-step (under pipeline parallel: of every microbatch), one reduce-scatter of fp32
-    gradients, and over a replicate degree an all-reduce of the gradient shards; tensor parallel all-reduces
-    tp_activation_bytes per micro-step within its group. (The activations between stages: distrib.plan.pipeline.)"""
-    if not dims.fully_shard:
-        return group_split(dims.replicate, 1, per_node, local_params * 4, 2)
-    if dims.pipeline > 1:
-        grad_accum *= pipeline.microbatches(config)
-    tp = dims.tensor_parallel
-    parts = [group_split(tp, 1, per_node, tp_activation_bytes * grad_accum, 2) if tp > 1 else (0, 0)]
-    gathered = local_params * dims.shard
-    gathers = grad_accum * (2 if config.reshard_after_forward else 1)
-    parts += [group_split(dims.shard, tp, per_node, gathered * compute_bytes, gathers),
-              group_split(dims.shard, tp, per_node, gathered * 4, 1)]
-    if dims.replicate > 1:
-        parts.append(group_split(dims.replicate, dims.shard * tp, per_node, local_params * 4, 2))
-    return sum(p[0] for p in parts), sum(p[1] for p in parts)
+    """(intra-node, inter-node) bytes each rank sends per optimizer step for gradients and parameters, each declared
+    degree's (distrib.distributed.dimensions: DDP's all-reduce; FSDP2's all-gathers, reduce-scatter and the replicas'
+    all-reduce; tensor parallel's all-reduces of tp_activation_bytes per pass; a pipeline's microbatches multiplying
+    the passes). (The activations between stages: distrib.plan.pipeline; the experts' all-to-alls: plan.experts.)"""
+    step = StepCost(per_node, local_params, compute_bytes, grad_accum, tp_activation_bytes)
+    return dimensions.step_traffic(dims, config, step)
 
 
 def startup_memory(dims: ParallelDims, parameter_bytes_per_rank: int, whole_bytes: int, largest_tensor_bytes: int,
@@ -53,3 +35,6 @@ def startup_memory(dims: ParallelDims, parameter_bytes_per_rank: int, whole_byte
     shards_on_host = nproc_per_node * parameter_bytes_per_rank if params_on_host else 0
     per_node = (nproc_per_node * extra if self_initialising else extra) + shards_on_host
     return parameter_bytes_per_rank + extra, per_node
+
+
+__all__ = ["group_split", "startup_memory", "step_traffic"]

@@ -1,13 +1,13 @@
 """The strategies, one object each: how a layout's state is held (whole: ddp; sharded: fsdp, hsdp and every
 pipeline), built, synced, gathered, loaded and saved (base: the contract and the registry of names; ddp; fsdp). Each
-class registers the dist.strategy names it serves and checks the config's rules about itself; the degrees are the
-mesh's (distrib.distributed.mesh), applied by the one parallelize."""
+class registers the dist.strategy names it serves and checks what its state allows; the degrees are declared in
+distrib.distributed.dimensions, recorded by the mesh (distrib.distributed.mesh) and applied by the one parallelize."""
 
 from __future__ import annotations
 
 from distrib.config import Config, DistConfig
-from distrib.distributed import fault_tolerance, pipeline
-from distrib.distributed.mesh import ParallelDims, check_expert_parallel, data_parallel_size
+from distrib.distributed import dimensions, fault_tolerance
+from distrib.distributed.mesh import ParallelDims
 from distrib.distributed.runtime import Runtime
 from distrib.distributed.strategies.base import Build, LoadWeights, StepLoss, Strategy, registered, strategy_named
 from distrib.distributed.strategies.ddp import DDPStrategy
@@ -22,27 +22,26 @@ def strategy_class(config: DistConfig) -> type[Strategy]:
 
 
 def check_config(config: Config) -> None:
-    """The rules of the config's layout (the keys dist.strategy takes, a pipeline's, what the state allows): a
-    one-line ConfigError, before any worker starts (distrib train and plan, distrib.fit, the worker)."""
-    strategy_named(config.dist.strategy).check_keys(config.dist)
-    if config.dist.pipeline_parallel > 1:
-        pipeline.check_keys(config.dist)
+    """The rules of the config's layout, each declared degree's (distrib.distributed.dimensions), then what the
+    strategy's state allows: a one-line ConfigError, before any worker starts (distrib train and plan, distrib.fit,
+    the worker)."""
+    dimensions.check(config)
     strategy_class(config.dist).check(config)
     if config.dist.fault_tolerant_groups > 1:
         fault_tolerance.check(config)
 
 
 def parallel_dims(config: DistConfig, world_size: int, local_world_size: int) -> ParallelDims:
-    """The degrees dist.strategy, dist.pipeline_parallel, dist.shard_size, dist.tensor_parallel and
-    dist.expert_parallel ask for at this world size, or a one-line ConfigError naming the value that does not tile the
+    """The degrees the config asks for at this world size (each declared degree's share of the world, then the
+    strategy's replicas and shards of the rest), or a one-line ConfigError naming the value that does not tile the
     world and the fix."""
-    data_parallel = data_parallel_size(config, world_size, local_world_size)
+    data_parallel = dimensions.data_parallel_size(config, world_size, local_world_size)
     named = strategy_named(config.strategy)
     replicate, shard = named.replicas_and_shards(config, data_parallel, world_size, local_world_size)
-    check_expert_parallel(config, shard)
-    return ParallelDims(replicate, shard, config.tensor_parallel, config.pipeline_parallel,
-                        fully_shard=strategy_class(config).sharded_state, expert_parallel=config.expert_parallel,
-                        fault_tolerant_groups=config.fault_tolerant_groups)
+    dims = ParallelDims(replicate, shard, fully_shard=strategy_class(config).sharded_state,
+                        fault_tolerant_groups=config.fault_tolerant_groups, **dimensions.sizes(config))
+    dimensions.check_sizes(dims, config)
+    return dims
 
 
 def make_strategy(config: DistConfig, world_size: int, local_world_size: int) -> Strategy:

@@ -18,7 +18,7 @@ from distrib.distributed.parallelize import parallelize
 from distrib.distributed.runtime import Runtime
 from distrib.distributed.strategies.base import Build, StepLoss, Strategy
 from distrib.distributed.strategies.materialise import build_whole
-from distrib.errors import ConfigError, UserError
+from distrib.errors import UserError
 
 # torch's words when a step starts while the previous one's gradient reduction waits for a parameter's gradient.
 _UNFINISHED = "Expected to have finished reduction in the prior iteration"
@@ -34,22 +34,6 @@ class DDPStrategy(Strategy):
 
     def __init__(self, config: DistConfig = DistConfig(), dims: ParallelDims | None = None):
         super().__init__(config, dims or ParallelDims.replicas(1))
-
-    @classmethod
-    def check_keys(cls, config: DistConfig) -> None:
-        if config.cpu_offload:
-            raise ConfigError(f"dist.cpu_offload = {config.cpu_offload}: offloads FSDP shards, and dist.strategy is "
-                              "ddp; set --set dist.strategy=fsdp or --set dist.cpu_offload=false")
-        if config.shard_size:
-            raise ConfigError(f"dist.shard_size = {config.shard_size}: sizes hsdp's shard groups, and dist.strategy "
-                              f"is {config.strategy}; set --set dist.strategy=hsdp or --set dist.shard_size=0")
-        if config.tensor_parallel > 1:
-            raise ConfigError(f"dist.tensor_parallel = {config.tensor_parallel}: composes with fsdp or hsdp on the "
-                              "data-parallel ranks, and dist.strategy is ddp; set --set dist.strategy=fsdp (or hsdp)")
-        if config.expert_parallel > 1:
-            raise ConfigError(f"dist.expert_parallel = {config.expert_parallel}: splits the experts over the ranks of "
-                              "a shard group, and dist.strategy is ddp (a whole replica on every rank); set --set "
-                              "dist.strategy=fsdp (or hsdp), or --set dist.expert_parallel=1")
 
     @classmethod
     def replicas_and_shards(cls, config: DistConfig, data_parallel: int, world_size: int,

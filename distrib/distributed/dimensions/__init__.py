@@ -1,0 +1,121 @@
+"""The parallel degrees, each declared once in its own module (a Dimension: base.py), and what iterates over them:
+the config's rules, the sizes that tile the world, the model checks before any worker, the mesh's dimensions and the
+layout's words, parallelize's steps, the step's hooks, and the plan's traffic. A new degree is a module here and one
+entry in DIMENSIONS (docs/layouts.md, Adding a dimension); no file outside names it.
+
+Imports point downward: this package imports the mesh (distrib.distributed.mesh) and the mechanism modules
+(tensor_parallel, expert_parallel, fsdp), never parallelize, the pipeline package or the strategies, which iterate
+over it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch.nn as nn
+
+from distrib.config import Config, DistConfig
+from distrib.distributed.dimensions.base import PREPARE, Dimension, Layout, Mesh, StepCost, Words, group_split
+from distrib.distributed.dimensions.data import DataParallel
+from distrib.distributed.dimensions.experts import ExpertParallel
+from distrib.distributed.dimensions.pipeline import Pipeline
+from distrib.distributed.dimensions.tensor import TensorParallel
+from distrib.distributed.mesh import ParallelDims
+
+# The order the layout is checked and its mesh composed: the pipeline's stages outermost (they take the first share of
+# the world), the data-parallel degrees, tensor parallel innermost, and expert parallel last, since it splits the data
+# degrees' `shard` rather than adding a dimension. parallelize's order is each one's step_at; the plan sums the
+# traffic innermost first.
+DIMENSIONS: tuple[Dimension, ...] = (Pipeline(), DataParallel(), TensorParallel(), ExpertParallel())
+
+
+def check(config: Config) -> None:
+    """Each degree's one-line refusals, in the declared order (before any worker starts)."""
+    for dimension in DIMENSIONS:
+        dimension.check(config)
+
+
+def data_parallel_size(config: DistConfig, world_size: int, local_world_size: int) -> int:
+    """The ranks that read different micro-batches once the degrees that take a share of the world (pipeline,
+    tensor parallel) have taken theirs, or a one-line ConfigError naming the degree that does not divide it."""
+    rest = world_size
+    for dimension in DIMENSIONS:
+        rest //= dimension.share(config, world_size, rest, local_world_size)
+    return rest
+
+
+def sizes(config: DistConfig) -> dict[str, int]:
+    """The degrees' fields of ParallelDims (the data-parallel ones, replicas and shards, are the strategy's)."""
+    return {field: size for dimension in DIMENSIONS for field, size in dimension.sizes(config).items()}
+
+
+def check_sizes(dims: ParallelDims, config: DistConfig) -> None:
+    for dimension in DIMENSIONS:
+        dimension.check_sizes(dims, config)
+
+
+def model_checks(dims: ParallelDims) -> list[Dimension]:
+    """The degrees of this run that check the model before any worker starts (each builds nothing: one model on meta
+    serves them all)."""
+    return [dimension for dimension in DIMENSIONS if dimension.on(dims) and dimension.checks_model]
+
+
+def check_model(model: nn.Module, dims: ParallelDims, world_size: int) -> None:
+    for dimension in model_checks(dims):
+        dimension.check_model(model, dims, world_size)
+
+
+def mesh_dims(dims: ParallelDims) -> Mesh:
+    """(name, size) of the one mesh, outermost first: what ParallelDims.dims() records."""
+    mesh: Mesh = ()
+    for dimension in DIMENSIONS:
+        mesh = dimension.mesh_dims(dims, mesh)
+    return mesh
+
+
+def describe(dims: ParallelDims) -> str:
+    """'pp 2 x shard 4 (ep 2) x tp 2': the layout in words (what ParallelDims.describe() says)."""
+    words: Words = ()
+    for dimension in DIMENSIONS:
+        words = dimension.words(dims, words)
+    return " x ".join(said for _, said in words)
+
+
+def layout_words(dims: ParallelDims) -> str:
+    """': pp 2 x shard 2 x tp 2' for the start-up memory line, when a degree on says that a rank holds part of each
+    block or some stages only (the strategy's name says the rest); '' otherwise."""
+    return f": {describe(dims)}" if any(d.names_layout and d.on(dims) for d in DIMENSIONS) else ""
+
+
+def parallelize_steps(dims: ParallelDims, prepare) -> list:
+    """The steps of parallelize, in their order: each degree's on this run at its step_at, and `prepare` (what
+    changes the module itself) at PREPARE. Each step takes (model, Layout) and returns the model."""
+    steps = [(d.step_at, d.parallelize) for d in DIMENSIONS if d.step_at is not None and d.on(dims)]
+    return [step for _, step in sorted([*steps, (PREPARE, prepare)], key=lambda at_step: at_step[0])]
+
+
+def transform_batch(batch, dims: ParallelDims, rank: int):
+    """A micro-batch as each degree cuts it for this rank (no degree of today's does)."""
+    for dimension in DIMENSIONS:
+        batch = dimension.transform_batch(batch, dims, rank)
+    return batch
+
+
+def loss_count(count: int, dims: ParallelDims) -> int:
+    """The loss's target count across the degrees' ranks, from this rank's (no degree of today's changes it)."""
+    for dimension in DIMENSIONS:
+        count = dimension.loss_count(count, dims)
+    return count
+
+
+def step_traffic(dims: ParallelDims, config: DistConfig, step: StepCost) -> tuple[float, float]:
+    """(intra-node, inter-node) bytes each rank sends per optimizer step over the mesh, each degree's parts summed
+    innermost first. step.passes: the micro-steps, times what each degree multiplies them by (a pipeline)."""
+    for dimension in DIMENSIONS:
+        step = replace(step, passes=step.passes * dimension.passes(dims, config))
+    parts = [part for dimension in reversed(DIMENSIONS) for part in dimension.traffic(dims, config, step)]
+    return sum(p[0] for p in parts), sum(p[1] for p in parts)
+
+
+__all__ = ["DIMENSIONS", "Dimension", "Layout", "StepCost", "check", "check_model", "check_sizes",
+           "data_parallel_size", "describe", "group_split", "layout_words", "loss_count", "mesh_dims",
+           "model_checks", "parallelize_steps", "sizes", "step_traffic", "transform_batch"]

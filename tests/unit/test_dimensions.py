@@ -1,0 +1,69 @@
+"""The declared degrees (distrib.distributed.dimensions): their order, their keys, and that the mesh and the words
+composed from their declarations are the ones ParallelDims records and says, for the layouts the strategies make;
+and that the worker, the trainer and the CLI name none of them."""
+
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from distrib.config import DistConfig
+from distrib.distributed import dimensions
+from distrib.distributed.dimensions import DIMENSIONS
+from distrib.distributed.mesh import ParallelDims
+from distrib.distributed.strategies import parallel_dims
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _steps(dims: ParallelDims) -> list[str]:
+    """parallelize's steps for dims, by the degree each is of ('prepare': parallelize's own)."""
+    def prepare(model, layout):
+        return model
+
+    return [step.__self__.name if hasattr(step, "__self__") else "prepare"
+            for step in dimensions.parallelize_steps(dims, prepare)]
+
+
+def test_the_declared_order_and_parallelize_s():
+    assert [d.name for d in DIMENSIONS] == ["pipeline parallel", "data parallel", "tensor parallel",
+                                            "expert parallel"]
+    every = ParallelDims(1, 4, tensor_parallel=2, pipeline=2, expert_parallel=2)
+    assert _steps(every) == ["tensor parallel", "expert parallel", "prepare", "data parallel"]
+    assert _steps(ParallelDims.replicas(2)) == ["prepare", "data parallel"]  # a degree off has no step
+
+
+def test_each_degree_owns_dist_keys_no_other_does():
+    owned = [key for dimension in DIMENSIONS for key in dimension.keys]
+    assert set(owned) <= {f.name for f in fields(DistConfig)} and len(owned) == len(set(owned))
+
+
+LAYOUTS = [  # (strategy, world, local world, other dist keys)
+    ("fsdp", 4, 4, {}), ("hsdp", 8, 4, {}), ("ddp", 4, 4, {}), ("ddp", 4, 4, {"pipeline_parallel": 2}),
+    ("fsdp", 8, 8, {"tensor_parallel": 2, "pipeline_parallel": 2}),
+    ("fsdp", 8, 8, {"expert_parallel": 2, "tensor_parallel": 2}),
+    ("hsdp", 32, 8, {"shard_size": 4, "expert_parallel": 2, "tensor_parallel": 2, "pipeline_parallel": 2}),
+]
+
+
+@pytest.mark.parametrize("strategy, world, local, keys", LAYOUTS)
+def test_the_declared_mesh_and_words_are_the_mesh_s(strategy, world, local, keys):
+    dims = parallel_dims(DistConfig(strategy=strategy, **keys), world, local)
+    assert dimensions.mesh_dims(dims) == dims.dims()
+    assert dimensions.describe(dims) == dims.describe()
+    named = dims.pipeline * dims.tensor_parallel > 1  # what the start-up line spelt out before the declarations
+    assert dimensions.layout_words(dims) == (f": {dims.describe()}" if named else "")
+
+
+def test_the_words_of_a_layout():
+    every = ParallelDims(replicate=2, shard=4, tensor_parallel=2, pipeline=2, expert_parallel=2)
+    assert dimensions.describe(every) == "pp 2 x replicate 2 x shard 4 (ep 2) x tp 2"
+    assert dimensions.layout_words(ParallelDims(1, 4, expert_parallel=2)) == ""  # its experts have a line of their own
+
+
+@pytest.mark.parametrize("path", ["distrib/worker.py", "distrib/training/trainer.py", "distrib/cli.py"])
+def test_the_worker_trainer_and_cli_name_no_declared_degree(path):
+    text = (ROOT / path).read_text()
+    named = ["tensor_parallel", "expert_parallel", "pipeline_parallel", "dims.pipeline", "dims.tensor_parallel",
+             "dims.expert_parallel"]
+    assert [word for word in named if word in text] == []
