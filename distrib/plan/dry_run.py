@@ -15,9 +15,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections import OrderedDict
 
 import torch
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
 
 from distrib.config import Config
 from distrib.data import load_data
@@ -51,6 +54,18 @@ PART_NAMES = ("parameters", "unsharded_parameters", "gradients", "optimizer", "a
               "reduce_scatter", "temporaries", "ddp_buckets")
 
 
+class FrozenParameterHooks(TorchFunctionMode):
+    """MemTracker (the dry run's tracker under ddp) registers gradient hooks on each parameter of a module at its
+    forward, which a frozen one (a LoRA model's base weights) refuses: "cannot register a hook on a tensor that doesn't
+    require gradient". Those are left out (a handle that removes nothing): no gradient of theirs ever comes."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook) \
+                and isinstance(args[0], nn.Parameter) and not args[0].requires_grad:
+            return RemovableHandle(OrderedDict())
+        return func(*args, **(kwargs or {}))
+
+
 def dry_run(config: Config, machine: Machine) -> dict:
     """The dry run's figures (plan's JSON keys dry_run_*): the measured rank's peak and its parts, and each measured
     rank's (under pp the first and the last stage's). A layout that cannot be built raises train's one-line error."""
@@ -63,8 +78,8 @@ def dry_run(config: Config, machine: Machine) -> dict:
     ranks = sorted({dims.rank_at(pp=0), dims.rank_at(pp=dims.pipeline - 1)})  # every other coordinate 0: the fullest
     sample = first_samples(data.train, batches.micro_batch_size)  # the data's structure, dtypes and shapes
     # one group for all ranks (torch's meshes outlive a destroyed group); MetaRouting: an MoE layer's fake step;
-    # autocast_on_meta: peft's LoRA on its experts in stage_inputs' meta pass
-    with fake_process_group(machine.world_size), MetaRouting(), autocast_on_meta():
+    # autocast_on_meta: peft's LoRA on its experts in stage_inputs' meta pass; FrozenParameterHooks: frozen weights
+    with fake_process_group(machine.world_size), MetaRouting(), autocast_on_meta(), FrozenParameterHooks():
         measured = [measure_rank(config, machine, data.info, batches, rank, sample) for rank in ranks]
     top = max(measured, key=lambda figures: figures["peak_bytes"])
     return {"dry_run_peak_bytes_per_rank": top["peak_bytes"], "dry_run_rank": top["rank"],

@@ -337,6 +337,30 @@ def test_plan_and_its_dry_run_count_the_experts_of_a_transformers_moe_fed_dict_s
     assert figures["dry_run_peak_bytes_per_rank"] > 0 and figures["dry_run_activations_bytes"] > 0
 
 
+def test_the_ddp_dry_run_of_lora_on_a_moe_s_experts_measures_the_adapters_state_alone(tmp_path, capsys):
+    """Under ddp (torch's MemTracker, which hooks every parameter's gradient) the frozen base weights, which refuse
+    gradient hooks, are measured without gradients: the dry run ends 0, and its optimizer state and DDP's buckets at
+    the peak are those of the adapters, LoRA's A and B of q_proj and of the fused experts, whole on each rank."""
+    import json
+
+    from distrib.cli import main
+    from tests.helpers.support import sets
+
+    folder = save_moe(tmp_path / "qwen3_moe", "qwen3_moe")
+    targets = "q_proj,gate_proj,up_proj,down_proj"
+    argv = sets("model.factory=tests.helpers.pretrained:lora_moe", f"model.init_from={folder}",
+                f'model.kwargs={{folder = "{folder}", targets = "{targets}"}}',
+                "data.factory=tests.helpers.pretrained:token_dicts", "dist.device=cpu", "dist.strategy=ddp",
+                "train.global_batch_size=16", "train.optimizer=adamw")
+    assert main(["plan", *argv, "--world-size", "4", "--dry-run", "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    trained = [p for p in lora_moe(str(folder), targets=targets).parameters() if p.requires_grad]
+    assert len(trained) == 2 * 3 * 2  # A and B of q_proj, gate_up_proj and down_proj, in 2 layers
+    trained_bytes = 4 * sum(p.numel() for p in trained)
+    assert figures["dry_run_ddp_buckets_bytes"] == trained_bytes
+    assert figures["dry_run_optimizer_bytes"] == 2 * trained_bytes + 4 * len(trained)  # AdamW's moments, step counts
+
+
 def test_plan_under_pipeline_parallel_refuses_dict_samples_in_one_line(capsys):
     from distrib.cli import main
     from tests.helpers.support import sets
