@@ -43,6 +43,11 @@ def data_parallel_size(config: DistConfig, world_size: int, local_world_size: in
     return rest
 
 
+def shards_state(config: DistConfig) -> bool:
+    """Whether a degree of this config needs the state in shards whatever dist.strategy names (a pipeline)."""
+    return any(dimension.shards_state(config) for dimension in DIMENSIONS)
+
+
 def sizes(config: DistConfig) -> dict[str, int]:
     """The degrees' fields of ParallelDims (the data-parallel ones, replicas and shards, are the strategy's)."""
     return {field: size for dimension in DIMENSIONS for field, size in dimension.sizes(config).items()}
@@ -118,4 +123,4 @@ def step_traffic(dims: ParallelDims, config: DistConfig, step: StepCost) -> tupl
 
 __all__ = ["DIMENSIONS", "Dimension", "Layout", "StepCost", "check", "check_model", "check_sizes",
            "data_parallel_size", "describe", "group_split", "layout_words", "loss_count", "mesh_dims",
-           "model_checks", "parallelize_steps", "sizes", "step_traffic", "transform_batch"]
+           "model_checks", "parallelize_steps", "shards_state", "sizes", "step_traffic", "transform_batch"]

@@ -87,6 +87,10 @@ class Dimension:
         are counted; a one-line ConfigError when it does not divide them."""
         return 1
 
+    def shards_state(self, config: DistConfig) -> bool:
+        """Whether it needs the state held in shards (FSDP2) whatever dist.strategy names."""
+        return False
+
     def sizes(self, config: DistConfig) -> dict[str, int]:
         """Its fields of ParallelDims (the mesh's record), from the config."""
         return {}

@@ -68,6 +68,9 @@ class Pipeline(Dimension):
                               f"is a multiple of {pp}")
         return pp
 
+    def shards_state(self, config: DistConfig) -> bool:
+        return config.pipeline_parallel > 1  # each stage is an FSDP2 module: ddp's are replicated, not sharded
+
     def sizes(self, config: DistConfig) -> dict[str, int]:
         return {"pipeline": config.pipeline_parallel}
 

@@ -15,10 +15,10 @@ from distrib.distributed.strategies.fsdp import FSDPStrategy
 
 
 def strategy_class(config: DistConfig) -> type[Strategy]:
-    """The class that runs this config: the one dist.strategy names, but under pipeline parallel the sharded one
-    whatever it names (each stage is an FSDP2 module: ddp's stages are replicated, not sharded)."""
+    """The class that runs this config: the one dist.strategy names, but the sharded one whatever it names where a
+    degree needs the state in shards (pipeline parallel: each stage is an FSDP2 module; ddp's are replicated)."""
     named = strategy_named(config.strategy)
-    return FSDPStrategy if config.pipeline_parallel > 1 and not named.sharded_state else named
+    return FSDPStrategy if dimensions.shards_state(config) and not named.sharded_state else named
 
 
 def check_config(config: Config) -> None:
