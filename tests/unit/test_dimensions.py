@@ -59,6 +59,9 @@ def test_the_words_of_a_layout():
     every = ParallelDims(replicate=2, shard=4, tensor_parallel=2, pipeline=2, expert_parallel=2)
     assert dimensions.describe(every) == "pp 2 x replicate 2 x shard 4 (ep 2) x tp 2"
     assert dimensions.layout_words(ParallelDims(1, 4, expert_parallel=2)) == ""  # its experts have a line of their own
+    # a pipeline's stages are FSDP2 modules (Dimension.shards_state): ddp's are sharded over a shard group of 1
+    assert dimensions.describe(parallel_dims(DistConfig(strategy="ddp", pipeline_parallel=2), 4, 4)) == \
+        "pp 2 x replicate 2 x shard 1"
 
 
 @pytest.mark.parametrize("path", ["distrib/worker.py", "distrib/training/trainer.py", "distrib/cli.py"])
