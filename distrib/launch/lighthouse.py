@@ -1,16 +1,23 @@
 """`distrib lighthouse`: torchft's Lighthouse (the quorum server of fault-tolerant replica groups) in this process
-until a stop signal; what `distrib launch --replica-groups` starts on one node, and a job script's own step."""
+until a stop signal; what `distrib launch --replica-groups` starts on one node (start_lighthouse), and a job script's
+own step."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import re
 import socket
+import subprocess
 import sys
 import threading
+import time
 import types
+from pathlib import Path
 
 from distrib.errors import UserError, say
+from distrib.launch.lifeline import child_setup
 
 DEFAULT_BIND = "[::]:29510"  # torchft_lighthouse's own default
 # How long a quorum waits for a group that heartbeats but has not asked to join (torchft_lighthouse: 60 s). Short, as
@@ -22,6 +29,7 @@ HEARTBEAT_TIMEOUT_MS = 5000  # a group silent this long is left out of the next 
 # different moments waits for the next tick.
 QUORUM_TICK_MS = 10
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
+LIGHTHOUSE_START_S = 120.0  # `distrib lighthouse` imports no torch: under a second on a quiet machine
 
 
 def lighthouse_server_class():
@@ -74,3 +82,25 @@ def serve(min_replicas: int, bind: str = DEFAULT_BIND, join_timeout_ms: int = JO
             pass
     server.shutdown()
     return 0
+
+
+def start_lighthouse(min_replicas: int, log: Path, port: int = 0) -> tuple[subprocess.Popen, str]:
+    """`distrib lighthouse` on a loopback port (no other machine reaches it; 0: a free one), appending to log (its
+    warnings only: lighthouse.serve); returns the process and its address once it listens. A process of its own,
+    whose lines stay out of the run's output."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        start = out.tell()  # a Lighthouse started again appends: its own line is read after what is there
+        proc = subprocess.Popen([sys.executable, "-m", "distrib", "lighthouse", "--bind", f"127.0.0.1:{port}",
+                                 "--min-replicas", str(min_replicas)], stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT, preexec_fn=child_setup(os.getpid()))
+    deadline = time.monotonic() + LIGHTHOUSE_START_S
+    while time.monotonic() < deadline and proc.poll() is None:
+        listening = re.search(rb"distrib lighthouse: listening at (\S+)", log.read_bytes()[start:])
+        if listening:
+            return proc, listening.group(1).decode()
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+    last = log.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
+    raise UserError(f"torchft's Lighthouse did not start (exit {proc.wait()}: {last[0]}); its log: {log}")

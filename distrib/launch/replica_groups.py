@@ -20,11 +20,11 @@ from typing import Mapping, Sequence
 
 from distrib.errors import EXIT_PREEMPTED, UserError, say
 from distrib.launch.lifeline import child_setup
+from distrib.launch.lighthouse import start_lighthouse
 
 # What a worker of replica group g reads (runtime.read_launch_env): its group, and where the Lighthouse is.
 GROUP_VAR = "DISTRIB_REPLICA_GROUP"
 LIGHTHOUSE_VAR = "TORCHFT_LIGHTHOUSE"
-LIGHTHOUSE_START_S = 120.0  # `distrib lighthouse` imports no torch: under a second on a quiet machine
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # passed on to every group's launcher
 LIGHTHOUSE = "the Lighthouse"  # how the run's last line names it among the groups
 LIGHTHOUSE_RESTARTS = 3  # a Lighthouse this launch started is started again when it ends, this many times
@@ -155,28 +155,6 @@ def combined_exit_code(codes: Sequence[int]) -> int:
     if failed:
         return failed[0]
     return EXIT_PREEMPTED if EXIT_PREEMPTED in codes else 0
-
-
-def start_lighthouse(min_replicas: int, log: Path, port: int = 0) -> tuple[subprocess.Popen, str]:
-    """`distrib lighthouse` on a loopback port (no other machine reaches it; 0: a free one), appending to log (its
-    warnings only: lighthouse.serve); returns the process and its address once it listens. A process of its own,
-    whose lines stay out of the run's output."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "ab") as out:
-        start = out.tell()  # a Lighthouse started again appends: its own line is read after what is there
-        proc = subprocess.Popen([sys.executable, "-m", "distrib", "lighthouse", "--bind", f"127.0.0.1:{port}",
-                                 "--min-replicas", str(min_replicas)], stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT, preexec_fn=child_setup(os.getpid()))
-    deadline = time.monotonic() + LIGHTHOUSE_START_S
-    while time.monotonic() < deadline and proc.poll() is None:
-        listening = re.search(rb"distrib lighthouse: listening at (\S+)", log.read_bytes()[start:])
-        if listening:
-            return proc, listening.group(1).decode()
-        time.sleep(0.05)
-    with contextlib.suppress(ProcessLookupError):
-        proc.kill()
-    last = log.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
-    raise UserError(f"torchft's Lighthouse did not start (exit {proc.wait()}: {last[0]}); its log: {log}")
 
 
 class ReplicaGroups:
