@@ -3,7 +3,9 @@ in this process and one `distrib launch` per group with DISTRIB_REPLICA_GROUP an
 multi-node job script starts them, each restarted by its own launcher (--max-restarts 1): every group killed and
 resumed from its checkpoint (against one process without fault tolerance), and one group killed inside a step, which
 the others outlive and which heals from them. Two groups of fsdp 2 started by `distrib train --nproc-per-node 4`:
-a rank killed inside the gradient all-reduce across the groups, its group healed shard by shard."""
+a rank killed inside the gradient all-reduce across the groups, its group healed shard by shard. Two groups of ddp 2:
+a group lost while the other finishes takes its final state. The Lighthouse hung, then killed: the groups stop at a
+checkpoint and resume with the one started again."""
 
 from __future__ import annotations
 
