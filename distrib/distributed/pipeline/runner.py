@@ -13,9 +13,10 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from distrib.config import DistConfig, SpeedConfig
+from distrib.distributed.dimensions.pipeline import microbatches
 from distrib.distributed.mesh import ParallelDims
 from distrib.distributed.parallel import explain_device_errors
-from distrib.distributed.pipeline.layout import check_micro_batch, lay_out, microbatches
+from distrib.distributed.pipeline.layout import check_micro_batch, lay_out
 from distrib.distributed.pipeline.stages import Pipeline
 from distrib.distributed.runner import GradSync, Runner
 from distrib.distributed.runtime import Runtime
