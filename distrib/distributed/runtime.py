@@ -25,10 +25,8 @@ from distrib.distributed.hang import BUFFER_ENTRIES, BUFFER_VAR, HangWatch
 from distrib.distributed.host_heap import keep_freed_memory, return_freed_memory
 from distrib.distributed.peers import PeerWatch
 from distrib.errors import CollectiveTimeoutError, PeerLostError, Preempted, UserError
-from distrib.launch.lifeline import die_with_parent
-from distrib.launch.replica_groups import GROUP_VAR as REPLICA_GROUP_VAR
-from distrib.launch.replica_groups import LIGHTHOUSE_VAR
-from distrib.launch.reporting import HANG_NOTE_VAR
+from distrib.launch_env import GROUP_VAR as REPLICA_GROUP_VAR
+from distrib.launch_env import HANG_NOTE_VAR, LIGHTHOUSE_VAR, die_with_parent
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,6 @@ from distrib.launch import clusters, replica_groups
 from distrib.launch.allocator import worker_preload
 from distrib.launch.clusters import in_skypilot, in_slurm
 from distrib.launch.reporting import (
-    HANG_NOTE_VAR,
     REPORTS_VAR,
     cause_of,
     failure_lines,
@@ -32,6 +31,7 @@ from distrib.launch.reporting import (
     quiet_torch_failure_lines,
     restart_line,
 )
+from distrib.launch_env import HANG_NOTE_VAR
 
 # Flags whose defaults we choose ourselves; None after parsing means neither the flag nor its PET_* form was given.
 _OUR_DEFAULTS = ("nnodes", "nproc_per_node", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "node_rank", "master_addr")

@@ -11,7 +11,6 @@ as the child did (same code or signal).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -24,29 +23,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from distrib.errors import EXIT_PREEMPTED
-
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-# Signals the elastic agent, SLURM or a user send to stop a worker; the lifeline relays them to the worker.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
-
-
-def die_with_parent(parent_pid: int | None = None) -> bool:
-    """Asks Linux to SIGKILL this process when its parent ends (SIGKILL of the parent included), then checks that
-    the parent did not already end before the request (the race prctl's manual warns of): then this process is
-    an orphan and ends now. parent_pid is the parent it should have; None checks only for adoption by init (pid 1).
-    False where there is no prctl (not Linux): nothing is tied."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            return False
-    except (OSError, AttributeError):
-        return False
-    parent = os.getppid()
-    if parent == 1 or (parent_pid is not None and parent != parent_pid):
-        os.kill(os.getpid(), signal.SIGKILL)
-    return True
+from distrib.launch_env import GROUP_VAR, STOP_SIGNALS, die_with_parent
 
 
 def tied_to_parent(parent_pid: int, target: Callable, *args) -> None:
@@ -185,8 +162,6 @@ def doomed_by_a_lost_peer(status_dir: Path) -> Callable[[], bool]:
     a checkpoint without the lost rank, and torchft's commit, which waits for that rank, would hold it, and the quorum
     of every other group, for the agent's 30 s of grace. Decided here, once, not in the signal handler, where an
     import could meet itself half done."""
-    from distrib.launch.replica_groups import GROUP_VAR  # not at the top: replica_groups imports this module
-
     if not os.environ.get(GROUP_VAR):
         return lambda: False
     return lambda: lost_a_peer(status_dir)

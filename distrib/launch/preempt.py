@@ -10,6 +10,7 @@ import signal
 from typing import Callable, Iterator
 
 from distrib.errors import EXIT_PREEMPTED, Preempted, say
+from distrib.launch_env import STOP_SIGNALS
 
 __all__ = ["Preempted", "StopFlag", "exit_on_signals", "ignore_stop_signals", "parse_signals", "signal_handlers",
            "stop_on_signals"]
@@ -85,8 +86,6 @@ def ignore_stop_signals(worker_id: int = 0) -> None:
     parent did not send, which made the training process raise "DataLoader worker (pid N) is killed by signal:
     Terminated" in whatever it was doing. Should the training process die first, its workers end within seconds
     (they watch their parent). SIGINT stays: the workers end quietly on it."""
-    from distrib.launch.lifeline import STOP_SIGNALS
-
     for signum in STOP_SIGNALS:
         if signum != signal.SIGINT:
             signal.signal(signum, signal.SIG_IGN)

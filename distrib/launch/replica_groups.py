@@ -21,10 +21,8 @@ from typing import Mapping, Sequence
 from distrib.errors import EXIT_PREEMPTED, UserError, say
 from distrib.launch.lifeline import child_setup
 from distrib.launch.lighthouse import start_lighthouse
+from distrib.launch_env import GROUP_VAR, LIGHTHOUSE_VAR  # what a worker of group g reads (runtime.read_launch_env)
 
-# What a worker of replica group g reads (runtime.read_launch_env): its group, and where the Lighthouse is.
-GROUP_VAR = "DISTRIB_REPLICA_GROUP"
-LIGHTHOUSE_VAR = "TORCHFT_LIGHTHOUSE"
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # passed on to every group's launcher
 LIGHTHOUSE = "the Lighthouse"  # how the run's last line names it among the groups
 LIGHTHOUSE_RESTARTS = 3  # a Lighthouse this launch started is started again when it ends, this many times

@@ -17,9 +17,6 @@ from distrib.launch.lifeline import Status
 # Set by distrib launch for its workers: it prints their errors (from torch's error file) in its last line, once for
 # all ranks that share one, so a worker on its last attempt writes its error there instead of to stderr.
 REPORTS_VAR = "DISTRIB_LAUNCH_REPORTS"
-# Set by distrib launch for its workers: a file of its own in which a worker that dumps its flight recorder on a hang
-# writes the folder of the dumps (run.dir/hang), so that the launcher compares them once the workers ended.
-HANG_NOTE_VAR = "DISTRIB_HANG_NOTE"
 
 
 def errors_reported(environ: Mapping[str, str] = os.environ) -> bool:
