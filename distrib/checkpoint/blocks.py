@@ -11,7 +11,7 @@ def local_block(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]
     """(global offsets, sizes) of the block this rank holds: a DTensor's local shard (FSDP's rows, tensor
     parallel's columns, both, uneven ones included), or the whole of a plain tensor."""
     if isinstance(tensor, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        from distrib.torch_private import compute_local_shape_and_global_offset
 
         sizes, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
         return tuple(offsets), tuple(sizes)

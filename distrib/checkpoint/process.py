@@ -18,12 +18,18 @@ from pathlib import Path
 
 import torch.distributed as dist
 import torch.multiprocessing
-from torch.distributed.checkpoint import _async_process_executor as torch_process
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from distrib.checkpoint.format import CheckpointError
 from distrib.errors import say
 from distrib.launch.lifeline import STOP_SIGNALS, tied_to_parent
+from distrib.torch_private import (
+    AsyncCheckpointProcess,
+    CheckpointSaveProcessControlOpts,
+    ProcessGroupInitInfo,
+    checkpoint_process,
+    set_checkpoint_process,
+)
 
 GUARD = 'if __name__ == "__main__":'
 START_TIMEOUT_S = 1800  # torch's own wait for its process's gloo group (every rank's process must join it)
@@ -31,7 +37,7 @@ STOP_S = 1.0
 DEATH_S = 5.0  # after a failed write, how long to wait for the checkpoint process's end to show (agree_on_writers)
 
 
-class CheckpointProcess(torch_process._AsyncCheckpointProcess):
+class CheckpointProcess(AsyncCheckpointProcess):
     """torch's process-based DCP writer (the one dcp.async_save with AsyncCheckpointerType.PROCESS starts on its
     first save), started here instead: as training begins (ShardedStorage.start), so that its start (importing
     torch, opening its own gloo group of every rank's process) overlaps the first steps rather than the first save;
@@ -40,12 +46,12 @@ class CheckpointProcess(torch_process._AsyncCheckpointProcess):
     the same order (a broadcast in `group`)."""
 
     def __init__(self, group: dist.ProcessGroup):  # not torch's __init__, which waits for the process to start
-        info = torch_process._ProcessGroupInitInfo(group)
+        info = ProcessGroupInitInfo(group)
         self.ctx = torch.multiprocessing.get_context("spawn")
         self._process_pipe, child_end = self.ctx.Pipe()
         self._save_process = self.ctx.Process(
             target=tied_to_parent, name="distrib-checkpoint", daemon=True,
-            args=(os.getpid(), torch_process._AsyncCheckpointProcess._checkpointing_subprocess, info, child_end))
+            args=(os.getpid(), AsyncCheckpointProcess._checkpointing_subprocess, info, child_end))
         # Started with the stop signals blocked (it ignores them once it runs: tied_to_parent), so that none sent to
         # the process group while it imports torch ends it. multiprocessing's resource tracker first: starting it
         # unblocks SIGTERM.
@@ -98,20 +104,20 @@ class CheckpointProcess(torch_process._AsyncCheckpointProcess):
                 f"checkpoint.async_save = 'process': the checkpoint process ended as it started ({e}); a script "
                 f"that trains must start it under `{GUARD}` (the process re-runs the script's top level), or use "
                 "--set checkpoint.async_save=thread") from None
-        if response != torch_process._CheckpointSaveProcessControlOpts.INIT_COMPLETE:
+        if response != CheckpointSaveProcessControlOpts.INIT_COMPLETE:
             raise CheckpointError(f"checkpoint.async_save = 'process': the checkpoint process said {response!r}")
-        torch_process._CHECKPOINT_PROCESS = self
+        set_checkpoint_process(self)
         self.started = True
 
     def close(self) -> None:
         """Ends the process once no write is in flight: a request, then SIGKILL after STOP_S (it ignores SIGTERM;
         with no write in flight it holds nothing, and tearing torch down takes it seconds)."""
         self.closing = True
-        if torch_process._CHECKPOINT_PROCESS is self:
-            torch_process._CHECKPOINT_PROCESS = None
+        if checkpoint_process() is self:
+            set_checkpoint_process(None)
         if self._save_process.is_alive():
             with contextlib.suppress(OSError):
-                self._send(torch_process._CheckpointSaveProcessControlOpts.TERMINATE)
+                self._send(CheckpointSaveProcessControlOpts.TERMINATE)
             self._save_process.join(timeout=STOP_S)
         if self._save_process.is_alive():
             self._save_process.kill()

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from distrib.launch.preempt import StopFlag
+from distrib.torch_private import amp_foreach_non_finite_check_and_unscale_
 
 
 @dataclass(frozen=True)
@@ -46,10 +47,10 @@ class RankAgreement:
             groups.setdefault((grad.device, grad.dtype), []).append(grad)
         for (device, _), same_kind in groups.items():
             if device == self.nonfinite.device:
-                torch._amp_foreach_non_finite_check_and_unscale_(same_kind, self.nonfinite, self._one)
+                amp_foreach_non_finite_check_and_unscale_(same_kind, self.nonfinite, self._one)
             else:  # dist.cpu_offload: FSDP's gradient shards in host memory, a flag of their own there
                 found = torch.zeros((), device=device)
-                torch._amp_foreach_non_finite_check_and_unscale_(same_kind, found, torch.ones((), device=device))
+                amp_foreach_non_finite_check_and_unscale_(same_kind, found, torch.ones((), device=device))
                 self.nonfinite += found.to(self.nonfinite.device)
 
     def agree(self, local_loss: torch.Tensor, step: int, extras: torch.Tensor | None = None) -> Agreed:

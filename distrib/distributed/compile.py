@@ -17,6 +17,7 @@ import torch.nn as nn
 from distrib.config import SpeedConfig
 from distrib.distributed.parallel import unwrap
 from distrib.errors import UserError
+from distrib.torch_private import compiled_in_place
 
 # Where the log's line on compiling ends: the first forwards compile, and the throughput figures leave out the steps
 # that did (metrics.timing_skip_steps, 5 by default, covers step 1's compile of the training graphs).
@@ -67,7 +68,7 @@ def _class_name(module: nn.Module) -> str:
 def compiled_classes(model: nn.Module) -> list[str]:
     """The classes of the modules of `model` compiled in place (by compile_blocks), in order, each once."""
     return list(dict.fromkeys(_class_name(module) for module in model.modules()
-                              if getattr(module, "_compiled_call_impl", None) is not None))
+                              if compiled_in_place(module)))
 
 
 @contextlib.contextmanager
@@ -78,7 +79,7 @@ def explain_compile_errors(model: nn.Module) -> Iterator[None]:
     try:
         yield
     except Exception as e:
-        from torch._dynamo.exc import TorchDynamoException
+        from distrib.torch_private import TorchDynamoException
 
         if not isinstance(e, TorchDynamoException):
             raise

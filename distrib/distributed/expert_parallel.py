@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from distrib.distributed.expert_modules import WEIGHTS, find_experts
 from distrib.distributed.expert_routing import route
 from distrib.distributed.hf_expert_parallel import apply_hf_expert_parallel
+from distrib.torch_private import REDISTRIBUTE_LOGGER
 
 
 def check_model(model: nn.Module, size: int) -> dict[str, nn.Module]:
@@ -33,8 +34,8 @@ def check_model(model: nn.Module, size: int) -> dict[str, nn.Module]:
 def apply_expert_parallel(model: nn.Module, mesh) -> list[nn.Module]:
     """Each experts module's weights as DTensors Shard(0) over `mesh` (the ep dimension: each rank holds its
     1/E of the experts; on the meta device nothing is allocated) and its forward routed over the mesh's group
-    (transformers' fused experts through hf_expert_parallel; the collective: expert_routing). Returns the modules, which FSDP then shards over what
-    remains of the data-parallel ranks."""
+    (transformers' fused experts through hf_expert_parallel; the collective: expert_routing). Returns the modules,
+    which FSDP then shards over what remains of the data-parallel ranks."""
     found = list(find_experts(model, mesh.size()).values())
     _quiet_expert_gathers()
     for experts in found:
@@ -60,7 +61,7 @@ class _ExpertGathers(logging.Filter):
 
 
 def _quiet_expert_gathers() -> None:
-    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    logger = logging.getLogger(REDISTRIBUTE_LOGGER)
     if not any(isinstance(each, _ExpertGathers) for each in logger.filters):
         logger.addFilter(_ExpertGathers())
 

@@ -8,8 +8,8 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import is_fake
-from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
+
+from distrib.torch_private import all_to_all_single, all_to_all_single_autograd, is_fake
 
 # What the local experts compute: (rows sorted by local expert, rows per local expert) -> output rows.
 Compute = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -24,6 +24,7 @@ from distrib.config import DistConfig
 from distrib.distributed.runtime import Runtime
 from distrib.distributed.unused import experts_lists, inside_experts
 from distrib.errors import ConfigError
+from distrib.torch_private import BatchNormBase
 
 # auto: a child (looking inside ModuleList / ModuleDict / Sequential containers) holding at least this share of the
 # model's parameters is a block; so the layers of a model up to 64 layers deep each become one.
@@ -132,7 +133,7 @@ def shard(model: nn.Module, runtime: Runtime, config: DistConfig, precision: str
     offload = CPUOffloadPolicy(pin_memory=runtime.pin_memory) if config.cpu_offload else OffloadPolicy()
     options = dict(mesh=mesh, reshard_after_forward=config.reshard_after_forward, mp_policy=mixed,
                    offload_policy=offload)
-    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m is not model] \
+    norms = [m for m in model.modules() if isinstance(m, BatchNormBase) and m is not model] \
         if precision == "bf16" else []
     for norm in norms:
         fully_shard(norm, **{**options, "mp_policy": MixedPrecisionPolicy(param_dtype=torch.float32,

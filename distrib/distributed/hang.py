@@ -18,11 +18,11 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
-import torch
 import torch.distributed as dist
 
 from distrib.errors import EXIT_HUNG
 from distrib.launch.hang_traces import STOPPED_AFTER_S
+from distrib.torch_private import dump_fr_trace
 
 BUFFER_ENTRIES = 2000  # collectives the flight recorder keeps per process (torch's own default when it is on)
 BUFFER_VAR = "TORCH_FR_BUFFER_SIZE"  # read as a process group opens
@@ -75,7 +75,7 @@ class HangWatch:
 
     def _outwaited(self, now: float) -> bool:
         """Whether one process group's oldest collective in flight is the same one as timeout_s ago."""
-        status = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(includeCollectives=False))["pg_status"]
+        status = pickle.loads(dump_fr_trace(includeCollectives=False))["pg_status"]
         for group, state in status.items():
             if state["last_enqueued_collective"] <= state["last_completed_collective"]:
                 self._in_flight.pop(group, None)
@@ -151,7 +151,7 @@ def _write_trace(path: Path, rank: int, reason: str, stopped_s: float, stopped_s
     """torch's dump without the collectives' stacks (symbolizing 2,000 of them takes seconds, which a stopped rank
     may not have before the launcher kills it), and, from the watch thread, the main thread's stack: where a rank
     that did not enter the others' collective is."""
-    trace = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(includeStackTraces=False))
+    trace = pickle.loads(dump_fr_trace(includeStackTraces=False))
     main = threading.main_thread()
     frame = sys._current_frames().get(main.ident) if threading.current_thread() is not main else None
     stack = [(f.filename, f.lineno, f.name) for f in traceback.extract_stack(frame)[-8:]] if frame else []

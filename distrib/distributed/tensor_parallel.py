@@ -16,6 +16,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from distrib.distributed.mesh import divisors, either
 from distrib.errors import ConfigError
+from distrib.torch_private import REDISTRIBUTE_LOGGER
 
 # transformers' styles (transformers/distributed/tensor_parallel.py, ALL_PARALLEL_STYLES) distrib applies with torch's
 # own, each as transformers lays it out: "colwise" ColwiseParallel(Replicate -> Shard(-1)), a local output (q/k/v and
@@ -266,7 +267,6 @@ class _ReplicatedWithGradAllReduce(ParallelStyle):
 # sf=2), Shard(dim=0)) to (Replicate(), Replicate()), 2 sequential all_gather operations will be performed. This is
 # suboptimal: ..." (about 450 characters) when a fsdp x tp parameter is gathered whole, for a checkpoint or an export:
 # 16 lines at world size 8. Nothing in a config changes it, and it says nothing rank-specific: rank 0 says it once.
-REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"
 
 
 class _FirstOnRank0:

@@ -5,7 +5,6 @@ own step."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import re
 import socket
@@ -13,9 +12,9 @@ import subprocess
 import sys
 import threading
 import time
-import types
 from pathlib import Path
 
+from distrib import torch_private
 from distrib.errors import UserError, say
 from distrib.launch.lifeline import child_setup
 
@@ -33,20 +32,12 @@ LIGHTHOUSE_START_S = 120.0  # `distrib lighthouse` imports no torch: under a sec
 
 
 def lighthouse_server_class():
-    """torchft's LighthouseServer, loaded without torchft's package __init__: that imports torch and the rest of
-    torchft (10 s on a loaded machine; 0.3 s without), and the Rust extension needs none of it. This process runs
-    nothing else of torchft."""
-    if "torchft" not in sys.modules:
-        spec = importlib.util.find_spec("torchft")
-        if spec is None or not spec.submodule_search_locations:
-            raise UserError("fault-tolerant replica groups need torchft, which is not installed: "
-                            "pip install 'distrib[ft]' (torchft 0.2.0)")
-        package = types.ModuleType("torchft")
-        package.__path__ = list(spec.submodule_search_locations)
-        sys.modules["torchft"] = package
-    from torchft._torchft import LighthouseServer
-
-    return LighthouseServer
+    """torchft's LighthouseServer, without importing torch (torch_private.lighthouse_server_class says why)."""
+    server = torch_private.lighthouse_server_class()
+    if server is None:
+        raise UserError("fault-tolerant replica groups need torchft, which is not installed: "
+                        "pip install 'distrib[ft]' (torchft 0.2.0)")
+    return server
 
 
 def address(bind: str, server_address: str) -> str:

@@ -12,6 +12,7 @@ from distrib.data import DataInfo
 from distrib.errors import UserError
 from distrib.factory import accepted, call_factory, import_object
 from distrib.models.network import NETWORK_INPUT
+from distrib.torch_private import BatchNormBase
 
 _BUILTIN = {"network": "distrib.models.network:Network", "gpt": "distrib.models.gpt:GPT"}
 
@@ -93,4 +94,4 @@ def _checked(key: str, spec: str, model) -> nn.Module:
 
 def batchnorm_layers(model: nn.Module) -> list[str]:
     """Names of the BatchNorm layers (1d, 2d, 3d, Sync) in the model."""
-    return [name for name, module in model.named_modules() if isinstance(module, nn.modules.batchnorm._BatchNorm)]
+    return [name for name, module in model.named_modules() if isinstance(module, BatchNormBase)]

@@ -12,6 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from distrib.torch_private import current_graph_task_id
+
 # The per-step statistics buffers (not in checkpoints): each rank's own until distrib.training.experts sums them.
 STEP_BUFFERS = ("tokens_per_expert", "dropped_tokens", "aux_loss_sum")
 # grouped_mm's rows' alignment: each row a multiple of 16 bytes
@@ -100,7 +102,7 @@ class FeedForward(nn.Module):
 def _recomputing() -> bool:
     """Whether this forward runs inside a backward: activation checkpointing's recompute, which must not count its
     tokens twice."""
-    return torch._C._current_graph_task_id() != -1
+    return current_graph_task_id() != -1
 
 
 class MoE(nn.Module):

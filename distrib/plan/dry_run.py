@@ -92,7 +92,7 @@ def measure_rank(config: Config, machine: Machine, info, batches: BatchPlan, ran
     first samples, distrib.plan.batch) measured: its peak and parts. Over the fake
     group's rank 0, as plan's (distrib.plan.planned_rank): the measured ranks differ from it in their pipeline rank
     only, which lay_out reads from runtime.rank."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from distrib.torch_private import FakeTensorMode
 
     strategy = make_strategy(config.dist, machine.world_size, machine.nproc_per_node)  # its own mesh, this group's
     runtime = Runtime(rank, rank % machine.nproc_per_node, machine.world_size, machine.nproc_per_node, HOST, "fake")
@@ -152,9 +152,9 @@ def _create_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
 
 def _tracker(strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer):
     """FSDPMemTracker over a sharded model (the runner's roots: its stages' under pp), MemTracker over DDP's."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import FSDPModule
+
+    from distrib.torch_private import FSDPMemTracker, MemTracker
 
     roots = strategy.runner.roots(model)
     if not isinstance(roots[0], FSDPModule):

@@ -15,11 +15,12 @@ from torch.overrides import TorchFunctionMode
 
 from distrib.distributed.mesh import ParallelDims
 from distrib.distributed.parallel import local_tensor
+from distrib.torch_private import grouped_mm
 from distrib.training.experts import split_experts, top_k_of
 
 
 def _shapes_only(tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
+    from distrib.torch_private import is_fake
 
     return isinstance(tensor, torch.Tensor) and (tensor.is_meta or is_fake(tensor))
 
@@ -36,7 +37,7 @@ class MetaRouting(TorchFunctionMode):
         if func is torch.bincount and _shapes_only(args[0]) and kwargs.get("weights") is None:
             ids, size = args[0], kwargs.get("minlength", args[2] if len(args) > 2 else 0)
             return torch.zeros(size, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
-        if func is torch._grouped_mm and _shapes_only(args[0]) and args[0].dim() == 2 and args[1].dim() == 3:
+        if func is grouped_mm and _shapes_only(args[0]) and args[0].dim() == 2 and args[1].dim() == 3:
             return args[0] @ args[1][0]  # [rows, in] x [in, out] of one expert: the output's shape, the same saves
         if func is torch.Tensor.__bool__ and _shapes_only(args[0]) and args[0].dtype == torch.bool:
             return True  # a branch on a value a shapes-only pass has none of: transformers' "is the mask all ones?"

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from distrib.errors import UserError
+from distrib.torch_private import foreach_lerp_
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -52,7 +53,7 @@ class EMA:
     def update(self) -> None:
         averages, weights = self._pairs(self._averaged)
         if averages:
-            torch._foreach_lerp_(averages, weights, 1.0 - self.decay)  # one fused kernel per device and dtype
+            foreach_lerp_(averages, weights, 1.0 - self.decay)  # one fused kernel per device and dtype
         for average, value in zip(*self._pairs(self._copied)):
             average.copy_(value)
 

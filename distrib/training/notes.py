@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from distrib.config import TrainConfig
+from distrib.torch_private import DropoutBase
 from distrib.training.evaluation import Task
 from distrib.training.losses import Loss
 
@@ -15,7 +16,7 @@ def dropout_layers(model: nn.Module) -> list[str]:
     """Names of the layers that draw random masks in training (dropout with p > 0, attention dropout too)."""
     found = []
     for name, module in model.named_modules():
-        p = getattr(module, "p", None) if isinstance(module, nn.modules.dropout._DropoutNd) else None
+        p = getattr(module, "p", None) if isinstance(module, DropoutBase) else None
         if p is None and isinstance(module, nn.MultiheadAttention):
             p = module.dropout
         if p:

@@ -14,9 +14,10 @@ from distrib.config import TrainConfig
 from distrib.distributed.parallel import local_tensor
 from distrib.errors import UserError
 from distrib.factory import import_object
+from distrib.torch_private import BatchNormBase, InstanceNormBase
 
 _NO_DECAY_MODULES = (nn.Embedding, nn.EmbeddingBag, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm,
-                     nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
+                     BatchNormBase, InstanceNormBase)
 
 
 def _not_decayed(model: nn.Module) -> set[int]:

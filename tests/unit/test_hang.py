@@ -147,8 +147,7 @@ def test_a_watch_dumps_once_asks_the_others_and_tells_the_launcher(tmp_path, mon
 def test_a_collective_in_flight_for_longer_than_the_timeout_is_a_hang(monkeypatch):
     """The watch's own check, on the status torch's recorder gives: the same collective in flight past timeout_s."""
     status = {"0": {"last_enqueued_collective": 5, "last_completed_collective": 4}}
-    monkeypatch.setattr(hang.torch._C._distributed_c10d, "_dump_fr_trace",
-                        lambda includeCollectives=True: pickle.dumps({"pg_status": status}))
+    monkeypatch.setattr(hang, "dump_fr_trace", lambda includeCollectives=True: pickle.dumps({"pg_status": status}))
     watch = HangWatch(dist.HashStore, 0, timeout_s=10.0, directory=Path("unused"))
     assert not watch._outwaited(100.0)  # first seen in flight
     assert not watch._outwaited(109.0)

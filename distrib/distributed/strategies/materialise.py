@@ -22,6 +22,7 @@ from torch.overrides import TorchFunctionMode
 from distrib.distributed.parallel import misplaced_tensors, place_model
 from distrib.distributed.runtime import Runtime
 from distrib.errors import UserError
+from distrib.torch_private import storage_id
 
 _INIT_METHODS = ("init_weights", "reset_parameters")
 # The in-place fills that draw from the generator: made whole, then sliced. Every other op (fill_, mul_, copy_ from a
@@ -124,7 +125,7 @@ def restore_buffers(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
 
 
 def _storage(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage()._cdata
+    return storage_id(tensor)
 
 
 def _in_place_target(func, args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -179,7 +180,7 @@ class _WholeThenSlice(TorchFunctionMode):
         whole_op = _is_init_function(func) or getattr(func, "__name__", "") in _RANDOM_FILLS
         if not whole_op or not (isinstance(target, DTensor) or (target is not None and target.is_meta)):
             return func(*args, **kwargs)
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        from distrib.torch_private import compute_local_shape_and_global_offset
 
         whole = torch.empty(target.shape, dtype=target.dtype)
         if args:
