@@ -34,7 +34,7 @@ PACED = 'train.callbacks=["tests.helpers.ft_pace:PaceUntilFile"]'  # live groups
 
 @contextlib.contextmanager
 def lighthouse():
-    from torchft._torchft import LighthouseServer
+    from torchft.coordination import LighthouseServer
 
     # distrib's own Lighthouse settings (distrib.launch.lighthouse), a quorum tick of 10 ms
     server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=5000, quorum_tick_ms=10,
