@@ -20,7 +20,7 @@ import sys
 from typing import NoReturn, Sequence
 
 from distrib.errors import EXIT_PREEMPTED, UserError, hard_exit, say
-from distrib.launch.clusters import check_pod, is_worker, wants_launcher
+from distrib.launch.clusters import check_pod, wants_launcher
 from distrib.launch.launcher import add_train_flags, launch_trainer, train_flags, usage_error, without_train_flags
 from distrib.launch.reporting import reported_by_launcher
 
@@ -29,20 +29,20 @@ EXIT_USER_ERROR = 2
 
 def _train(args: argparse.Namespace) -> int:
     from distrib.config import load_config
-    from distrib.distributed.fault_tolerance import group_config
+    from distrib.distributed import dimensions
     from distrib.distributed.runtime import read_launch_env
     from distrib.distributed.strategies import check_config
     from distrib.launch.rundir import check_folders
     from distrib.metrics import require_loggers
 
     config = load_config(args.config, args.set)  # fail on a bad config before starting any worker
-    config = group_config(config, read_launch_env().replica_group)  # a fault-tolerant replica group's own folders
+    config = dimensions.worker_config(config, read_launch_env())  # a degree's own folders (a replica group's)
     check_config(config)  # and on a rule of its strategy (imports torch, as the launcher does anyway)
     _check_nproc(args.nproc_per_node)
     check_folders(config, probe_locks=True)  # writable and not another live run's (rank 0 then locks them)
     require_loggers(config.metrics)  # a missing tracker package: one line here, not one per worker
     launch_flags = train_flags(args)  # --nproc-per-node, --max-restarts, --nnodes, --rdzv-*: as for distrib launch
-    launch_flags += _group_flags(config)
+    launch_flags += dimensions.launch_flags(config, os.environ)  # the degrees' own (a Lighthouse and its groups)
     if launch_flags or wants_launcher(os.environ):  # PET_* (a Kubeflow TrainJob) or SkyPilot: as distrib launch
         return launch_trainer(launch_flags, args.argv, _before_workers(config))
     check_pod(os.environ)
@@ -57,17 +57,6 @@ def _train(args: argparse.Namespace) -> int:
         from torch.distributed.elastic.multiprocessing.errors import record
 
         return record(_worker)(config)  # under a launcher, a failing rank's exception reaches its summary
-
-
-def _group_flags(config) -> list[str]:
-    """dist.fault_tolerant_groups as distrib launch's flags: the launcher starts the Lighthouse, its log in run.dir,
-    and the groups (or, given --replica-group or DISTRIB_REPLICA_GROUP, runs as one group of a run across nodes). A
-    worker launches nothing."""
-    dist = config.dist
-    if dist.fault_tolerant_groups == 1 or is_worker(os.environ):
-        return []
-    return ["--replica-groups", str(dist.fault_tolerant_groups), "--min-replicas", str(dist.min_replicas),
-            "--lighthouse-log", os.path.join(config.run.dir, "lighthouse.log")]
 
 
 def _before_workers(config):
@@ -231,7 +220,7 @@ def _lighthouse_parser(commands) -> None:
     from distrib.launch.lighthouse import DEFAULT_BIND, JOIN_TIMEOUT_MS
 
     lighthouse = commands.add_parser("lighthouse", help="torchft's Lighthouse for fault-tolerant replica groups "
-                                                        "(dist.fault_tolerant_groups) across nodes, until stopped")
+                                                        "across nodes, until stopped")
     lighthouse.add_argument("--min-replicas", type=int, default=1, help="dist.min_replicas: the fewest replica groups "
                                                                         "a step may commit with (default 1)")
     lighthouse.add_argument("--bind", default=DEFAULT_BIND, metavar="HOST:PORT",

@@ -488,11 +488,7 @@ class DistConfig:
         self._check_pipeline()
         _at_least("dist", self, "fault_tolerant_groups", 1)
         _at_least("dist", self, "min_replicas", 1)
-        _positive("dist", self, "fault_tolerant_timeout_s", 10)
-        if self.min_replicas > self.fault_tolerant_groups:
-            _fail("dist", "min_replicas", self.min_replicas, f"more than the dist.fault_tolerant_groups = "
-                  f"{self.fault_tolerant_groups} groups, so no step could commit",
-                  f"set it to {self.fault_tolerant_groups} or fewer")
+        _positive("dist", self, "fault_tolerant_timeout_s", 10)  # against the groups: dimensions.replica_groups
 
     MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zbv", "dualpipev")
 

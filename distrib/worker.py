@@ -25,7 +25,7 @@ from distrib.config import Config, to_dict, write_resolved
 from distrib.data import Data, load_data, make_plan
 from distrib.data.batching import load_source_state, source_state
 from distrib.data.split import split_validation
-from distrib.distributed import dimensions, fault_tolerance
+from distrib.distributed import dimensions
 from distrib.distributed.agreement import RankAgreement
 from distrib.distributed.mesh import ParallelDims
 from distrib.distributed.parallel import memory_report, sync_batchnorm, unwrap
@@ -113,11 +113,12 @@ def _checkpointer(config: Config, runtime: Runtime, state: TrainState, global_ba
                              run_config=to_dict(config), identify=data.identity)
 
 
-def _finished_peers(config: Config, runtime: Runtime, state: TrainState, plan, data: Data,
-                    total_steps: int | None) -> fault_tolerance.FinishedPeers:
-    """How this replica group takes the final state of a group that finished the run: from its checkpoint.dir."""
-    return fault_tolerance.FinishedPeers(config, runtime.replica_group, total_steps, lambda peer: _checkpointer(
-        peer, runtime, state, plan.global_batch_size, data))
+def _training(config: Config, runtime: Runtime, state: TrainState, plan, data: Data, recorder: Recorder,
+              total_steps: int | None) -> dimensions.Training:
+    """What the degrees' hooks around the training steps read (a Checkpointer of another world's checkpoint.dir: one
+    that finished the run, to take its final state from)."""
+    return dimensions.Training(config, runtime, state, plan, recorder, total_steps, lambda other: _checkpointer(
+        other, runtime, state, plan.global_batch_size, data))
 
 
 def _resume(state: TrainState, config: Config, runtime: Runtime, checkpointer: Checkpointer,
@@ -336,9 +337,8 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
                     collective_timeouts(config.dist.timeout_s, lambda: f"after step {state.progress.step}",
                                         runtime.peers), \
                     committing(checkpointer), \
-                    fault_tolerance.replica_groups(config, runtime, state, plan, recorder,
-                                                   _finished_peers(config, runtime, state, plan, data, total_steps)
-                                                   ) as replicas:
+                    dimensions.around_training(_training(config, runtime, state, plan, data, recorder,
+                                                         total_steps)) as across:
                 agreement = RankAgreement(stop, runtime.device, runtime.world_size, synced_at=state.progress.step,
                                           loss_ranks=dims.loss_ranks)
                 evaluator = _evaluator(config, runtime, dims, data, loss, task)
@@ -349,7 +349,7 @@ def train_on(config: Config, runtime: Runtime, on_step_end: Callable[[int], None
                                   agreement=agreement, checkpointer=checkpointer,
                                   on_step_end=_after_step(runtime, on_step_end), callbacks=hooks,
                                   extra_losses=extra_losses, experts=experts,
-                                  replicas=replicas)
+                                  across=across)
                 metrics = trainer.train(data.train)
         except BaseException as e:  # flush metrics and trackers now: the CLI's os._exit skips finalisers
             recorder.close("preempted" if isinstance(e, Preempted) else "failed")

@@ -1,11 +1,11 @@
-"""The fault-tolerant replicate degree (dist.fault_tolerant_groups = G): G replica groups, each its own world with its
-own rendezvous and restarts, kept in step by torchft: a quorum per step, one all-reduce of the gradients across the
-groups that took part, a commit, and a restarted group healed from a live one's state (docs/fault_tolerance.md)."""
+"""The fault-tolerant replicate degree's worker side (dist.fault_tolerant_groups = G, declared in
+distrib.distributed.dimensions.replica_groups): G replica groups, each its own world with its own rendezvous and
+restarts, kept in step by torchft: a quorum per step, one all-reduce of the gradients across the groups that took
+part, a commit, and a restarted group healed from a live one's state (docs/fault_tolerance.md)."""
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
 import os
 import socket
@@ -19,22 +19,19 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from distrib.distributed.across import AgreementLost
 from distrib.distributed.group_folders import GROUP_FOLDER, FinishedPeers, group_config, peer_config
 from distrib.distributed.parallel import local_tensor
 from distrib.distributed.runtime import LIGHTHOUSE_VAR, REPLICA_GROUP_VAR, Runtime
-from distrib.errors import ConfigError, UserError
+from distrib.errors import UserError
 
-# group_config and peer_config: each group's folders, which the CLI and the worker take from here.
-__all__ = ["FinishedPeers", "QuorumLost", "ReplicaGroups", "check", "group_config", "peer_config",
-           "replica_groups"]
+# group_config and peer_config: each group's folders, which the declaration takes from here.
+__all__ = ["FinishedPeers", "QuorumLost", "ReplicaGroups", "group_config", "peer_config", "replica_groups"]
 
 # What torchft's Manager keeps, unprefixed, in its group's store: a restarted group must not read its dead self's.
 _MANAGER_KEYS = ("manager_addr", "replica_id")
 # Parts of the training state that belong to one group's folders and trackers, not sent to a healing group.
 _OWN_PARTS = ("trackers", "best")
-# The degrees a replica group cannot hold yet: each rank's local gradient would all-reduce alike across the groups,
-# but the heal of their state and the pipeline's schedule are not built.
-_NOT_INSIDE = ("pipeline_parallel", "tensor_parallel", "expert_parallel")
 # How often a group that waits at the start barrier asks for a quorum again: each ask is a request to the Lighthouse
 # (and a line of its log); without a pause a waiting group asked ~1,100 times a second.
 BARRIER_POLL_S = 0.5
@@ -46,25 +43,10 @@ BARRIER_POLL_S = 0.5
 MAX_UNCOMMITTED = 5
 
 
-class QuorumLost(Exception):
+class QuorumLost(AgreementLost):
     """The step's quorum timed out or failed with the Lighthouse gone, or the groups committed none of
     MAX_UNCOMMITTED tries: this group can agree on no step with the others any more. The trainer checkpoints and stops
     with the preemption code (its launcher's restart, or a rerun, resumes there and joins afresh)."""
-
-
-def check(config) -> None:
-    """A one-line ConfigError for what a fault-tolerant replica group cannot hold (or torchft missing), before any
-    worker starts."""
-    groups, dist_config = config.dist.fault_tolerant_groups, config.dist
-    for name in _NOT_INSIDE:
-        value = getattr(dist_config, name)
-        if value > 1:
-            raise ConfigError(f"dist.{name} = {value}: not inside fault-tolerant replica groups "
-                              f"(dist.fault_tolerant_groups = {groups}) yet: ddp, fsdp or hsdp only; set --set "
-                              f"dist.{name}=1 or --set dist.fault_tolerant_groups=1")
-    if importlib.util.find_spec("torchft") is None:
-        raise ConfigError(f"dist.fault_tolerant_groups = {groups}: needs torchft, which is not installed; "
-                          "pip install 'distrib[ft]' (or torchft), or --set dist.fault_tolerant_groups=1")
 
 
 def lighthouse_answers(url: str, timeout_s: float = 2.0) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 import torch
@@ -19,7 +19,7 @@ from distrib.config import Config
 from distrib.data import load_data
 from distrib.data.batching import BatchPlan
 from distrib.data.split import split_validation
-from distrib.distributed import fsdp
+from distrib.distributed import dimensions, fsdp
 from distrib.distributed.mesh import ParallelDims
 from distrib.distributed.parallel import local_tensor, state_parts
 from distrib.distributed.runtime import Runtime
@@ -28,7 +28,7 @@ from distrib.distributed.strategies.materialise import initialises_itself
 from distrib.distributed.tensor_parallel import layers_split
 from distrib.models.build import build_model
 from distrib.plan.batch import first_samples, num_tokens, positions, shaped_batch
-from distrib.plan.cost import startup_memory, step_traffic
+from distrib.plan.cost import named_traffic, startup_memory, step_traffic
 from distrib.plan.experts import MetaRouting, autocast_on_meta, expert_plan, expert_rows, held_experts
 from distrib.plan.fixes import Run, Step, fixes
 from distrib.plan.host import (  # noqa: F401 - distrib.plan's names too
@@ -154,6 +154,15 @@ def _sharded_state(config: Config, strategy: Strategy, info, machine: Machine, d
     model, optimizer = planned_rank(config, strategy, info, machine, device, 0)
     return (state_parts_planned(model, optimizer, strategy, device), local_parameters(model),
             held_experts(model, optimizer))
+
+
+def mesh_machine(config: Config, machine: Machine) -> Machine:
+    """The ranks one mesh spans: the machine's, or one of the worlds a degree splits them into (fault-tolerant replica
+    groups: world / G ranks each, on whole nodes or within one), a one-line ConfigError when they do not tile it."""
+    worlds = dimensions.worlds(config.dist, machine.world_size, machine.nproc_per_node)
+    ranks = machine.world_size // worlds
+    return machine if worlds == 1 else replace(machine, nnodes=max(1, ranks // machine.nproc_per_node),
+                                               nproc_per_node=min(ranks, machine.nproc_per_node))
 
 
 def planned_rank(config: Config, strategy: Strategy, info, machine: Machine, device: torch.device, rank: int
@@ -290,30 +299,32 @@ def planned_step(parts: dict, activations: int, terms: dict, grad_accum_steps: i
 
 def plan_run(config: Config, machine: Machine) -> dict:
     """The figures of the plan, under summary.json's names where it has them. UserErrors are train's own."""
-    strategy = make_strategy(config.dist, machine.world_size, machine.nproc_per_node)
+    mesh = mesh_machine(config, machine)  # the ranks one mesh spans (a replica group's)
+    strategy = make_strategy(config.dist, mesh.world_size, mesh.nproc_per_node)
     shape = strategy.dims
     device = torch.device("cpu" if config.dist.device == "cpu" else "cuda")
     one = Runtime(0, 0, 1, 1, torch.device("cpu"), "gloo")
     data = split_validation(load_data(config.data, one, config.train.seed, log=lambda message: None), config.data)
     batches = BatchPlan(data.train.num_samples, config.train.global_batch_size, config.train.grad_accum_steps, 0,
-                        shape.data_parallel, config.train.seed)
+                        shape.batch_ranks, config.train.seed)
     from distrib.plan.pipeline import no_pipeline, plan_pipeline  # (it builds on this module's helpers)
 
     sample, pipeline = first_samples(data.train, batches.micro_batch_size), None
     # MetaRouting: an MoE layer's meta passes; autocast_on_meta: peft's LoRA on its experts, on meta
-    with fake_process_group(machine.world_size), MetaRouting(), autocast_on_meta():
+    with fake_process_group(mesh.world_size), MetaRouting(), autocast_on_meta():
         if shape.pipeline > 1:  # every pipeline rank's stages: the fullest rank's state
             pipeline = plan_pipeline(config, strategy, data.info, machine, device, batches, sample)
             parts, local_params, held = pipeline["parts"], pipeline["local_parameters"], pipeline["experts"]
         else:
-            parts, local_params, held = _sharded_state(config, strategy, data.info, machine, device)
+            parts, local_params, held = _sharded_state(config, strategy, data.info, mesh, device)
         model = meta_model(config, data.info)
         inputs, targets = shaped_batch(sample, batches.micro_batch_size)
         whole, recomputed = activation_bytes(model, inputs, targets, fsdp.find_blocks(model, config.dist.shard_modules),
                                              build_loss(config.train))
     compute_bytes = 2 if config.train.precision == "bf16" else 4
-    intra, inter = step_traffic(shape, config.dist, machine.nproc_per_node, local_params, compute_bytes,
-                                config.train.grad_accum_steps, _tp_activations(model, shape, inputs) * compute_bytes)
+    traffic = (shape, config.dist, machine.nproc_per_node, local_params, compute_bytes, config.train.grad_accum_steps,
+               _tp_activations(model, shape, inputs) * compute_bytes)
+    intra, inter = step_traffic(*traffic)
     experts = expert_plan(held, shape, machine.nproc_per_node, num_tokens(inputs),
                           compute_bytes, config.train.grad_accum_steps,
                           config.speed.activation_checkpointing == "blocks")
@@ -338,8 +349,9 @@ def plan_run(config: Config, machine: Machine) -> dict:
             "optimizer_bytes_per_rank": parts["optimizer"], "state_bytes_per_rank": state,
             "activation_bytes_per_micro_batch": whole, "activation_bytes_per_micro_batch_checkpointed": recomputed,
             "global_batch_size": batches.global_batch_size, "micro_batch_size": batches.micro_batch_size,
-            "grad_accum_steps": batches.grad_accum_steps, "data_parallel_size": shape.data_parallel,
+            "grad_accum_steps": batches.grad_accum_steps, "data_parallel_size": shape.batch_ranks,
             "collective_bytes_per_step_intra_node": intra, "collective_bytes_per_step_inter_node": inter,
+            "named_collectives": named_traffic(*traffic),
             "device_memory_bytes": machine.device_memory, "memory_bytes_per_rank": needed, **peak,
             "host_allocator": described_allocator(strategy, model) if device.type == "cpu" else "",
             **memory, **staged, **experts, "fixes": fixed,
@@ -389,6 +401,8 @@ def table(figures: dict, machine: Machine) -> str:
                   f"{f['grad_accum_steps']} grad-accum steps x micro-batch {f['micro_batch_size']}"),
         ("collectives / step", f"{_size(f['collective_bytes_per_step_intra_node'])} intra-node, "
                                f"{_size(f['collective_bytes_per_step_inter_node'])} inter-node per rank"),
+        *(("", f"of which the {c['name']}: {_size(c['intra_node'])} intra-node, {_size(c['inter_node'])} "
+               "inter-node") for c in f["named_collectives"]),
         ("start-up / rank", f"{_size(f['startup_bytes_per_rank'])} while building and loading ("
                             + ("each rank reads its shards from model.init_from" if f["loads_weights"] else
                                "the model initialises its own shards" if f["self_initialising"] else

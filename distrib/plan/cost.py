@@ -21,6 +21,15 @@ def step_traffic(dims: ParallelDims, config: DistConfig, per_node: int, local_pa
     return dimensions.step_traffic(dims, config, step)
 
 
+def named_traffic(dims: ParallelDims, config: DistConfig, per_node: int, local_params: int, compute_bytes: int,
+                  grad_accum: int, tp_activation_bytes: float = 0) -> list[dict]:
+    """The parts of step_traffic that the plan names on a line of their own (the all-reduce across replica groups):
+    {name, intra_node, inter_node} bytes each rank sends per step."""
+    step = StepCost(per_node, local_params, compute_bytes, grad_accum, tp_activation_bytes)
+    return [{"name": name, "intra_node": intra, "inter_node": inter}
+            for name, intra, inter in dimensions.traffic_lines(dims, config, step)]
+
+
 def startup_memory(dims: ParallelDims, parameter_bytes_per_rank: int, whole_bytes: int, largest_tensor_bytes: int,
                    self_initialising: bool, nproc_per_node: int, params_on_host: bool) -> tuple[int, int]:
     """(bytes the fullest rank holds while building and loading, before the first step; host bytes of the fullest node
@@ -37,4 +46,4 @@ def startup_memory(dims: ParallelDims, parameter_bytes_per_rank: int, whole_byte
     return parameter_bytes_per_rank + extra, per_node
 
 
-__all__ = ["group_split", "startup_memory", "step_traffic"]
+__all__ = ["group_split", "named_traffic", "startup_memory", "step_traffic"]

@@ -19,8 +19,8 @@ from distrib.checkpoint import BestCheckpoints, Checkpointer
 from distrib.config import TrainConfig
 from distrib.data import Batch, BatchPlan, epoch_steps
 from distrib.data.samples import named
+from distrib.distributed.across import AgreementLost, StepAcross
 from distrib.distributed.agreement import RankAgreement
-from distrib.distributed.fault_tolerance import QuorumLost, ReplicaGroups
 from distrib.distributed.parallel import local_tensor, unwrap
 from distrib.distributed.strategies import DDPStrategy, StepLoss, Strategy
 from distrib.errors import ConfigError, UserError
@@ -176,28 +176,30 @@ class Trainer:
     callbacks: Callbacks = field(default_factory=Callbacks)  # the user's hooks (distrib.training.callbacks)
     extra_losses: ExtraLosses = field(default_factory=ExtraLosses)  # the model's aux_loss and such: logged
     experts: ExpertLoad | None = None  # a mixture of experts' load: counted, balanced and logged each step
-    replicas: ReplicaGroups | None = None  # dist.fault_tolerant_groups > 1: the groups' quorum, all-reduce, commit
+    across: StepAcross | None = None  # what each step agrees on with other worlds (a degree's: its start, its
+    # average of the gradients over them, its commit), or None: this world alone
     last_eval: tuple[int, dict] | None = field(default=None, init=False)  # (step, metrics) of the latest evaluation
 
     def step(self, micro_batches: list[Batch]) -> torch.Tensor | None:
         """One optimizer step, top to bottom: the strategy's forward and backward of the micro-batches (gradients
         synced in the last), the finite check, the rank agreement on sync steps, the update. Returns the loss averaged
         over the global batch (the same on every rank) on sync steps (log steps among them), and this rank's share on
-        the others. Under fault-tolerant replica groups each try starts with the groups' quorum, and a try the groups
-        do not commit is taken again on the same samples; None: the quorum healed this group (its state is now a live
-        group's, further on: the caller reads on from its progress)."""
+        the others. With other worlds to agree with (`across`) each try starts with their agreement, and a try they
+        do not commit is taken again on the same samples; None: the start replaced the state (a live world's, further
+        on: the caller reads on from its progress)."""
         while True:
-            if self.replicas is not None and self._start_replicas_step():
+            if self.across is not None and self._start_across():
                 return None
             loss = self._try_step(micro_batches)
             if loss is not None:
                 return loss
 
-    def _start_replicas_step(self) -> bool:
-        """The groups' quorum; when the groups can agree on no step any more, this group checkpoints and stops."""
+    def _start_across(self) -> bool:
+        """The try's start with the other worlds; when no step can be agreed any more, this world checkpoints and
+        stops."""
         try:
-            return self.replicas.start_step()
-        except QuorumLost as lost:
+            return self.across.start_step()
+        except AgreementLost as lost:
             self.recorder.info(str(lost))
             raise self._stopped() from None
 
@@ -212,9 +214,9 @@ class Trainer:
         if self.experts is not None:
             self.experts.start(len(micro_batches))
         local = self.state.strategy.forward_backward(self.state.model, micro_batches, self._step_loss(micro_batches))
-        if self.replicas is not None:  # the gradients (and the loss) averaged over the groups that took part
-            local = self.replicas.average(self.state.model, local)
-            if not self.replicas.commit():
+        if self.across is not None:  # the gradients (and the loss) averaged over the worlds that took part
+            local = self.across.average(self.state.model, local)
+            if not self.across.commit():
                 self.state.optimizer.zero_grad(set_to_none=True)
                 return None
         self._check_finite(step)
@@ -279,11 +281,11 @@ class Trainer:
         progress = self.state.progress
         logged = self.is_log_step(progress.step)
         loss_value = loss.item() if logged else None  # host sync: only on log steps, so their step times are honest
-        self.meter.step_done(self.replicas.share if self.replicas else 1.0)
+        self.meter.step_done(self.across.share if self.across else 1.0)
         if logged:
             self.recorder.log_step(progress.step, progress.epoch, loss_value, self.state.scheduler.get_last_lr()[0],
                                    {**self.extra_losses.logged(), **(self.experts.logged() if self.experts else {}),
-                                    **(self.replicas.logged() if self.replicas else {})},
+                                    **(self.across.logged() if self.across else {})},
                                    **self.meter.window())
         if self.agreement.stop_agreed:
             path = self._save(progress.step) if self.checkpointer else None
@@ -374,7 +376,7 @@ class Trainer:
             for micro_batches in epoch_steps(train_source, self.plan, progress.epoch, progress.step_in_epoch):
                 self.meter.data_ready()  # the time since the previous step ended was spent getting this batch
                 loss = self.step(micro_batches)
-                if loss is None:  # healed from a live replica group: read on from its progress
+                if loss is None:  # the state was replaced by a live world's (a heal): read on from its progress
                     ran_out = False
                     break
                 progress.step, progress.step_in_epoch = progress.step + 1, progress.step_in_epoch + 1

@@ -12,6 +12,7 @@ from distrib.distributed import dimensions
 from distrib.distributed.dimensions import DIMENSIONS
 from distrib.distributed.mesh import ParallelDims
 from distrib.distributed.strategies import parallel_dims
+from distrib.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,7 +27,7 @@ def _steps(dims: ParallelDims) -> list[str]:
 
 
 def test_the_declared_order_and_parallelize_s():
-    assert [d.name for d in DIMENSIONS] == ["pipeline parallel", "data parallel", "tensor parallel",
+    assert [d.name for d in DIMENSIONS] == ["replica groups", "pipeline parallel", "data parallel", "tensor parallel",
                                             "expert parallel"]
     every = ParallelDims(1, 4, tensor_parallel=2, pipeline=2, expert_parallel=2)
     assert _steps(every) == ["tensor parallel", "expert parallel", "prepare", "data parallel"]
@@ -64,9 +65,22 @@ def test_the_words_of_a_layout():
         "pp 2 x replicate 2 x shard 1"
 
 
+def test_replica_groups_add_no_mesh_dimension_and_multiply_the_batch_streams():
+    dims = parallel_dims(DistConfig(strategy="fsdp", fault_tolerant_groups=2), 4, 4)
+    assert dimensions.mesh_dims(dims) == dims.dims() == (("shard", 4),)
+    assert (dims.batch_ranks, dims.data_parallel) == (8, 4)
+    assert dimensions.describe(dims) == "2 replica groups x shard 4"
+    assert dimensions.layout_words(dims) == ": 2 replica groups x shard 4"
+    assert dimensions.worlds(DistConfig(fault_tolerant_groups=2), 8, 8) == 2  # the plan's world: a group's is 4
+    with pytest.raises(ConfigError, match="dist.fault_tolerant_groups = 3: does not divide world size 8"):
+        dimensions.worlds(DistConfig(fault_tolerant_groups=3), 8, 8)
+    with pytest.raises(ConfigError, match="dist.fault_tolerant_groups = 2: groups of 6 ranks straddle nodes of 4"):
+        dimensions.worlds(DistConfig(fault_tolerant_groups=2), 12, 4)
+
+
 @pytest.mark.parametrize("path", ["distrib/worker.py", "distrib/training/trainer.py", "distrib/cli.py"])
 def test_the_worker_trainer_and_cli_name_no_declared_degree(path):
     text = (ROOT / path).read_text()
-    named = ["tensor_parallel", "expert_parallel", "pipeline_parallel", "dims.pipeline", "dims.tensor_parallel",
-             "dims.expert_parallel"]
+    named = ["tensor_parallel", "expert_parallel", "pipeline_parallel", "fault_tolerant_groups", "replica_group",
+             "ReplicaGroups", "fault_tolerance", "dims.pipeline", "dims.tensor_parallel", "dims.expert_parallel"]
     assert [word for word in named if word in text] == []

@@ -35,9 +35,9 @@ def runtime(rank: int = 0, world_size: int = 1, group: int = 0) -> Runtime:
     return Runtime(rank, rank, world_size, world_size, CPU, "gloo", replica_group=group)
 
 
-def test_keys_are_checked_in_one_line():
+def test_keys_are_checked_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"dist.min_replicas = 3: more than the dist.fault_tolerant_groups = 2"):
-        DistConfig(fault_tolerant_groups=2, min_replicas=3)
+        check_config(small_config(tmp_path, "dist.fault_tolerant_groups=2", "dist.min_replicas=3"))
     with pytest.raises(ConfigError, match=r"dist.fault_tolerant_groups = 0"):
         DistConfig(fault_tolerant_groups=0)
     with pytest.raises(ConfigError, match=r"dist.fault_tolerant_timeout_s"):

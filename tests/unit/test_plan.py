@@ -283,3 +283,28 @@ def test_tensor_parallel_traffic_counts_the_embedding_and_the_gathered_logits():
     per_position = 2 * rowwise + config.hidden_size + config.vocab_size / 2 + config.hidden_size
     assert _tp_activations(model, ParallelDims(1, 2, tensor_parallel=2), tokens) == int(16 * per_position)
     assert _tp_activations(model, ParallelDims(1, 2), tokens) == 0
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_replica_groups_are_planned_as_one_groups_world_plus_the_all_reduce_across_them(strategy):
+    """2 fault-tolerant replica groups at world 8: each rank holds the state of the layout of one group's 4 ranks (was
+    planned as fsdp 8), and all-reduces what it holds of the gradients (fsdp: its shard, ddp: the whole) in fp32 with
+    the same rank of the other group: on one node within it, on two nodes (a group each) across them."""
+    from distrib.config import load_config
+    from distrib.plan import Machine, plan_run
+
+    keys = ["data.name=synthetic", "data.synthetic_train_size=256", f"dist.strategy={strategy}"]
+    alone = plan_run(load_config(None, keys), Machine(1, 4))
+    state = ["parameter_bytes_per_rank", "gradient_bytes_per_rank", "optimizer_bytes_per_rank", "state_bytes_per_rank"]
+    held = alone["parameter_bytes_per_rank"]  # fp32 parameters: the bytes of the gradients a rank all-reduces
+    for machine, across in ((Machine(1, 8), _group_split(2, 4, 8, held, 2)), (Machine(2, 4), (0, held))):
+        groups = plan_run(load_config(None, [*keys, "dist.fault_tolerant_groups=2"]), machine)
+        assert [groups[key] for key in state] == [alone[key] for key in state]
+        assert groups["mesh"] == alone["mesh"] and groups["data_parallel_size"] == 8  # the batch streams of both
+        assert groups["named_collectives"] == [{"name": "all-reduce across replica groups", "intra_node": across[0],
+                                                "inter_node": across[1]}]
+        alone_here = step_traffic(ParallelDims(4, 1, fully_shard=False) if strategy == "ddp" else ParallelDims(1, 4),
+                                  DistConfig(strategy=strategy), machine.nproc_per_node, held // 4, 4, 1)
+        assert (groups["collective_bytes_per_step_intra_node"], groups["collective_bytes_per_step_inter_node"]) == (
+            alone_here[0] + across[0], alone_here[1] + across[1])
+    assert across == (0, held) and _group_split(2, 4, 8, held, 2) == (held, 0)

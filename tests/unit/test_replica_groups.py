@@ -188,13 +188,14 @@ def test_a_lost_lighthouse_is_said_once_and_the_groups_it_stopped_make_the_runs_
 
 def test_distrib_train_passes_the_groups_of_its_config_to_the_launcher(no_launch_env, monkeypatch, tmp_path):
     from distrib.config import load_config
+    from distrib.distributed.dimensions import launch_flags
 
     config = load_config(None, ["dist.fault_tolerant_groups=2", "dist.min_replicas=2", f"run.dir={tmp_path}"])
-    assert cli._group_flags(config) == ["--replica-groups", "2", "--min-replicas", "2", "--lighthouse-log",
-                                        str(tmp_path / "lighthouse.log")]
-    assert cli._group_flags(load_config(None, [])) == []
+    assert launch_flags(config, os.environ) == ["--replica-groups", "2", "--min-replicas", "2", "--lighthouse-log",
+                                                str(tmp_path / "lighthouse.log")]
+    assert launch_flags(load_config(None, []), os.environ) == []
     monkeypatch.setenv("RANK", "0")  # a worker of the groups launches nothing
-    assert cli._group_flags(config) == []
+    assert launch_flags(config, os.environ) == []
 
 
 def test_distrib_train_checks_the_groups_before_any_worker_starts(no_launch_env, tmp_path, capsys):

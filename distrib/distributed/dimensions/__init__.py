@@ -9,23 +9,37 @@ over it."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
+from typing import Iterator, Mapping
 
 import torch.nn as nn
 
 from distrib.config import Config, DistConfig
-from distrib.distributed.dimensions.base import PREPARE, Dimension, Layout, Mesh, StepCost, Words, group_split
+from distrib.distributed.across import StepAcross
+from distrib.distributed.dimensions.base import (
+    PREPARE,
+    Dimension,
+    Layout,
+    Mesh,
+    StepCost,
+    Training,
+    Words,
+    group_split,
+)
 from distrib.distributed.dimensions.data import DataParallel
 from distrib.distributed.dimensions.experts import ExpertParallel
 from distrib.distributed.dimensions.pipeline import Pipeline
+from distrib.distributed.dimensions.replica_groups import ReplicaGroups
 from distrib.distributed.dimensions.tensor import TensorParallel
 from distrib.distributed.mesh import ParallelDims
+from distrib.distributed.runtime import LaunchEnv
 
-# The order the layout is checked and its mesh composed: the pipeline's stages outermost (they take the first share of
-# the world), the data-parallel degrees, tensor parallel innermost, and expert parallel last, since it splits the data
-# degrees' `shard` rather than adding a dimension. parallelize's order is each one's step_at; the plan sums the
-# traffic innermost first.
-DIMENSIONS: tuple[Dimension, ...] = (Pipeline(), DataParallel(), TensorParallel(), ExpertParallel())
+# The order the layout is checked and its mesh composed: the replica groups first (worlds of their own, outside any
+# mesh), then the pipeline's stages outermost (they take the first share of the world), the data-parallel degrees,
+# tensor parallel innermost, and expert parallel last, since it splits the data degrees' `shard` rather than adding a
+# dimension. parallelize's order is each one's step_at; the plan sums the traffic innermost first.
+DIMENSIONS: tuple[Dimension, ...] = (ReplicaGroups(), Pipeline(), DataParallel(), TensorParallel(), ExpertParallel())
 
 
 def check(config: Config) -> None:
@@ -41,6 +55,15 @@ def data_parallel_size(config: DistConfig, world_size: int, local_world_size: in
     for dimension in DIMENSIONS:
         rest //= dimension.share(config, world_size, rest, local_world_size)
     return rest
+
+
+def worlds(config: DistConfig, world_size: int, local_world_size: int) -> int:
+    """Into how many worlds of their own (each its own mesh) a job of world_size ranks splits (the plan's question;
+    a worker's world is one of them already), or a one-line ConfigError naming the degree they do not tile."""
+    count = 1
+    for dimension in DIMENSIONS:
+        count *= dimension.worlds(config, world_size, local_world_size)
+    return count
 
 
 def shards_state(config: DistConfig) -> bool:
@@ -112,15 +135,54 @@ def loss_count(count: int, dims: ParallelDims) -> int:
     return count
 
 
+def _passes(dims: ParallelDims, config: DistConfig, step: StepCost) -> StepCost:
+    """step.passes (the micro-steps) times what each degree multiplies them by (a pipeline's microbatches)."""
+    for dimension in DIMENSIONS:
+        step = replace(step, passes=step.passes * dimension.passes(dims, config))
+    return step
+
+
+def traffic_lines(dims: ParallelDims, config: DistConfig, step: StepCost) -> list[tuple[str, float, float]]:
+    """(name, intra-node, inter-node bytes) of the degrees' traffic that the plan names on a line of its own (also in
+    step_traffic's total)."""
+    lines, step = [], _passes(dims, config, step)
+    for dimension in DIMENSIONS:
+        parts = dimension.traffic(dims, config, step) if dimension.traffic_name else []
+        if parts:
+            lines.append((dimension.traffic_name, sum(p[0] for p in parts), sum(p[1] for p in parts)))
+    return lines
+
+
 def step_traffic(dims: ParallelDims, config: DistConfig, step: StepCost) -> tuple[float, float]:
     """(intra-node, inter-node) bytes each rank sends per optimizer step over the mesh, each degree's parts summed
     innermost first. step.passes: the micro-steps, times what each degree multiplies them by (a pipeline)."""
-    for dimension in DIMENSIONS:
-        step = replace(step, passes=step.passes * dimension.passes(dims, config))
+    step = _passes(dims, config, step)
     parts = [part for dimension in reversed(DIMENSIONS) for part in dimension.traffic(dims, config, step)]
     return sum(p[0] for p in parts), sum(p[1] for p in parts)
 
 
-__all__ = ["DIMENSIONS", "Dimension", "Layout", "StepCost", "check", "check_model", "check_sizes",
-           "data_parallel_size", "describe", "group_split", "layout_words", "loss_count", "mesh_dims",
-           "model_checks", "parallelize_steps", "shards_state", "sizes", "step_traffic", "transform_batch"]
+def launch_flags(config: Config, environ: Mapping[str, str]) -> list[str]:
+    """distrib launch's flags that `distrib train` adds for the degrees of this config (a worker's: none)."""
+    return [flag for dimension in DIMENSIONS for flag in dimension.launch_flags(config, environ)]
+
+
+def worker_config(config: Config, env: LaunchEnv) -> Config:
+    """The config this worker runs, as each degree makes it from its launch environment."""
+    for dimension in DIMENSIONS:
+        config = dimension.worker_config(config, env)
+    return config
+
+
+@contextlib.contextmanager
+def around_training(training: Training) -> Iterator[StepAcross | None]:
+    """What the degrees hold around the worker's training steps; yields what each step agrees on with other worlds
+    (at most one degree's: the replica groups'), or None."""
+    with contextlib.ExitStack() as stack:
+        held = [stack.enter_context(dimension.around_training(training)) for dimension in DIMENSIONS]
+        yield next((across for across in held if across is not None), None)
+
+
+__all__ = ["DIMENSIONS", "Dimension", "Layout", "StepCost", "Training", "around_training", "check", "check_model",
+           "check_sizes", "data_parallel_size", "describe", "group_split", "launch_flags", "layout_words",
+           "loss_count", "mesh_dims", "model_checks", "parallelize_steps", "shards_state", "sizes", "step_traffic",
+           "traffic_lines", "transform_batch", "worker_config", "worlds"]

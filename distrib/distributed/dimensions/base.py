@@ -5,14 +5,16 @@ and the start-up line iterate over the declared degrees (distrib.distributed.dim
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ContextManager, Mapping
 
 import torch.nn as nn
 
 from distrib.config import Config, DistConfig, SpeedConfig
+from distrib.distributed.across import StepAcross
 from distrib.distributed.mesh import ParallelDims
-from distrib.distributed.runtime import Runtime
+from distrib.distributed.runtime import LaunchEnv, Runtime
 
 # Places in parallelize's order (torchtitan's): the degrees that split the model's tensors first, so that FSDP shards
 # their slices (tensor parallel, then expert parallel, so that FSDP shards each rank's own experts); then what changes
@@ -38,6 +40,21 @@ class Layout:
     roots: list[nn.Module] | None  # one pipeline rank's stages, FSDP roots of their own (None: the model whole)
     find_unused_parameters: bool
     experts: tuple | None = None
+
+
+@dataclass(frozen=True)
+class Training:
+    """What a degree's hook around the training steps reads: the worker's config and runtime, the training state
+    (distrib.training.trainer.TrainState), the batch plan, the recorder, the run's steps, and a Checkpointer of any
+    config's checkpoint.dir (another world's: to load from)."""
+
+    config: Config
+    runtime: Runtime
+    state: object
+    plan: object
+    recorder: object
+    total_steps: int | None
+    checkpointer_at: Callable
 
 
 @dataclass(frozen=True)
@@ -72,6 +89,7 @@ class Dimension:
     step_at: int | None = None  # its place in parallelize's order (SPLIT_TENSORS...), None: no step there
     names_layout = False  # whether the start-up memory line spells the layout out when it is on
     checks_model = False  # whether check_model has something to check (the launcher builds the model on meta)
+    traffic_name = ""  # the plan's name for its traffic when it has a line of its own ('' : counted in the total)
 
     def on(self, dims: ParallelDims) -> bool:
         """Whether this run has it (a degree above 1)."""
@@ -85,6 +103,11 @@ class Dimension:
     def share(self, config: DistConfig, world_size: int, rest: int, local_world_size: int) -> int:
         """How many of `rest` (the world once the degrees before took theirs) it takes before the data-parallel ranks
         are counted; a one-line ConfigError when it does not divide them."""
+        return 1
+
+    def worlds(self, config: DistConfig, world_size: int, local_world_size: int) -> int:
+        """Into how many worlds of their own (each its own mesh) it splits a job of world_size ranks (the plan's
+        world; a worker's is its own already); a one-line ConfigError when they do not tile it."""
         return 1
 
     def shards_state(self, config: DistConfig) -> bool:
@@ -124,6 +147,21 @@ class Dimension:
     def loss_count(self, count: int, dims: ParallelDims) -> int:
         """The loss's target count across its ranks, from this rank's (context parallel: times its degree)."""
         return count
+
+    def around_training(self, training: Training) -> ContextManager[StepAcross | None]:
+        """What it holds around the worker's training steps: a context that yields what each step agrees on with
+        the other worlds (StepAcross), or None."""
+        return contextlib.nullcontext(None)
+
+    # ---------------------------------------------------------------- the launcher
+
+    def launch_flags(self, config: Config, environ: Mapping[str, str]) -> list[str]:
+        """distrib launch's flags that `distrib train` adds for it (a worker's environment: none)."""
+        return []
+
+    def worker_config(self, config: Config, env: LaunchEnv) -> Config:
+        """The config this worker runs, given its launch environment (its own folders, say)."""
+        return config
 
     # ---------------------------------------------------------------- what the plan counts
 

@@ -6,7 +6,7 @@ distrib.distributed.dimensions, recorded by the mesh (distrib.distributed.mesh) 
 from __future__ import annotations
 
 from distrib.config import Config, DistConfig
-from distrib.distributed import dimensions, fault_tolerance
+from distrib.distributed import dimensions
 from distrib.distributed.mesh import ParallelDims
 from distrib.distributed.runtime import Runtime
 from distrib.distributed.strategies.base import Build, LoadWeights, StepLoss, Strategy, registered, strategy_named
@@ -27,8 +27,6 @@ def check_config(config: Config) -> None:
     the worker)."""
     dimensions.check(config)
     strategy_class(config.dist).check(config)
-    if config.dist.fault_tolerant_groups > 1:
-        fault_tolerance.check(config)
 
 
 def parallel_dims(config: DistConfig, world_size: int, local_world_size: int) -> ParallelDims:
@@ -38,8 +36,7 @@ def parallel_dims(config: DistConfig, world_size: int, local_world_size: int) ->
     data_parallel = dimensions.data_parallel_size(config, world_size, local_world_size)
     named = strategy_named(config.strategy)
     replicate, shard = named.replicas_and_shards(config, data_parallel, world_size, local_world_size)
-    dims = ParallelDims(replicate, shard, fully_shard=strategy_class(config).sharded_state,
-                        fault_tolerant_groups=config.fault_tolerant_groups, **dimensions.sizes(config))
+    dims = ParallelDims(replicate, shard, fully_shard=strategy_class(config).sharded_state, **dimensions.sizes(config))
     dimensions.check_sizes(dims, config)
     return dims
 
