@@ -113,12 +113,41 @@ def _plan(args: argparse.Namespace) -> int:
         if not value > 0:
             raise UserError(f"{name} {value}: must be > 0")
     machine = Machine(nnodes, nproc, args.device_memory * GIB, args.intra_node_bandwidth * GB,
-                      args.inter_node_bandwidth * GB, args.host_memory * GIB)
+                      args.inter_node_bandwidth * GB, args.host_memory * GIB, _failures(args))
     if args.dry_run:
         from distrib.plan import dry_run
 
         return dry_run.main(config, machine, args.json)
     return main(config, machine, args.json)
+
+
+def _failures(args: argparse.Namespace):
+    """The goodput line's keys (distrib.plan.goodput.Failures), each > 0 or a one-line UserError."""
+    from distrib.plan.goodput import GB, Failures
+
+    for name, value in (("--failures-per-gpu-hour", args.failures_per_gpu_hour),
+                        ("--restart-seconds", args.restart_seconds), ("--storage-bandwidth", args.storage_bandwidth),
+                        ("--save-seconds", args.save_seconds), ("--step-seconds", args.step_seconds)):
+        if value is not None and not value > 0:
+            raise UserError(f"{name} {value}: must be > 0")
+    given = {"per_gpu_hour": args.failures_per_gpu_hour, "restart_seconds": args.restart_seconds,
+             "storage_bandwidth": args.storage_bandwidth and args.storage_bandwidth * GB,
+             "save_seconds": args.save_seconds, "step_seconds": args.step_seconds}
+    return Failures(**{name: value for name, value in given.items() if value is not None})
+
+
+def _goodput_flags(plan: argparse.ArgumentParser) -> None:
+    """The goodput line's keys (docs/parallelism.md, Goodput); their defaults are distrib.plan.goodput's."""
+    plan.add_argument("--failures-per-gpu-hour", type=float, default=None,
+                      help="failures per GPU and hour (default Llama 3's: 419 in 54 days on 16,384 GPUs, 1.97e-5)")
+    plan.add_argument("--restart-seconds", type=float, default=None,
+                      help="from a failure to training again, the checkpoint's load included (default 300)")
+    plan.add_argument("--storage-bandwidth", type=float, default=None,
+                      help="GB/s each node writes to checkpoint storage (default 1: Llama 3's 2 TB/s over 2,048 nodes)")
+    plan.add_argument("--save-seconds", type=float, default=None,
+                      help="a checkpoint save's measured hold on training (a run's save_blocked_s; default: estimated)")
+    plan.add_argument("--step-seconds", type=float, default=None,
+                      help="a measured step time (default: the plan's communication bound)")
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -277,6 +306,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="GB/s per rank and direction within a node (NVLink 4: 450)")
     plan.add_argument("--inter-node-bandwidth", type=float, default=50.0,
                       help="GB/s per rank and direction between nodes (one 400 Gb/s NIC per GPU: 50)")
+    _goodput_flags(plan)
     plan.add_argument("--json", action="store_true", help="print the figures as JSON, under summary.json's names")
     plan.add_argument("--dry-run", action="store_true", help="also build one rank's real layout on a fake process "
                                                             "group and measure a step on fake tensors (dry_run_*)")

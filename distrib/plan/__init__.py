@@ -31,6 +31,8 @@ from distrib.plan.batch import first_samples, num_tokens, positions, shaped_batc
 from distrib.plan.cost import named_traffic, startup_memory, step_traffic
 from distrib.plan.experts import MetaRouting, autocast_on_meta, expert_plan, expert_rows, held_experts
 from distrib.plan.fixes import Run, Step, fixes
+from distrib.plan.goodput import Failures, plan_goodput
+from distrib.plan.goodput import rows as goodput_rows
 from distrib.plan.host import (  # noqa: F401 - distrib.plan's names too
     KEPT_SLACK,
     SHARDED_KEPT_SLACK,
@@ -63,6 +65,7 @@ class Machine:
     intra_node_bandwidth: float = 450 * GB
     inter_node_bandwidth: float = 50 * GB
     host_memory: float = 2048 * GIB  # per node: a DGX H100's 2 TiB
+    failures: Failures = Failures()  # failure rate, restart, checkpoint storage: the goodput line (plan.goodput)
 
     @property
     def world_size(self) -> int:
@@ -342,6 +345,8 @@ def plan_run(config: Config, machine: Machine) -> dict:
     fixed = [] if memory["fits"] or pipeline else _fixes(config, strategy, machine, model, step, recomputed, device)
     intra += staged["pipeline_bytes_per_step_intra_node"]
     inter += staged["pipeline_bytes_per_step_inter_node"]
+    bound = max(intra / machine.intra_node_bandwidth, inter / machine.inter_node_bandwidth)
+    goodput = plan_goodput(config, machine, shape.layout(), parts["parameters"] + parts["optimizer"], bound)
     return {"world_size": machine.world_size, "nnodes": machine.nnodes, "nproc_per_node": machine.nproc_per_node,
             "strategy": config.dist.strategy, "mesh": shape.layout(),
             "num_parameters": sum(p.numel() for p in model.parameters()),
@@ -355,8 +360,7 @@ def plan_run(config: Config, machine: Machine) -> dict:
             "device_memory_bytes": machine.device_memory, "memory_bytes_per_rank": needed, **peak,
             "host_allocator": described_allocator(strategy, model) if device.type == "cpu" else "",
             **memory, **staged, **experts, "fixes": fixed,
-            "step_seconds_lower_bound": max(intra / machine.intra_node_bandwidth,
-                                            inter / machine.inter_node_bandwidth)}
+            "step_seconds_lower_bound": bound, **goodput}
 
 
 def _fixes(config: Config, strategy: Strategy, machine: Machine, model: nn.Module, step: Step, checkpointed: int,
@@ -433,6 +437,7 @@ def table(figures: dict, machine: Machine) -> str:
         ("step time >=", f"{f['step_seconds_lower_bound'] * 1e3:.1f} ms from communication at "
                          f"{machine.intra_node_bandwidth / GB:g} GB/s intra-node, "
                          f"{machine.inter_node_bandwidth / GB:g} GB/s inter-node"),
+        *(goodput_rows(f) if "goodput_at_optimum" in f else []),
     ]
     return "\n".join(f"{name:<26} {value}" for name, value in rows)
 
