@@ -35,7 +35,7 @@ from distrib.distributed.strategies import Strategy, make_strategy
 from distrib.distributed.strategies.base import StepLoss
 from distrib.distributed.strategies.materialise import build_on_meta
 from distrib.models.build import build_model
-from distrib.plan import Machine, _size, fake_process_group, meta_model
+from distrib.plan import Machine, _size, fake_process_group, mesh_machine, meta_model
 from distrib.plan.batch import first_samples, shaped_batch, staged_inputs
 from distrib.plan.experts import MetaRouting, autocast_on_meta
 from distrib.plan.pipeline import in_flight
@@ -70,11 +70,12 @@ def dry_run(config: Config, machine: Machine) -> dict:
     """The dry run's figures (plan's JSON keys dry_run_*): the measured rank's peak and its parts, and each measured
     rank's (under pp the first and the last stage's). A layout that cannot be built raises train's one-line error."""
     started = time.perf_counter()
+    machine = mesh_machine(config, machine)  # the ranks one mesh spans (a replica group's)
     dims = make_strategy(config.dist, machine.world_size, machine.nproc_per_node).dims
     one = Runtime(0, 0, 1, 1, HOST, "gloo")
     data = split_validation(load_data(config.data, one, config.train.seed, log=lambda message: None), config.data)
     batches = BatchPlan(data.train.num_samples, config.train.global_batch_size, config.train.grad_accum_steps, 0,
-                        dims.data_parallel, config.train.seed)
+                        dims.batch_ranks, config.train.seed)
     ranks = sorted({dims.rank_at(pp=0), dims.rank_at(pp=dims.pipeline - 1)})  # every other coordinate 0: the fullest
     sample = first_samples(data.train, batches.micro_batch_size)  # the data's structure, dtypes and shapes
     # one group for all ranks (torch's meshes outlive a destroyed group); MetaRouting: an MoE layer's fake step;
@@ -84,7 +85,8 @@ def dry_run(config: Config, machine: Machine) -> dict:
     top = max(measured, key=lambda figures: figures["peak_bytes"])
     return {"dry_run_peak_bytes_per_rank": top["peak_bytes"], "dry_run_rank": top["rank"],
             **{f"dry_run_{part}_bytes": top["parts"][part] for part in PART_NAMES},
-            "dry_run_ranks": measured, "dry_run_seconds": time.perf_counter() - started}
+            "dry_run_ranks": measured, "dry_run_world_size": machine.world_size,
+            "dry_run_seconds": time.perf_counter() - started}
 
 
 def measure_rank(config: Config, machine: Machine, info, batches: BatchPlan, rank: int, sample) -> dict:
@@ -278,7 +280,7 @@ def rows(figures: dict) -> list[tuple[str, str]]:
                                     f"allocator slack {_size(f['allocator_slack_bytes_per_rank'])}"),
             ("dry run parts at the peak", parts),
             *([("dry run ranks", measured)] if len(f["dry_run_ranks"]) > 1 else []),
-            ("dry run", f"the layout built on a fake group of {f['world_size']} ranks and one step run in "
+            ("dry run", f"the layout built on a fake group of {f['dry_run_world_size']} ranks and one step run in "
                         f"{f['dry_run_seconds']:.1f} s")]
 
 
