@@ -425,6 +425,13 @@ class DistConfig:
         "the rest of the shard group shards each rank's experts. Must divide the shard group (hsdp: "
         "`dist.shard_size`) and every MoE layer's experts; refused under ddp and for a model without experts (see "
         "docs/parallelism.md, Expert parallelism)")
+    context_parallel: int = key(1,
+        "ranks that each hold a 1/C cut of every sequence (the `cp` mesh dimension, between the shard and tensor "
+        "ranks; they read the same micro-batches): two chunks of 2C, one from the head and its mirror from the tail "
+        "(balanced for causal attention), rotary positions the tokens' global ones, keys and values all-gathered "
+        "across the C ranks in each attention; fsdp shards over the shard and cp ranks together. Must divide the "
+        "world, and 2C must divide `data.seq_len`; the built-in GPT; refused under ddp, pipeline and expert parallel "
+        "(see docs/layouts.md)")
     pipeline_schedule: str = key("1f1b",
         "`gpipe` (every forward, then every backward), `1f1b` (one forward, one backward: fewer activations in "
         "flight), `interleaved_1f1b` (`dist.pipeline_stages_per_rank` stages per rank: a smaller bubble), `zbv` or "
@@ -482,6 +489,7 @@ class DistConfig:
         _at_least("dist", self, "shard_size", 0)
         _at_least("dist", self, "tensor_parallel", 1)
         _at_least("dist", self, "expert_parallel", 1)
+        _at_least("dist", self, "context_parallel", 1)
         if isinstance(self.find_unused_parameters, str) and self.find_unused_parameters != "auto":
             _fail("dist", "find_unused_parameters", self.find_unused_parameters, "must be auto, true or false",
                   "e.g. --set dist.find_unused_parameters=true")

@@ -27,7 +27,7 @@ PRIVATE: dict[str, tuple[str, str]] = {
     "all_to_all_single_autograd": ("torch.distributed._functional_collectives", "all_to_all_single_autograd"),
     # none yet: torch.distributed.nn.functional.all_gather is public but deprecated, and its backward gave context
     # parallel's key and value gradients 13-21 off on gloo (measured)
-    "all_gather_tensor_autograd": ("torch.distributed._functional_collectives", "all_gather_tensor_autograd"),
+    "all_gather_single_autograd": ("torch.distributed._functional_collectives", "all_gather_single_autograd"),
     # none yet: a DTensor's local block in global coordinates (DTensor.__create_chunk_list__ gives it for DCP only)
     "compute_local_shape_and_global_offset": ("torch.distributed.tensor._utils",
                                               "compute_local_shape_and_global_offset"),

@@ -13,7 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # Each degree's mesh dimension, outermost first.
-PP, REPLICATE, SHARD, TP = "pp", "replicate", "shard", "tp"
+PP, REPLICATE, SHARD, CP, TP = "pp", "replicate", "shard", "cp", "tp"
+# Under context parallel FSDP2 shards over the shard and context ranks together, their flattened product
+# (torchtitan's dp_shard_cp): the context ranks' gradients of one parameter are parts of one sum.
+SHARD_CP = "shard_cp"
 # Under expert parallel the shard dimension is built as two, (shard / E, E), and the dense parameters' `shard` is
 # their flattened product: the experts are split over `ep` and sharded over the rest (torchtitan's dp_shard_mod_ep).
 SHARD_MOD_EP, EP = "shard_mod_ep", "ep"
@@ -39,6 +42,9 @@ class ParallelDims:
     # dist.fault_tolerant_groups: replica groups outside torch's mesh (each its own world, kept in step by torchft:
     # distrib.distributed.fault_tolerance). The mesh spans one group; the groups read different micro-batches.
     fault_tolerant_groups: int = 1
+    # dist.context_parallel: ranks that each hold a cut of every sequence (between shard and tp); they read the same
+    # micro-batches (distrib.distributed.dimensions.context).
+    context_parallel: int = 1
     # The DeviceMesh once built (build_mesh), by device type: not a size, so not compared.
     _built: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -49,7 +55,7 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return self.pipeline * self.replicate * self.shard * self.tensor_parallel
+        return self.pipeline * self.replicate * self.shard * self.context_parallel * self.tensor_parallel
 
     @property
     def data_parallel(self) -> int:
@@ -68,8 +74,9 @@ class ParallelDims:
         over the last, so its data-parallel part is (shard) or (replicate, shard), shard possibly 1 (ddp under
         pipeline parallel: replicated stages); DDP's is (replicate)."""
         pp = ((PP, self.pipeline),) if self.pipeline > 1 else ()
+        cp = ((CP, self.context_parallel),) if self.context_parallel > 1 else ()
         tp = ((TP, self.tensor_parallel),) if self.tensor_parallel > 1 else ()
-        return pp + self.data_parallel_dims() + tp
+        return pp + self.data_parallel_dims() + cp + tp
 
     def data_parallel_dims(self) -> tuple[tuple[str, int], ...]:
         if not self.fully_shard:
@@ -95,7 +102,8 @@ class ParallelDims:
     def coordinate(self, rank: int) -> dict[str, int]:
         """rank's index along each degree (size-1 ones 0): the row-major layout init_device_mesh gives the ranks; `ep`,
         a split of `shard`, is its index in its expert-parallel group (which experts it holds): shard % E."""
-        sizes = {PP: self.pipeline, REPLICATE: self.replicate, SHARD: self.shard, TP: self.tensor_parallel}
+        sizes = {PP: self.pipeline, REPLICATE: self.replicate, SHARD: self.shard, CP: self.context_parallel,
+                 TP: self.tensor_parallel}
         found, rest = {}, rank
         for name in reversed(list(sizes)):
             rest, found[name] = divmod(rest, sizes[name])
@@ -103,7 +111,8 @@ class ParallelDims:
 
     def rank_at(self, **coordinate: int) -> int:
         """The global rank at this coordinate (the degrees not given: 0; `ep` is read from `shard`)."""
-        sizes = {PP: self.pipeline, REPLICATE: self.replicate, SHARD: self.shard, TP: self.tensor_parallel}
+        sizes = {PP: self.pipeline, REPLICATE: self.replicate, SHARD: self.shard, CP: self.context_parallel,
+                 TP: self.tensor_parallel}
         rank = 0
         for name, size in sizes.items():
             rank = rank * size + coordinate.get(name, 0)
@@ -141,6 +150,8 @@ class ParallelDims:
             mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
             if self.expert_parallel > 1 and self.fully_shard:  # the dense parameters' shard group: one more group
                 mesh[SHARD_MOD_EP, EP]._flatten(SHARD)
+            if self.context_parallel > 1 and self.fully_shard:  # the parameters' shard group: shard x cp
+                mesh[SHARD, CP]._flatten(SHARD_CP)
             self._built[device_type] = mesh
         return self._built[device_type]
 
@@ -155,9 +166,13 @@ class ParallelDims:
         """The submesh FSDP2 shards and replicates the (dense) parameters over: (replicate, shard), `shard` under expert
         parallel the flattened (shard_mod_ep, ep) that build_mesh made."""
         mesh = mesh or self.mesh
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if self.context_parallel > 1 and self.fully_shard:  # expert parallel refused beside it
+            shard = mesh[SHARD, CP]._flatten(SHARD_CP)  # the one build_mesh made
+            return DeviceMesh._concatenate([mesh[REPLICATE], shard]) if self.replicate > 1 else shard
         if self.expert_parallel == 1 or not self.fully_shard:
             return mesh[tuple(name for name, _ in self.data_parallel_dims())]
-        from torch.distributed.device_mesh import DeviceMesh
 
         shard = mesh[SHARD_MOD_EP, EP]._flatten(SHARD)  # the one build_mesh made (kept by the root mesh)
         # (replicate, shard) joined as FSDP2 joins its meshes: slicing a flattened dimension out of the root is

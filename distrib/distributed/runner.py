@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distrib.config import DistConfig, SpeedConfig
-from distrib.distributed import fsdp
+from distrib.distributed import dimensions, fsdp
 from distrib.distributed.compile import explain_compile_errors
 from distrib.distributed.mesh import ParallelDims
 from distrib.distributed.parallel import explain_device_errors, unwrap
@@ -47,6 +47,9 @@ class Runner:
     # Whether this rank's model is a part of the whole (a pipeline rank's stages): materialise's fill from rank 0.
     holds_part: bool = False
 
+    def __init__(self, dims: ParallelDims | None = None):
+        self.dims = dims  # the run's degrees: each cuts a micro-batch for this rank (dimensions.transform_batch)
+
     def check_micro_batch(self, micro_batch_size: int) -> None:
         """A one-line ConfigError if micro-batches of this size cannot run (a pipeline cuts each into microbatches)."""
 
@@ -64,7 +67,8 @@ class Runner:
         gradients synced in the last; returns this rank's share of the step's loss (the sum of what it
         backwarded)."""
         losses = []
-        for index, (inputs, targets) in enumerate(micro_batches):
+        for index, batch in enumerate(micro_batches):
+            inputs, targets = self.cut(batch)
             with grad_sync(model, index == len(micro_batches) - 1), explain_compile_errors(model), \
                     explain_device_errors(model, step.device, step.batch(inputs, targets)):
                 with step.autocast():  # DDP decides in the forward whether to sync: forward and backward inside
@@ -73,6 +77,17 @@ class Runner:
             losses.append(loss.detach())
         zero_missing_grads(model)
         return torch.stack(losses).sum()
+
+    def cut(self, batch: tuple) -> tuple:
+        """A micro-batch (inputs, targets) as the run's degrees hand it to this rank's forward."""
+        if self.dims is None:
+            return batch
+        return dimensions.transform_batch(batch, self.dims, dist.get_rank() if dist.is_initialized() else 0)
+
+    def loss_shares(self, world_size: int) -> int:
+        """How many shares a step's loss is normalised into (losses.step_loss): world_size, times what the degrees
+        cut a micro-batch into (dimensions.loss_count)."""
+        return world_size if self.dims is None else dimensions.loss_count(world_size, self.dims)
 
     @property
     def norm_group(self) -> dist.ProcessGroup | None:

@@ -230,8 +230,8 @@ class Trainer:
         state, config = self.state, self.config
         self.extra_losses.start(self.device)
         return StepLoss(
-            loss=step_loss(self.loss, [targets for _, targets in micro_batches], self.agreement.world_size,
-                           self.extra_losses),
+            loss=step_loss(self.loss, [targets for _, targets in micro_batches],
+                           state.strategy.runner.loss_shares(self.agreement.world_size), self.extra_losses),
             forward=forward, autocast=lambda: autocast(config.precision, self.device),
             backward=lambda loss: state.scaler.scale(loss).backward(),
             batch=lambda inputs, targets: {**named(inputs, "inputs"), **named(targets, "targets")},

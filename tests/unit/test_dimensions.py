@@ -27,8 +27,8 @@ def _steps(dims: ParallelDims) -> list[str]:
 
 
 def test_the_declared_order_and_parallelize_s():
-    assert [d.name for d in DIMENSIONS] == ["replica groups", "pipeline parallel", "data parallel", "tensor parallel",
-                                            "expert parallel"]
+    assert [d.name for d in DIMENSIONS] == ["replica groups", "pipeline parallel", "data parallel", "context parallel",
+                                            "tensor parallel", "expert parallel"]
     every = ParallelDims(1, 4, tensor_parallel=2, pipeline=2, expert_parallel=2)
     assert _steps(every) == ["tensor parallel", "expert parallel", "prepare", "data parallel"]
     assert _steps(ParallelDims.replicas(2)) == ["prepare", "data parallel"]  # a degree off has no step

@@ -27,6 +27,7 @@ from distrib.distributed.dimensions.base import (
     Words,
     group_split,
 )
+from distrib.distributed.dimensions.context import ContextParallel
 from distrib.distributed.dimensions.data import DataParallel
 from distrib.distributed.dimensions.experts import ExpertParallel
 from distrib.distributed.dimensions.pipeline import Pipeline
@@ -37,9 +38,10 @@ from distrib.distributed.runtime import LaunchEnv
 
 # The order the layout is checked and its mesh composed: the replica groups first (worlds of their own, outside any
 # mesh), then the pipeline's stages outermost (they take the first share of the world), the data-parallel degrees,
-# tensor parallel innermost, and expert parallel last, since it splits the data degrees' `shard` rather than adding a
-# dimension. parallelize's order is each one's step_at; the plan sums the traffic innermost first.
-DIMENSIONS: tuple[Dimension, ...] = (ReplicaGroups(), Pipeline(), DataParallel(), TensorParallel(), ExpertParallel())
+# context parallel, tensor parallel innermost, and expert parallel last, since it splits the data degrees' `shard`
+# rather than adding a dimension. parallelize's order is each one's step_at; the plan sums the traffic innermost first.
+DIMENSIONS: tuple[Dimension, ...] = (ReplicaGroups(), Pipeline(), DataParallel(), ContextParallel(), TensorParallel(),
+                                     ExpertParallel())
 
 
 def check(config: Config) -> None:
@@ -122,14 +124,14 @@ def parallelize_steps(dims: ParallelDims, prepare) -> list:
 
 
 def transform_batch(batch, dims: ParallelDims, rank: int):
-    """A micro-batch as each degree cuts it for this rank (no degree of today's does)."""
+    """A micro-batch as each degree cuts it for this rank (context parallel: its cut of every window)."""
     for dimension in DIMENSIONS:
         batch = dimension.transform_batch(batch, dims, rank)
     return batch
 
 
 def loss_count(count: int, dims: ParallelDims) -> int:
-    """The loss's target count across the degrees' ranks, from this rank's (no degree of today's changes it)."""
+    """How many shares a step's loss is normalised into, from `count` ranks' (Dimension.loss_count)."""
     for dimension in DIMENSIONS:
         count = dimension.loss_count(count, dims)
     return count

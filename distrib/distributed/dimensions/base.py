@@ -145,7 +145,8 @@ class Dimension:
         return batch
 
     def loss_count(self, count: int, dims: ParallelDims) -> int:
-        """The loss's target count across its ranks, from this rank's (context parallel: times its degree)."""
+        """How many shares a step's loss is normalised into, from `count` ranks' that each count their micro-batch's
+        targets whole (losses.step_loss): context parallel, whose ranks each backward 1/C of them, times its degree."""
         return count
 
     def around_training(self, training: Training) -> ContextManager[StepAcross | None]:

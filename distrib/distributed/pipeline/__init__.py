@@ -23,7 +23,7 @@ from distrib.distributed.runner import Runner
 def runner_for(config: DistConfig, dims: ParallelDims) -> Runner:
     """The step runner of this layout, chosen once (before the model is built: the micro-batch checks ask it): a
     pipeline's schedule over this rank's stages, or the plain step."""
-    return PipelineRunner(config, dims) if dims.pipeline > 1 else Runner()
+    return PipelineRunner(config, dims) if dims.pipeline > 1 else Runner(dims)
 
 
 __all__ = ["Pipeline", "PipelineRunner", "Pipelined", "StageSplit", "check_micro_batch", "lay_out", "microbatches",

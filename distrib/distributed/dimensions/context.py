@@ -1,0 +1,101 @@
+"""Context parallel's declaration (dist.context_parallel = C): its rules, its share of the world, its `cp` mesh
+dimension (between the shard ranks and tensor parallel), its words, the model check before any worker, the cut of
+each micro-batch (this rank's two chunks of every window) and the loss's shares. Its step in parallelize only checks
+the model: the cut hands the model what attends over the group (distrib.distributed.context_parallel, the
+mechanism), and FSDP2 shards over the shard and cp ranks together (ParallelDims.data_parallel_mesh), so that the C
+ranks' gradients of a parameter are reduced as parts of one sum. Evaluation and generation run whole windows on
+every rank."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from distrib.config import Config, DistConfig
+from distrib.distributed.context_parallel import ATTEND, cut_batch
+from distrib.distributed.dimensions.base import SPLIT_TENSORS, Dimension, Layout, Mesh, Words
+from distrib.distributed.mesh import CP, ParallelDims
+from distrib.errors import ConfigError, UserError
+
+
+class ContextParallel(Dimension):
+    name = "context parallel"
+    keys = ("context_parallel",)
+    checks_model = True
+    step_at = SPLIT_TENSORS  # the model's check where no launcher built it on meta first (distrib.fit, data's vocab)
+    names_layout = True  # the strategy's name alone does not say that a rank holds a cut of every sequence
+
+    def on(self, dims: ParallelDims) -> bool:
+        return dims.context_parallel > 1
+
+    def check(self, config: Config) -> None:
+        dist_config, degree = config.dist, config.dist.context_parallel
+        if degree == 1:
+            return
+        said = f"dist.context_parallel = {degree}"
+        if dist_config.strategy == "ddp":
+            raise ConfigError(f"{said}: composes with fsdp or hsdp, which shard over the data and context ranks "
+                              "together, and dist.strategy is ddp; set --set dist.strategy=fsdp (or hsdp)")
+        others = {"pipeline_parallel": "a pipeline cuts each micro-batch into microbatches of its own",
+                  "expert_parallel": "the experts' ranks are taken from the shard ranks it shards over"}
+        for key, why in others.items():
+            if getattr(dist_config, key) > 1:
+                raise ConfigError(f"{said}: not yet beside dist.{key} = {getattr(dist_config, key)} ({why}); set "
+                                  f"--set dist.{key}=1 or --set dist.context_parallel=1")
+        if getattr(config.data, "document_mask", False):  # the packed documents' mask over the gathered keys: later
+            raise ConfigError(f"{said}: not yet beside data.document_mask = true (each rank's mask would need the "
+                              "documents of every rank's keys); set --set data.document_mask=false or --set "
+                              "dist.context_parallel=1")
+        if config.data.seq_len % (2 * degree):
+            fits = max(config.data.seq_len // (2 * degree), 1) * 2 * degree
+            raise ConfigError(f"{said}: cuts each sequence into 2 x {degree} chunks, and data.seq_len = "
+                              f"{config.data.seq_len} is not a multiple of {2 * degree}; set --set "
+                              f"data.seq_len={fits}")
+
+    def share(self, config: DistConfig, world_size: int, rest: int, local_world_size: int) -> int:
+        degree = config.context_parallel
+        if rest % degree:
+            raise ConfigError(f"dist.context_parallel = {degree}: does not divide the {rest} ranks the world size "
+                              f"{world_size} leaves it; use a divisor of {rest}, or a world size that is a multiple "
+                              f"of {world_size // rest * degree}")
+        return degree
+
+    def sizes(self, config: DistConfig) -> dict[str, int]:
+        return {"context_parallel": config.context_parallel}
+
+    def check_model(self, model: nn.Module, dims: ParallelDims, world_size: int) -> None:
+        if ATTEND not in inspect.signature(type(model).forward).parameters:
+            raise ConfigError(f"dist.context_parallel = {dims.context_parallel}: the attention of "
+                              f"{type(model).__name__} cannot be reached (its forward takes no `{ATTEND}`, as the "
+                              "built-in GPT's does); use model.name=gpt or --set dist.context_parallel=1")
+
+    def parallelize(self, model: nn.Module, layout: Layout) -> nn.Module:
+        self.check_model(model, layout.dims, layout.dims.world_size)
+        return model
+
+    def mesh_dims(self, dims: ParallelDims, mesh: Mesh) -> Mesh:
+        return mesh + (((CP, dims.context_parallel),) if self.on(dims) else ())
+
+    def words(self, dims: ParallelDims, words: Words) -> Words:
+        return words + (((CP, f"{CP} {dims.context_parallel}"),) if self.on(dims) else ())
+
+    def transform_batch(self, batch, dims: ParallelDims, rank: int):
+        """This rank's two chunks of every window of the micro-batch (inputs and targets), with their global
+        positions and the attention over the group's keys."""
+        if not self.on(dims):
+            return batch
+        inputs, targets = batch
+        if not (isinstance(inputs, torch.Tensor) and inputs.dim() == 2 and isinstance(targets, torch.Tensor)
+                and targets.shape == inputs.shape):
+            raise UserError(f"dist.context_parallel = {dims.context_parallel}: cuts windows of token ids [B, T] "
+                            "and their targets (the text and tokens data), and these samples are not; set "
+                            "--set dist.context_parallel=1")
+        group: dist.ProcessGroup = dims.mesh[CP].get_group()
+        return cut_batch(inputs, targets, dims.context_parallel, dims.coordinate(rank)[CP], group)
+
+    def loss_count(self, count: int, dims: ParallelDims) -> int:
+        """Each rank backwards 1/C of the targets its micro-batch counts whole: C shares of the loss a rank."""
+        return count * dims.context_parallel
