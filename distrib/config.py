@@ -165,6 +165,12 @@ class DataConfig:
         "tokens: the type of the ids in raw files (`train.bin`, `val.bin`, raw shards): `uint16` (nanoGPT's) or "
         "`uint32` (vocabularies over 65,536: Llama 3's 128,256, Qwen's 151,936); llm.c's shards say theirs in their "
         "header", choices=("uint16", "uint32"))
+    document_mask: bool = key(False,
+        "text, tokens: packed documents: each document of a window attends only to itself and its positions restart "
+        "at its first token (after `data.eos_id`, and at each file's first token); see docs/language-models.md")
+    eos_id: int = key(-1,
+        "text, tokens with `data.document_mask`: the end-of-document token id (GPT-2's `<|endoftext|>` is 50256); "
+        "-1 = none (the files are the documents)")
 
     def __post_init__(self):
         if self.factory:
@@ -190,6 +196,7 @@ class DataConfig:
                   "e.g. --set data.synthetic_shape=[3,32,32]")
         self._check_normalize()
         self._check_tokens()
+        self._check_documents()
 
     def _check_tokens(self):
         _at_least("data", self, "seq_len", 1)
@@ -212,6 +219,21 @@ class DataConfig:
             if getattr(self, key) and not getattr(self, other):
                 _fail("data", other, "", f"data.{key} is set, so the other split's shards are needed too",
                       f"e.g. --set 'data.{other}=data/fineweb10B/fineweb_{other[:-6].replace('test', 'val')}_*.bin'")
+
+    def _check_documents(self):
+        if self.document_mask and (self.factory or self.name not in ("text", "tokens")):
+            _fail("data", "document_mask", True, "packs the documents of text or tokens data only",
+                  "--set data.name=tokens (or text), or --set data.document_mask=false")
+        vocab = 256 if self.name == "text" else self.vocab_size
+        if self.eos_id < -1 or (vocab and self.eos_id >= vocab):
+            _fail("data", "eos_id", self.eos_id, f"must be a token id below the vocabulary ({vocab}), or -1 (none)",
+                  "e.g. --set data.eos_id=50256 (GPT-2's <|endoftext|>)")
+        if self.eos_id >= 0 and not self.document_mask:
+            _fail("data", "eos_id", self.eos_id, "is read only by data.document_mask = true",
+                  "--set data.document_mask=true, or leave data.eos_id at -1")
+        if self.document_mask and self.eos_id < 0 and self.name == "tokens" and not self.train_files:
+            _fail("data", "eos_id", self.eos_id, "data.document_mask needs the end-of-document id: one train.bin "
+                  "is one file, so no document would start", "e.g. --set data.eos_id=50256 (GPT-2's <|endoftext|>)")
 
     def _check_normalize(self):
         value = self.normalize
@@ -661,6 +683,10 @@ class Config:
                               "set --set speed.static_graph=false or --set train.grad_accum_steps=1")
         _needs_ema("checkpoint", "best_metric", self.checkpoint.best_metric if self.checkpoint.keep_best else "",
                    self.train.ema_decay)
+        if self.data.document_mask and self.dist.pipeline_parallel > 1:  # stages take one tensor, not the positions
+            raise ConfigError(f"data.document_mask = true: does not work with dist.pipeline_parallel = "
+                              f"{self.dist.pipeline_parallel} (its stages pass one tensor, not the documents' "
+                              "positions); set --set dist.pipeline_parallel=1 or --set data.document_mask=false")
 
 
 def check_world_size(global_batch_size: int, grad_accum_steps: int, world_size: int) -> None:

@@ -10,7 +10,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from distrib.config import DataConfig
-from distrib.data import identity, idx, named
+from distrib.data import documents, identity, idx, named
 from distrib.data.assemble import Data, Loaded, build, distributed, materialize, on_rank0
 from distrib.data.collate import collate_for
 from distrib.data.factory import as_split_or_dataset, call_data_factory
@@ -63,7 +63,8 @@ def _token_data(config: DataConfig, runtime: Runtime, seed: int, log) -> Data:
     log(f"data {info.name}: {train.num_tokens} train / {test.num_tokens} test tokens, vocabulary {info.num_classes}, "
         f"{train.num_samples} windows of {config.seq_len} per epoch, {test.num_samples} test windows"
         + (" (device-resident)" if config.name == "text" else " (read window by window)")
-        + (f", {len(train.read.shards)} train / {len(test.read.shards)} test shards" if config.train_files else ""))
+        + (f", {len(train.read.shards)} train / {len(test.read.shards)} test shards" if config.train_files else "")
+        + (f", {documents.words(config.eos_id)}" if config.document_mask else ""))
     return Data(info, train, test, identity=identity.of_files([*train.paths, *test.paths]))
 
 

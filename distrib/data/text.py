@@ -6,7 +6,8 @@ tokens.
 A training sample is a window whose start comes from (seed, epoch, sample index) by a counter-based hash, so any
 rank computes any sample's window alone: the order is the same at every world size and resumes exactly. The test
 stream is cut into consecutive windows, the last one padded with targets of -100 (not counted), so evaluation
-predicts every held-out token exactly once."""
+predicts every held-out token exactly once. With data.document_mask the inputs are {input_ids, position_ids}, the
+positions restarting at each document (distrib.data.documents)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 
 from distrib.config import DataConfig
 from distrib.data.batching import Batch
+from distrib.data.documents import Documents
 from distrib.data.tensors import DataInfo
 from distrib.data.token_files import Shard, TokenStream, check_id_type, token_streams
 from distrib.distributed.runtime import Runtime
@@ -52,9 +54,9 @@ class TokenWindows:
     identity in a checkpoint)."""
 
     def __init__(self, read: Callable[[np.ndarray], torch.Tensor], num_tokens: int, seq_len: int, seed: int,
-                 runtime: Runtime, training: bool, paths: tuple[Path, ...] = ()):
+                 runtime: Runtime, training: bool, paths: tuple[Path, ...] = (), documents: Documents | None = None):
         self.read, self.num_tokens, self.seq_len, self.seed = read, num_tokens, seq_len, seed
-        self.device, self.paths = runtime.device, paths
+        self.device, self.paths, self.documents = runtime.device, paths, documents
         targets = num_tokens - 1  # every token but the first is some window's target
         self.num_samples = targets // seq_len if training else -(-targets // seq_len)
 
@@ -73,7 +75,7 @@ class TokenWindows:
             inputs, targets = windows[:, :-1], windows[:, 1:]
             if beyond.any():  # only the last test window: its positions past the stream count for nothing
                 targets = targets.masked_fill(torch.from_numpy(beyond[:, 1:]).to(self.device), IGNORE_INDEX)
-            yield inputs, targets
+            yield (inputs if self.documents is None else self.documents.inputs(inputs, positions[:, :-1])), targets
 
 
 # ---------------------------------------------------------------- text: bytes of UTF-8 files
@@ -171,6 +173,9 @@ def token_data(config: DataConfig, runtime: Runtime, seed: int) -> tuple[DataInf
         train, test = text_streams(config)
         vocab_size, files = BYTE_VOCAB, tuple(_text_files(Path(config.root)))
         reads = [(_on_device(s, runtime.device), len(s), files) for s in (train, test)]
+        sizes = np.array([path.stat().st_size for path in files], dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])  # where each file starts in the joined bytes
+        file_offsets = [offsets, offsets - (int(sizes.sum()) - len(test))]  # the test stream starts later
     elif config.train_files:
         vocab_size = config.vocab_size
         streams = token_streams(config.train_files, config.test_files, vocab_size, config.token_dtype)
@@ -179,11 +184,14 @@ def token_data(config: DataConfig, runtime: Runtime, seed: int) -> tuple[DataInf
             if stream.num_tokens < least:
                 raise _too_short(f"data.{key} = {pattern!r}", stream.num_tokens, seq_len)
         reads = [(stream, stream.num_tokens, tuple(shard.path for shard in stream.shards)) for stream in streams]
+        file_offsets = [stream.starts for stream in streams]
     else:
         root, vocab_size = Path(config.root), config.vocab_size
         streams = [open_tokens(root, name, config) for name in ("train.bin", "val.bin")]
         reads = [(stream, stream.num_tokens, (stream.shards[0].path,)) for stream in streams]
+        file_offsets = [stream.starts for stream in streams]
     info = token_info(config.name, seq_len, vocab_size)
-    sources = [TokenWindows(read, num_tokens, seq_len, seed, runtime, training, paths)
-               for (read, num_tokens, paths), training in zip(reads, (True, False))]
+    documents = [Documents(config.eos_id, offsets) if config.document_mask else None for offsets in file_offsets]
+    sources = [TokenWindows(read, num_tokens, seq_len, seed, runtime, training, paths, packed)
+               for (read, num_tokens, paths), training, packed in zip(reads, (True, False), documents)]
     return info, sources[0], sources[1]

@@ -25,6 +25,25 @@ def rotary_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tenso
     return angles.cos().float(), angles.sin().float()
 
 
+def documents_of(position_ids: torch.Tensor) -> torch.Tensor:
+    """[B, T] ids, equal within a document, of packed positions (distrib.data.documents: 0 starts a document). Take
+    them from the whole window: a slice of it (a context-parallel chunk) cannot tell where its first document began."""
+    return (position_ids == 0).cumsum(dim=-1)
+
+
+def block_causal_mask(query_documents: torch.Tensor, key_documents: torch.Tensor,
+                      query_index: torch.Tensor | None = None, key_index: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, 1, Tq, Tk] bool, True where a query may attend to a key: the same document and not a later token. The
+    indexes are the tokens' places in the whole window (default 0..T-1), so a chunk of queries can be masked
+    against all keys."""
+    if query_index is None:
+        query_index = torch.arange(query_documents.shape[-1], device=query_documents.device)
+    if key_index is None:
+        key_index = torch.arange(key_documents.shape[-1], device=key_documents.device)
+    same = query_documents[:, :, None] == key_documents[:, None, :]
+    return (same & (query_index[:, None] >= key_index[None, :]))[:, None]
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotates each (x_i, x_{i + head_dim / 2}) pair of x [B, H, T, head_dim] by its position's angle."""
     first, second = x.chunk(2, dim=-1)
@@ -33,7 +52,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    """Causal multi-head self-attention with rotary positions on q and k."""
+    """Causal multi-head self-attention with rotary positions on q and k; with a mask (packed documents:
+    block_causal_mask), attention where it is True instead of the causal triangle."""
 
     def __init__(self, dim: int, n_heads: int):
         super().__init__()
@@ -43,12 +63,16 @@ class Attention(nn.Module):
         self.wv = nn.Linear(dim, dim, bias=False)
         self.wo = nn.Linear(dim, dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         batch, length, _ = x.shape
         # -1 heads: under tensor parallel each rank computes its own n_heads / dist.tensor_parallel of them
         q, k, v = (w(x).view(batch, length, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.wo(out.transpose(1, 2).reshape(batch, length, -1))
 
 
@@ -65,8 +89,9 @@ class Block(nn.Module):
         if moe is None:
             self.feed_forward = FeedForward(dim, hidden_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return x + (self.feed_forward if self.moe is None else self.moe)(self.ffn_norm(x))
 
 
@@ -194,16 +219,20 @@ class GPT(nn.Module):
         if self.tie_weights:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
-        length = tokens.shape[1]
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
+        """position_ids [B, T] (packed documents, restarting at 0 at each document's first token): rotary positions
+        and a block-causal mask from them; document_ids (default: documents_of(position_ids)) may come from a whole
+        window this is a slice of. None: positions 0..T-1 and the causal triangle."""
+        length = input_ids.shape[1]
         if length > self.seq_len:
             raise ValueError(f"a sequence of {length} tokens is longer than the model's seq_len {self.seq_len}")
-        cos, sin = self.rope_cos[:length], self.rope_sin[:length]
+        cos, sin, mask = self._positions(length, position_ids, document_ids)
         # Under pipeline parallel a stage may lack the embeddings (its input is the previous stage's activations),
         # the final norm or the output (it returns its own).
-        x = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        x = self.tok_embeddings(input_ids) if self.tok_embeddings is not None else input_ids
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin) if mask is None else layer(x, cos, sin, mask)
         x = self.norm(x) if self.norm is not None else x
         x = self.output(x) if self.output is not None else x
         if not self.aux_loss_coef:
@@ -212,6 +241,15 @@ class GPT(nn.Module):
         if self.tok_embeddings is None or self.output is None:  # a pipeline stage: its output is one tensor
             return add_aux_losses(x, moes)
         return {"logits": x, "aux_loss": torch.stack([moe.aux_loss for moe in moes]).sum()}
+
+    def _positions(self, length: int, position_ids: torch.Tensor | None, document_ids: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The rotary tables for the positions ([T, head_dim], or [B, 1, T, head_dim] per token) and the mask."""
+        if position_ids is None:
+            return self.rope_cos[:length], self.rope_sin[:length], None
+        documents = documents_of(position_ids) if document_ids is None else document_ids
+        return (self.rope_cos[position_ids][:, None], self.rope_sin[position_ids][:, None],
+                block_causal_mask(documents, documents))
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token as torchtitan and PaLM count them: 6 x the parameters of the matrix products

@@ -29,6 +29,12 @@ def forward(model, inputs):
         return model(inputs)
     if samples.LABELS in inputs and not takes(model, samples.LABELS):
         inputs = {key: value for key, value in inputs.items() if key != samples.LABELS}
+    if "position_ids" in inputs and getattr(getattr(unwrap(model), "config", None), "use_cache", None) is not None \
+            and takes(model, "use_cache"):
+        # Packed documents (distrib.data.documents) into a transformers model (or a peft wrapper of one): it masks
+        # each document from the restarting position_ids only without a KV cache, which it otherwise makes even in
+        # training.
+        inputs = {**inputs, "use_cache": False}
     return model(**inputs)
 
 

@@ -48,7 +48,10 @@ def peak_flops(device_type: str, device_name: str, precision: str, override: flo
 
 
 def tokens_per_sample(inputs) -> int | None:
-    """T for integer sequence inputs [B, T] (token ids), else None: what tokens_per_second counts."""
+    """T for integer sequence inputs [B, T] (token ids, or packed documents' input_ids), else None: what
+    tokens_per_second counts."""
+    if isinstance(inputs, dict) and "position_ids" in inputs:  # distrib.data.documents: windows, no padding
+        inputs = inputs["input_ids"]
     if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 and not inputs.is_floating_point() \
             and inputs.dtype != torch.bool:
         return inputs.shape[1]

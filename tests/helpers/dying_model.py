@@ -25,12 +25,12 @@ class _DiesAt:
 
     die_at, signum, num_forwards = 0, signal.SIGKILL, 0
 
-    def forward(self, inputs):
+    def forward(self, *inputs, **named):  # named: a packed batch's input_ids and position_ids (the GPT's)
         if self.training:
             self.num_forwards += 1
             if self.num_forwards == self.die_at and first_death():
                 os.kill(os.getpid(), self.signum)
-        return super().forward(inputs)
+        return super().forward(*inputs, **named)
 
 
 def first_death() -> bool:

@@ -1,9 +1,10 @@
 """Token shards end to end: llm.c's Llama 3 shards (3 train, 1 val; uint32 ids over 65,535, a vocabulary of 128,256)
-through data.train_files / data.test_files train the same at world sizes 1 and 2, evaluate every held-out token, and
-a worker killed mid-run (SIGKILL, --max-restarts 1) is restarted and ends bitwise where the uninterrupted run ends;
-`distrib eval` of a run, or of its weights/ folder, gives its test metrics to the bit (ddp at world size 1 and 2,
-evaluated at 1); a truncated shard is one line and exit 2, before the run and under it; shards (GPT-2's, uint16)
-changed before a resume are one line naming the file, exit 2 on every rank (world sizes 1 and 2), unless allowed."""
+through data.train_files / data.test_files, packed as documents (data.document_mask, data.eos_id), train the same at
+world sizes 1 and 2, evaluate every held-out token, and a worker killed mid-run (SIGKILL, --max-restarts 1) is
+restarted and ends bitwise where the uninterrupted run ends; `distrib eval` of a run, or of its weights/ folder, gives
+its test metrics to the bit (ddp at world size 1 and 2, evaluated at 1); a truncated shard is one line and exit 2,
+before the run and under it; shards (GPT-2's, uint16) changed before a resume are one line naming the file, exit 2 on
+every rank (world sizes 1 and 2), unless allowed."""
 
 import json
 import os
@@ -43,7 +44,9 @@ def test_llama3_shards_agree_across_world_sizes_count_every_val_token_and_resume
         return learnable_stream(num_tokens, seed=seed) + LLAMA3_VOCAB - 64
 
     train, val = write_llmc_shards(tmp_path / "data", llama3_ids(3 * 1500 + VAL_TOKENS), (1200, 1500, 1800), **LLAMA3)
-    run = [*RUN, f"data.vocab_size={LLAMA3_VOCAB}", f"data.train_files={train}", f"data.test_files={val}"]
+    # Packed documents (data.document_mask): each ends with the stream's first id, and each shard starts one.
+    run = [*RUN, f"data.vocab_size={LLAMA3_VOCAB}", f"data.train_files={train}", f"data.test_files={val}",
+           "data.document_mask=true", f"data.eos_id={LLAMA3_VOCAB - 64}"]
     one = run_training(load_config(None, [*run, f"run.dir={tmp_path}/one"]))
     # A copy of the shards elsewhere, one of them with other tokens of the same size: resumed from run one's
     # checkpoint 8 at world size 2, it is refused on every rank.
@@ -64,6 +67,7 @@ def test_llama3_shards_agree_across_world_sizes_count_every_val_token_and_resume
                          tmp_path, codes=tmp_path / "codes.json")
     out = result.stdout + result.stderr
     assert result.returncode == 0 and (tmp_path / "died").exists(), out[-4000:]
+    assert f"packed documents (each attends only to itself; one starts after id {LLAMA3_VOCAB - 64}," in out
     assert json.loads((tmp_path / "codes.json").read_text()) == {"two": 0, "killed": 0, "changed": 2}, out[-4000:]
     refused = split_runs(result.stderr, ["two", "killed", "changed"])["changed"]
     assert refused.count(f"step_00000008.pt: the data changed since it was taken ({tmp_path}/copy/shard_train_000001"
