@@ -14,10 +14,11 @@ from tests.helpers.processes import REPO
 # plan (distrib plan) sizes a run as the worker would build it, so it sits beside the worker; of the lowest three,
 # config and factory raise errors' exceptions, so errors sits one step below them; config_reference (distrib config,
 # docs/config.md) reads only the config, beside launch. integrations (Ray Train)
-# runs what the CLI and fit run.
+# runs what the CLI and fit run. launch_env (the variables the launcher writes and the runtime reads) and
+# torch_private (what torch keeps private) import nothing of distrib, so they sit at the bottom with errors.
 LAYERS = (("__main__",), ("integrations",), ("__init__", "cli", "api"), ("worker", "plan"), ("training",),
           ("checkpoint", "metrics"), ("models",), ("data",), ("distributed",), ("launch", "config_reference"),
-          ("config", "factory"), ("errors",))
+          ("config", "factory"), ("errors", "launch_env", "torch_private"))
 RANK = {name: len(LAYERS) - i for i, names in enumerate(LAYERS) for name in names}
 
 
