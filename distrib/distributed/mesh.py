@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from distrib.torch_private import concatenate_meshes, flatten_mesh, forget_dtensor_plans
+
 # Each degree's mesh dimension, outermost first.
 PP, REPLICATE, SHARD, CP, TP = "pp", "replicate", "shard", "cp", "tp"
 # Under context parallel FSDP2 shards over the shard and context ranks together, their flattened product
@@ -149,9 +151,9 @@ class ParallelDims:
             names, sizes = zip(*self.dims())
             mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
             if self.expert_parallel > 1 and self.fully_shard:  # the dense parameters' shard group: one more group
-                mesh[SHARD_MOD_EP, EP]._flatten(SHARD)
+                flatten_mesh(mesh[SHARD_MOD_EP, EP], SHARD)
             if self.context_parallel > 1 and self.fully_shard:  # the parameters' shard group: shard x cp
-                mesh[SHARD, CP]._flatten(SHARD_CP)
+                flatten_mesh(mesh[SHARD, CP], SHARD_CP)
             self._built[device_type] = mesh
         return self._built[device_type]
 
@@ -166,18 +168,15 @@ class ParallelDims:
         """The submesh FSDP2 shards and replicates the (dense) parameters over: (replicate, shard), `shard` under expert
         parallel the flattened (shard_mod_ep, ep) that build_mesh made."""
         mesh = mesh or self.mesh
-        from torch.distributed.device_mesh import DeviceMesh
-
         if self.context_parallel > 1 and self.fully_shard:  # expert parallel refused beside it
-            shard = mesh[SHARD, CP]._flatten(SHARD_CP)  # the one build_mesh made
-            return DeviceMesh._concatenate([mesh[REPLICATE], shard]) if self.replicate > 1 else shard
+            shard = flatten_mesh(mesh[SHARD, CP], SHARD_CP)  # the one build_mesh made
+            return concatenate_meshes([mesh[REPLICATE], shard]) if self.replicate > 1 else shard
         if self.expert_parallel == 1 or not self.fully_shard:
             return mesh[tuple(name for name, _ in self.data_parallel_dims())]
-
-        shard = mesh[SHARD_MOD_EP, EP]._flatten(SHARD)  # the one build_mesh made (kept by the root mesh)
+        shard = flatten_mesh(mesh[SHARD_MOD_EP, EP], SHARD)  # the one build_mesh made (kept by the root mesh)
         # (replicate, shard) joined as FSDP2 joins its meshes: slicing a flattened dimension out of the root is
         # deprecated in torch 2.14
-        return DeviceMesh._concatenate([mesh[REPLICATE], shard]) if self.replicate > 1 else shard
+        return concatenate_meshes([mesh[REPLICATE], shard]) if self.replicate > 1 else shard
 
     def expert_meshes(self, mesh=None):
         """(ep, the experts' data-parallel submesh): the dimension each MoE layer's experts are split over, and the
@@ -192,12 +191,7 @@ def _forget_earlier_meshes() -> None:
     their ranks and names alone, so after another process group's run in this process (distrib.fit's, the tests' runs
     in one launch) a mesh of the same shape would get that run's mesh back, and its destroyed groups (measured: the
     experts' norm of a pp 2 x ep 2 run after an ep 2 x fsdp 2 one)."""
-    from torch.distributed.tensor import _redistribute
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-    _clear_sharding_prop_cache()
-    _redistribute._gen_transform_infos.cache_clear()
-    _redistribute.clear_redistribute_planner_cache()
+    forget_dtensor_plans()
 
 
 def divisors(number: int) -> list[int]:
