@@ -7,6 +7,7 @@ so that a tensor-parallel plan can name the projections; each Block is one FSDP 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -53,7 +54,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 class Attention(nn.Module):
     """Causal multi-head self-attention with rotary positions on q and k; with a mask (packed documents:
-    block_causal_mask), attention where it is True instead of the causal triangle."""
+    block_causal_mask), attention where it is True instead of the causal triangle; with a callable, what it returns
+    for (q, k, v)."""
 
     def __init__(self, dim: int, n_heads: int):
         super().__init__()
@@ -64,13 +66,15 @@ class Attention(nn.Module):
         self.wo = nn.Linear(dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | Callable | None = None) -> torch.Tensor:
         batch, length, _ = x.shape
         # -1 heads: under tensor parallel each rank computes its own n_heads / dist.tensor_parallel of them
         q, k, v = (w(x).view(batch, length, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif callable(mask):  # what attends on a cut of the window (GPT.forward's attend): over every rank's keys
+            out = mask(q, k, v)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.wo(out.transpose(1, 2).reshape(batch, length, -1))
@@ -220,14 +224,20 @@ class GPT(nn.Module):
             self.output.weight = self.tok_embeddings.weight
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
+                document_ids: torch.Tensor | None = None, attend: Callable | None = None
+                ) -> torch.Tensor | dict[str, torch.Tensor]:
         """position_ids [B, T] (packed documents, restarting at 0 at each document's first token): rotary positions
         and a block-causal mask from them; document_ids (default: documents_of(position_ids)) may come from a whole
-        window this is a slice of. None: positions 0..T-1 and the causal triangle."""
+        window this is a slice of. None: positions 0..T-1 and the causal triangle. attend: input_ids are a cut of the
+        window (context parallel: distrib.distributed.context_parallel), position_ids their places in it, and
+        attend(q, k, v) each block's attention of them over the whole window's keys."""
         length = input_ids.shape[1]
         if length > self.seq_len:
             raise ValueError(f"a sequence of {length} tokens is longer than the model's seq_len {self.seq_len}")
-        cos, sin, mask = self._positions(length, position_ids, document_ids)
+        if attend is None:
+            cos, sin, mask = self._positions(length, position_ids, document_ids)
+        else:
+            cos, sin, mask = self.rope_cos[position_ids][:, None], self.rope_sin[position_ids][:, None], attend
         # Under pipeline parallel a stage may lack the embeddings (its input is the previous stage's activations),
         # the final norm or the output (it returns its own).
         x = self.tok_embeddings(input_ids) if self.tok_embeddings is not None else input_ids

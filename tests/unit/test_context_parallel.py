@@ -1,0 +1,124 @@
+"""Context parallel in one process: the balanced cut of a window and its inverse, the mask of global places, the
+gathered attention's math (each rank's queries over the keys gathered in rank order equal full causal attention on
+those rows, and their gradients sum to full attention's), the mesh's `cp` dimension, the loss's shares, and the
+refusals. (Against one process at world size 4: tests/integration/test_context_parallel.py)"""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from distrib.config import DistConfig, load_config
+from distrib.distributed import dimensions
+from distrib.distributed.context_parallel import (
+    GatheredAttention,
+    causal_mask,
+    chunk_places,
+    cut,
+    gathered_places,
+    restore,
+)
+from distrib.distributed.dimensions.context import ContextParallel
+from distrib.distributed.mesh import ParallelDims
+from distrib.distributed.runner import Runner
+from distrib.distributed.strategies import parallel_dims
+from distrib.errors import ConfigError
+from distrib.models.gpt import GPT
+
+
+def test_each_rank_holds_a_chunk_from_the_head_and_its_mirror_from_the_tail_and_the_cut_inverts():
+    assert chunk_places(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert chunk_places(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert sorted(gathered_places(24, 3).tolist()) == list(range(24))
+    window = torch.arange(2 * 24 * 5).view(2, 24, 5)
+    chunks = [cut(window, chunk_places(24, 3, rank)) for rank in range(3)]
+    assert all(chunk.shape == (2, 8, 5) for chunk in chunks)
+    assert torch.equal(restore(chunks, 3), window)
+
+
+def test_the_mask_is_the_causal_triangle_on_global_places():
+    places = gathered_places(8, 2)
+    for rank in range(2):
+        rows = chunk_places(8, 2, rank)
+        full = torch.ones(8, 8).tril().bool()
+        assert torch.equal(causal_mask(rows, places), full[rows][:, places])
+
+
+class _InProcess(GatheredAttention):
+    """Every rank's attention in one process: the 'gather' is the whole window's keys or values, cut in rank order."""
+
+    def __init__(self, mask, whole: dict[int, torch.Tensor]):
+        super().__init__(mask, group=None)
+        self.whole = whole
+
+    def gather(self, rows):
+        return self.whole[rows.data_ptr()]
+
+
+def test_the_cut_attention_over_gathered_keys_equals_full_causal_attention_and_its_gradients():
+    torch.manual_seed(0)
+    degree, length = 2, 16
+    q, k, v = (torch.randn(2, 3, length, 8, requires_grad=True) for _ in range(3))
+    full = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    expected = torch.autograd.grad(full.square().sum(), (q, k, v))
+    places = gathered_places(length, degree)
+    outs = []
+    for rank in range(degree):
+        rows = chunk_places(length, degree, rank)
+        local = [x.index_select(2, rows) for x in (q, k, v)]
+        whole = {local[1].data_ptr(): k.index_select(2, places), local[2].data_ptr(): v.index_select(2, places)}
+        outs.append(_InProcess(causal_mask(rows, places), whole)(*local).transpose(1, 2))
+    got = restore(outs, degree).transpose(1, 2)
+    torch.testing.assert_close(got, full, rtol=0, atol=2e-6)
+    for mine, theirs in zip(torch.autograd.grad(got.square().sum(), (q, k, v)), expected):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-5)
+
+
+def test_the_gpt_on_its_own_places_with_its_own_attention_is_the_whole_forward():
+    """position_ids and an attend of the whole window (one rank's 'cut' of all of it) change nothing."""
+    torch.manual_seed(0)
+    model = GPT(vocab_size=32, seq_len=16, n_layers=2, n_heads=2, dim=16)
+    tokens = torch.randint(0, 32, (2, 16))
+    places = torch.arange(16)
+    attend = GatheredAttention(causal_mask(places, places), group=None)
+    attend.gather = lambda rows: rows
+    torch.testing.assert_close(model(tokens, position_ids=places.expand(2, -1), attend=attend), model(tokens),
+                               rtol=0, atol=1e-6)
+
+
+def test_the_cp_mesh_dimension_sits_between_shard_and_tp():
+    dims = parallel_dims(DistConfig(strategy="fsdp", context_parallel=2, tensor_parallel=2), 8, 8)
+    assert (dims.shard, dims.context_parallel, dims.tensor_parallel, dims.world_size) == (2, 2, 2, 8)
+    assert dims.dims() == dimensions.mesh_dims(dims) == (("shard", 2), ("cp", 2), ("tp", 2))
+    assert dims.describe() == dimensions.describe(dims) == "shard 2 x cp 2 x tp 2"
+    assert dimensions.layout_words(dims) == ": shard 2 x cp 2 x tp 2"
+    assert dims.coordinate(5) == {"pp": 0, "replicate": 0, "shard": 1, "cp": 0, "tp": 1, "ep": 0}
+    assert all(dims.rank_at(**{n: c for n, c in dims.coordinate(r).items() if n != "ep"}) == r for r in range(8))
+    assert dims.data_parallel == 2 and dims.loss_ranks == 8  # the cp ranks read the same batches, all hold a loss
+    assert {dims.batch_rank(r) for r in (0, 1, 2, 3)} == {0}
+
+
+def test_the_loss_is_normalised_into_c_shares_a_rank():
+    assert Runner(ParallelDims(1, 2, context_parallel=2)).loss_shares(4) == 8
+    assert Runner(ParallelDims(1, 4)).loss_shares(4) == 4 == Runner().loss_shares(4)
+
+
+@pytest.mark.parametrize("keys, words", [
+    (["dist.strategy=ddp"], "composes with fsdp or hsdp"),
+    (["dist.strategy=fsdp", "dist.pipeline_parallel=2"], "dist.pipeline_parallel = 2"),
+    (["dist.strategy=fsdp", "dist.expert_parallel=2"], "dist.expert_parallel = 2"),
+    (["dist.strategy=fsdp", "data.name=text", "data.document_mask=true"], "not yet beside data.document_mask = true"),
+    (["dist.strategy=fsdp", "data.seq_len=30"], "data.seq_len = 30 is not a multiple of 4; set --set data.seq_len=28"),
+])
+def test_refusals_in_one_line(keys, words):
+    with pytest.raises(ConfigError, match=words) as refused:
+        dimensions.check(load_config(None, ["dist.context_parallel=2", *keys]))
+    assert "\n" not in str(refused.value)
+
+
+def test_a_world_it_does_not_divide_and_a_model_whose_attention_it_cannot_reach_are_refused():
+    with pytest.raises(ConfigError, match="dist.context_parallel = 3: does not divide"):
+        parallel_dims(DistConfig(strategy="fsdp", context_parallel=3), 4, 4)
+    with pytest.raises(ConfigError, match="the attention of Sequential cannot be reached"):
+        ContextParallel().check_model(nn.Sequential(nn.Linear(2, 2)), ParallelDims(1, 2, context_parallel=2), 4)
+    ContextParallel().check_model(GPT(), ParallelDims(1, 2, context_parallel=2), 4)  # the built-in GPT's is reached
