@@ -7,18 +7,29 @@ the tokens' places in the window (the model's position_ids). Attention all-gathe
 (Llama 3's all-gather context parallel; its backward reduce-scatters their gradients) and masks by the global places,
 so it runs on gloo and the CPU, with any mask. On CUDA it runs the same: torch's ring attention
 (torch.distributed.tensor.experimental.context_parallel) is the faster path, waiting to be wired where SDPA's
-kernels allow it (it runs on no CPU backend and takes no arbitrary mask)."""
+kernels allow it (it runs on no CPU backend and takes no arbitrary mask).
+
+Packed documents (data.document_mask) mask by document too: each rank takes the document ids of the whole window
+before the cut (documents_of), so its queries and the gathered keys keep their documents. A Hugging Face decoder's
+layers reach the gathered attention through transformers' attention interface (reach_attention registers
+HF_ATTENTION); the step hands `attend` down through the forward's keyword arguments to it."""
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 
 from distrib.torch_private import all_gather_single_autograd
 
 # The model's keyword for what attends on a cut of the window (the built-in GPT's forward: `attend`).
 ATTEND = "attend"
+# The name a transformers decoder's attention runs under (config._attn_implementation) once reach_attention set it.
+HF_ATTENTION = "distrib_context_parallel"
+INPUT_IDS, POSITION_IDS = "input_ids", "position_ids"  # the keys of a packed batch (distrib.data.documents)
 
 
 def chunk_places(length: int, degree: int, index: int, device=None) -> torch.Tensor:
@@ -37,6 +48,25 @@ def gathered_places(length: int, degree: int, device=None) -> torch.Tensor:
 def causal_mask(query_places: torch.Tensor, key_places: torch.Tensor) -> torch.Tensor:
     """[Tq, Tk] bool, True where a query may attend to a key: not a later place in the window."""
     return key_places[None, :] <= query_places[:, None]
+
+
+def documents_of(position_ids: torch.Tensor) -> torch.Tensor:
+    """[B, T] ids, equal within a document, of packed positions (distrib.data.documents: 0 starts a document). Take
+    them from the whole window: a slice of it (a context-parallel chunk) cannot tell where its first document began."""
+    return (position_ids == 0).cumsum(dim=-1)
+
+
+def block_causal_mask(query_documents: torch.Tensor, key_documents: torch.Tensor,
+                      query_index: torch.Tensor | None = None, key_index: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, 1, Tq, Tk] bool, True where a query may attend to a key: the same document and not a later token. The
+    indexes are the tokens' places in the whole window (default 0..T-1), so a chunk of queries can be masked
+    against all keys."""
+    if query_index is None:
+        query_index = torch.arange(query_documents.shape[-1], device=query_documents.device)
+    if key_index is None:
+        key_index = torch.arange(key_documents.shape[-1], device=key_documents.device)
+    same = query_documents[:, :, None] == key_documents[:, None, :]
+    return (same & causal_mask(query_index, key_index))[:, None]
 
 
 def cut(tensor: torch.Tensor, places: torch.Tensor) -> torch.Tensor:
@@ -61,8 +91,12 @@ class GatheredAttention:
     def __init__(self, mask: torch.Tensor, group: dist.ProcessGroup):
         self.mask, self.group = mask, group
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, self.gather(k), self.gather(v), attn_mask=self.mask)
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+                 ) -> torch.Tensor:
+        k, v = self.gather(k), self.gather(v)
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: the fewer heads gathered, then repeated for the queries
+            k, v = (rows.repeat_interleave(q.shape[1] // rows.shape[1], dim=1) for rows in (k, v))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, scale=scale)
 
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
         """[B, H, T, D] of this rank -> [B, H, C x T, D] of the group, in rank order. The autograd all-gather's
@@ -72,13 +106,60 @@ class GatheredAttention:
         return gathered.permute(1, 2, 0, 3)
 
 
-def cut_batch(inputs: torch.Tensor, targets: torch.Tensor, degree: int, index: int, group: dist.ProcessGroup
-              ) -> tuple[dict, torch.Tensor]:
-    """A micro-batch of token windows [B, T] as rank `index` of the group runs it: its two chunks of the inputs, with
-    their global positions and the attention over the group's keys, and of the targets."""
-    batch, length = inputs.shape
-    places = chunk_places(length, degree, index, inputs.device)
-    mask = causal_mask(places, gathered_places(length, degree, inputs.device))
-    model_inputs = {"input_ids": cut(inputs, places), "position_ids": places.expand(batch, -1),
-                    ATTEND: GatheredAttention(mask, group)}
+def cut_batch(inputs: torch.Tensor | dict, targets: torch.Tensor, degree: int, index: int,
+              group: dist.ProcessGroup) -> tuple[dict, torch.Tensor]:
+    """A micro-batch of token windows [B, T] (or packed ones: {input_ids, position_ids}) as rank `index` of the group
+    runs it: its two chunks of the inputs, with their positions (global places, or the packed positions) and the
+    attention over the group's keys under the mask of their places (and documents), and of the targets."""
+    tokens, packed = (inputs[INPUT_IDS], inputs[POSITION_IDS]) if isinstance(inputs, dict) else (inputs, None)
+    batch, length = tokens.shape
+    places = chunk_places(length, degree, index, tokens.device)
+    every = gathered_places(length, degree, tokens.device)
+    if packed is None:
+        positions, mask = places.expand(batch, -1), causal_mask(places, every)
+    else:  # each token's document from the whole window, before the cut
+        documents = documents_of(packed)
+        positions, mask = cut(packed, places), block_causal_mask(cut(documents, places), cut(documents, every),
+                                                                 places, every)
+    model_inputs = {INPUT_IDS: cut(tokens, places), POSITION_IDS: positions, ATTEND: GatheredAttention(mask, group)}
     return model_inputs, cut(targets, places)
+
+
+def takes_attend(model: nn.Module) -> bool:
+    """Whether the model's forward takes `attend` by name (the built-in GPT's)."""
+    return ATTEND in inspect.signature(type(model).forward).parameters
+
+
+def reachable(model: nn.Module) -> bool:
+    """Whether context parallel reaches the model's attention: its forward takes `attend`, or it is a transformers
+    model whose layers run the attention function its config names (transformers' attention interface)."""
+    return takes_attend(model) or (getattr(type(model), "_supports_attention_backend", False)
+                                   and hasattr(model, "set_attn_implementation"))
+
+
+def reach_attention(model: nn.Module) -> nn.Module:
+    """The model, its attention reaching the group: as it is when its forward takes `attend`; a transformers model's
+    layers set to run hf_attention (registered under HF_ATTENTION, with SDPA's masks for whole windows)."""
+    if takes_attend(model):
+        return model
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(HF_ATTENTION, hf_attention)
+    AttentionMaskInterface.register(HF_ATTENTION, sdpa_mask)
+    model.set_attn_implementation(HF_ATTENTION)
+    return model
+
+
+def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                 attend: GatheredAttention | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention function under context parallel: this rank's queries over the group's keys and values
+    (attend, handed down by the step's forward; its mask replaces the one transformers made of the cut's positions),
+    [B, T, H, D] as transformers' own return; SDPA's where no step cut the window (evaluation, generation)."""
+    if attend is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    return attend(query, key, value, scale=scaling).transpose(1, 2).contiguous(), None

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from distrib.distributed.context_parallel import block_causal_mask, documents_of
 from distrib.errors import ConfigError
 from distrib.models.moe import STEP_BUFFERS, FeedForward, MoE, add_aux_losses
 
@@ -24,25 +25,6 @@ def rotary_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tenso
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inverse)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().float(), angles.sin().float()
-
-
-def documents_of(position_ids: torch.Tensor) -> torch.Tensor:
-    """[B, T] ids, equal within a document, of packed positions (distrib.data.documents: 0 starts a document). Take
-    them from the whole window: a slice of it (a context-parallel chunk) cannot tell where its first document began."""
-    return (position_ids == 0).cumsum(dim=-1)
-
-
-def block_causal_mask(query_documents: torch.Tensor, key_documents: torch.Tensor,
-                      query_index: torch.Tensor | None = None, key_index: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, 1, Tq, Tk] bool, True where a query may attend to a key: the same document and not a later token. The
-    indexes are the tokens' places in the whole window (default 0..T-1), so a chunk of queries can be masked
-    against all keys."""
-    if query_index is None:
-        query_index = torch.arange(query_documents.shape[-1], device=query_documents.device)
-    if key_index is None:
-        key_index = torch.arange(key_documents.shape[-1], device=key_documents.device)
-    same = query_documents[:, :, None] == key_documents[:, None, :]
-    return (same & (query_index[:, None] >= key_index[None, :]))[:, None]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,10 @@
 """Context parallel in one process: the balanced cut of a window and its inverse, the mask of global places, the
 gathered attention's math (each rank's queries over the keys gathered in rank order equal full causal attention on
-those rows, and their gradients sum to full attention's), the mesh's `cp` dimension, the loss's shares, and the
+those rows, and their gradients sum to full attention's), a transformers Llama's and packed documents' cut windows
+run by two threads as ranks (each document's logits as alone), the mesh's `cp` dimension, the loss's shares, and the
 refusals. (Against one process at world size 4: tests/integration/test_context_parallel.py)"""
+
+import threading
 
 import pytest
 import torch
@@ -9,13 +12,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distrib.config import DistConfig, load_config
+from distrib.data.documents import packed_inputs
 from distrib.distributed import dimensions
 from distrib.distributed.context_parallel import (
+    ATTEND,
+    HF_ATTENTION,
     GatheredAttention,
     causal_mask,
     chunk_places,
     cut,
+    cut_batch,
     gathered_places,
+    reach_attention,
     restore,
 )
 from distrib.distributed.dimensions.context import ContextParallel
@@ -24,6 +32,7 @@ from distrib.distributed.runner import Runner
 from distrib.distributed.strategies import parallel_dims
 from distrib.errors import ConfigError
 from distrib.models.gpt import GPT
+from tests.helpers.pretrained import llama
 
 
 def test_each_rank_holds_a_chunk_from_the_head_and_its_mirror_from_the_tail_and_the_cut_inverts():
@@ -107,7 +116,6 @@ def test_the_loss_is_normalised_into_c_shares_a_rank():
     (["dist.strategy=ddp"], "composes with fsdp or hsdp"),
     (["dist.strategy=fsdp", "dist.pipeline_parallel=2"], "dist.pipeline_parallel = 2"),
     (["dist.strategy=fsdp", "dist.expert_parallel=2"], "dist.expert_parallel = 2"),
-    (["dist.strategy=fsdp", "data.name=text", "data.document_mask=true"], "not yet beside data.document_mask = true"),
     (["dist.strategy=fsdp", "data.seq_len=30"], "data.seq_len = 30 is not a multiple of 4; set --set data.seq_len=28"),
 ])
 def test_refusals_in_one_line(keys, words):
@@ -122,3 +130,77 @@ def test_a_world_it_does_not_divide_and_a_model_whose_attention_it_cannot_reach_
     with pytest.raises(ConfigError, match="the attention of Sequential cannot be reached"):
         ContextParallel().check_model(nn.Sequential(nn.Linear(2, 2)), ParallelDims(1, 2, context_parallel=2), 4)
     ContextParallel().check_model(GPT(), ParallelDims(1, 2, context_parallel=2), 4)  # the built-in GPT's is reached
+
+
+class _Threads(GatheredAttention):
+    """One rank of a group of ranks run as threads of one process: the 'all-gather' of each rank's rows in rank order,
+    through a barrier."""
+
+    def __init__(self, mask, rank: int, slots: list, barrier: threading.Barrier):
+        super().__init__(mask, group=None)
+        self.rank, self.slots, self.barrier = rank, slots, barrier
+
+    def gather(self, rows):
+        self.slots[self.rank] = rows
+        self.barrier.wait()
+        gathered = torch.cat(self.slots, dim=2)
+        self.barrier.wait()  # every rank has read the slots before any writes the next layer's
+        return gathered
+
+
+def _logits(model, inputs) -> torch.Tensor:
+    outputs = model(**inputs) if isinstance(model, GPT) else model(**inputs, use_cache=False)
+    return outputs if isinstance(outputs, torch.Tensor) else outputs.logits
+
+
+def _under_cp(model, inputs, degree: int = 2) -> torch.Tensor:
+    """The model's logits of the window(s) when each of `degree` ranks (threads) runs its cut (cut_batch), restored."""
+    tokens = inputs["input_ids"] if isinstance(inputs, dict) else inputs
+    slots, barrier, outs = [None] * degree, threading.Barrier(degree, timeout=60), [None] * degree
+
+    def rank(index: int) -> None:
+        cut_inputs, _ = cut_batch(inputs, tokens, degree, index, group=None)
+        cut_inputs[ATTEND] = _Threads(cut_inputs[ATTEND].mask, index, slots, barrier)
+        outs[index] = _logits(model, cut_inputs)
+
+    threads = [threading.Thread(target=rank, args=(index,)) for index in range(degree)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return restore(outs, degree)
+
+
+def _models():
+    torch.manual_seed(0)
+    return {"gpt": GPT(vocab_size=64, seq_len=32, n_layers=2, n_heads=4, dim=32),
+            "llama": reach_attention(llama(vocab_size=64, max_position_embeddings=32))}  # GQA: 4 heads, 2 kv heads
+
+
+@torch.no_grad()
+def test_a_transformers_llama_under_cp2_runs_the_gathered_attention_and_equals_the_whole_window():
+    models = _models()
+    assert models["llama"].config._attn_implementation == HF_ATTENTION
+    tokens = torch.randint(0, 64, (2, 32))
+    for name, model in models.items():
+        torch.testing.assert_close(_under_cp(model, tokens), _logits(model, {"input_ids": tokens}), rtol=0,
+                                   atol=1e-5, msg=name)
+
+
+@torch.no_grad()
+def test_a_packed_window_of_three_documents_under_cp2_equals_each_document_alone():
+    """The mask of the global document ids (each rank takes them from the whole window before the cut): the window's
+    logits of each document equal that document run alone; the cut's positions restart at each document."""
+    eos, lengths = 1, (9, 15, 8)
+    torch.manual_seed(1)
+    documents = [torch.cat([torch.randint(2, 64, (n - 1,)), torch.tensor([eos])]) for n in lengths]
+    window = torch.cat(documents)[None]
+    inputs = packed_inputs(window, eos)
+    for name, model in _models().items():
+        whole, start = _under_cp(model, inputs), 0
+        for document in documents:
+            alone = _logits(model, {"input_ids": document[None]})
+            torch.testing.assert_close(whole[:, start:start + len(document)], alone, rtol=0, atol=1e-5, msg=name)
+            start += len(document)
+        unmasked = _under_cp(model, window)  # the same window without documents: the later ones see the first
+        assert (unmasked[:, lengths[0]:] - whole[:, lengths[0]:]).abs().max() > 1e-3, name

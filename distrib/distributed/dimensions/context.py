@@ -1,22 +1,30 @@
 """Context parallel's declaration (dist.context_parallel = C): its rules, its share of the world, its `cp` mesh
 dimension (between the shard ranks and tensor parallel), its words, the model check before any worker, the cut of
-each micro-batch (this rank's two chunks of every window) and the loss's shares. Its step in parallelize only checks
-the model: the cut hands the model what attends over the group (distrib.distributed.context_parallel, the
-mechanism), and FSDP2 shards over the shard and cp ranks together (ParallelDims.data_parallel_mesh), so that the C
-ranks' gradients of a parameter are reduced as parts of one sum. Evaluation and generation run whole windows on
-every rank."""
+each micro-batch (this rank's two chunks of every window) and the loss's shares. Its step in parallelize checks the
+model and reaches its attention (a transformers decoder's, through their attention interface): the cut hands the model
+what attends over the group (distrib.distributed.context_parallel, the mechanism; packed documents masked by their
+documents in the whole window), and FSDP2 shards over the shard and cp ranks together
+(ParallelDims.data_parallel_mesh), so that the C ranks' gradients of a parameter are reduced as parts of one sum.
+Evaluation and generation run whole windows on every rank."""
 
 from __future__ import annotations
-
-import inspect
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from distrib.config import Config, DistConfig
-from distrib.distributed.context_parallel import ATTEND, cut_batch
-from distrib.distributed.dimensions.base import SPLIT_TENSORS, Dimension, Layout, Mesh, Words
+from distrib.distributed.context_parallel import ATTEND, INPUT_IDS, POSITION_IDS, cut_batch, reach_attention, reachable
+from distrib.distributed.dimensions.base import (
+    SPLIT_TENSORS,
+    Dimension,
+    Layout,
+    Mesh,
+    StepCost,
+    Traffic,
+    Words,
+    group_split,
+)
 from distrib.distributed.mesh import CP, ParallelDims
 from distrib.errors import ConfigError, UserError
 
@@ -45,10 +53,6 @@ class ContextParallel(Dimension):
             if getattr(dist_config, key) > 1:
                 raise ConfigError(f"{said}: not yet beside dist.{key} = {getattr(dist_config, key)} ({why}); set "
                                   f"--set dist.{key}=1 or --set dist.context_parallel=1")
-        if getattr(config.data, "document_mask", False):  # the packed documents' mask over the gathered keys: later
-            raise ConfigError(f"{said}: not yet beside data.document_mask = true (each rank's mask would need the "
-                              "documents of every rank's keys); set --set data.document_mask=false or --set "
-                              "dist.context_parallel=1")
         if config.data.seq_len % (2 * degree):
             fits = max(config.data.seq_len // (2 * degree), 1) * 2 * degree
             raise ConfigError(f"{said}: cuts each sequence into 2 x {degree} chunks, and data.seq_len = "
@@ -67,14 +71,15 @@ class ContextParallel(Dimension):
         return {"context_parallel": config.context_parallel}
 
     def check_model(self, model: nn.Module, dims: ParallelDims, world_size: int) -> None:
-        if ATTEND not in inspect.signature(type(model).forward).parameters:
+        if not reachable(model):
             raise ConfigError(f"dist.context_parallel = {dims.context_parallel}: the attention of "
                               f"{type(model).__name__} cannot be reached (its forward takes no `{ATTEND}`, as the "
-                              "built-in GPT's does); use model.name=gpt or --set dist.context_parallel=1")
+                              "built-in GPT's does, nor runs transformers' attention interface); use model.name=gpt "
+                              "or --set dist.context_parallel=1")
 
     def parallelize(self, model: nn.Module, layout: Layout) -> nn.Module:
         self.check_model(model, layout.dims, layout.dims.world_size)
-        return model
+        return reach_attention(model)
 
     def mesh_dims(self, dims: ParallelDims, mesh: Mesh) -> Mesh:
         return mesh + (((CP, dims.context_parallel),) if self.on(dims) else ())
@@ -88,14 +93,49 @@ class ContextParallel(Dimension):
         if not self.on(dims):
             return batch
         inputs, targets = batch
-        if not (isinstance(inputs, torch.Tensor) and inputs.dim() == 2 and isinstance(targets, torch.Tensor)
-                and targets.shape == inputs.shape):
+        tokens = inputs.get(INPUT_IDS) if isinstance(inputs, dict) and set(inputs) == {INPUT_IDS, POSITION_IDS} \
+            else inputs
+        if not (isinstance(tokens, torch.Tensor) and tokens.dim() == 2 and isinstance(targets, torch.Tensor)
+                and targets.shape == tokens.shape):
             raise UserError(f"dist.context_parallel = {dims.context_parallel}: cuts windows of token ids [B, T] "
-                            "and their targets (the text and tokens data), and these samples are not; set "
-                            "--set dist.context_parallel=1")
+                            "(or packed ones) and their targets (the text and tokens data), and these samples are "
+                            "not; set --set dist.context_parallel=1")
         group: dist.ProcessGroup = dims.mesh[CP].get_group()
         return cut_batch(inputs, targets, dims.context_parallel, dims.coordinate(rank)[CP], group)
+
+    def counted(self, inputs, dims: ParallelDims):
+        """The cut's attention counting the keys' and values' elements this rank holds of its own, each forward (what
+        the group all-gathers, and whose gradients it reduce-scatters)."""
+        if not (self.on(dims) and isinstance(inputs, dict) and callable(inputs.get(ATTEND))):
+            return inputs, lambda: 0
+        attend = _Counted(inputs[ATTEND])
+        return {**inputs, ATTEND: attend}, lambda: attend.elements
+
+    def traffic(self, dims: ParallelDims, config: DistConfig, step: StepCost) -> list[Traffic]:
+        """Every attention layer's keys and values all-gathered over the cp ranks in each forward (again where a block
+        is recomputed) and their gradients reduce-scattered in backward, every pass: (C-1) x a rank's own a
+        collective. Its ranks are tp apart (the cp mesh dimension is tp's outer neighbour)."""
+        if not self.on(dims):
+            return []
+        size, inner = dims.context_parallel, dims.tensor_parallel
+        return [Traffic(CP, kind, *group_split(size, inner, step.per_node, own * size * step.passes, 1))
+                for kind, own in zip(("all-gather", "reduce-scatter"), step.context_bytes) if own]
 
     def loss_count(self, count: int, dims: ParallelDims) -> int:
         """Each rank backwards 1/C of the targets its micro-batch counts whole: C shares of the loss a rank."""
         return count * dims.context_parallel
+
+
+class _Counted:
+    """The cut's attention (context_parallel.GatheredAttention) as the plan's forward runs it, counting the elements of
+    the keys and values it is handed (this rank's own, before the gather)."""
+
+    def __init__(self, attend):
+        self.attend, self.elements = attend, 0
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        self.elements += k.numel() + v.numel()
+        return self.attend(q, k, v, *args, **kwargs)
+
+    def __getattr__(self, name: str):  # the rest of the attention's interface (its mask, its group), as it is
+        return getattr(self.attend, name)
