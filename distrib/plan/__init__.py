@@ -28,7 +28,7 @@ from distrib.distributed.strategies.materialise import initialises_itself
 from distrib.distributed.tensor_parallel import layers_split
 from distrib.models.build import build_model
 from distrib.plan.batch import first_samples, num_tokens, positions, shaped_batch
-from distrib.plan.cost import named_traffic, startup_memory, step_traffic
+from distrib.plan.cost import collective_rows, collectives, named_traffic, startup_memory, step_traffic
 from distrib.plan.experts import MetaRouting, autocast_on_meta, expert_plan, expert_rows, held_experts
 from distrib.plan.fixes import Run, Step, fixes
 from distrib.plan.goodput import Failures, plan_goodput
@@ -198,17 +198,45 @@ def state_parts_planned(model: nn.Module, optimizer, strategy: Strategy, device:
     return state_parts(model, optimizer, device, planned=not offloaded)
 
 
-def _tp_activations(model: nn.Module, shape: ParallelDims, inputs) -> int:
-    """Elements tensor parallel all-reduces per micro-step: each row-wise layer's output in forward and the input
-    gradient of the column-wise layers before it in backward (the same size: the residual stream); a row-wise
-    embedding's output in forward; a gathered column-wise output (an lm_head's logits) gathered in forward, half an
-    all-reduce's traffic, and its input gradient all-reduced in backward."""
+def _root_share(model: nn.Module, config: Config, tensor_parallel: int) -> float:
+    """The share of a rank's parameters outside the model's blocks (FSDP2 units of their own, or the root's), those
+    that tensor parallel splits counted 1/tp."""
+    split = {id(p) for style in ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise")
+             for m in layers_split(model, style) for p in m.parameters()} if tensor_parallel > 1 else set()
+    blocks = fsdp.find_blocks(model, config.dist.shard_modules)
+    in_blocks = {id(p) for block in blocks for p in block.parameters()}
+    held = {id(p): p.numel() / (tensor_parallel if id(p) in split else 1) for p in model.parameters()}
+    total = sum(held.values())
+    return 1 - sum(held[key] for key in in_blocks) / total if total else 0.0
+
+
+def _recomputed_rowwise(block: nn.Module, rowwise: set[int]) -> int:
+    """The row-wise outputs a checkpointed block's recompute all-reduces again (rowwise: the ids of the model's
+    row-wise layers): all but its last one's, whose output no backward needs (torch's recompute stops before it;
+    counted in runs: scripts/bench_traffic.py)."""
+    held = [m for m in block.modules() if id(m) in rowwise]
+    return sum(m.out_features for m in held[:-1])
+
+
+def _tp_activations(model: nn.Module, shape: ParallelDims, inputs, config: Config) -> float:
+    """Elements tensor parallel all-reduces per forward pass (a pipeline's microbatch) of one pipeline rank's layers,
+    as counted in a run (scripts/bench_traffic.py): each row-wise layer's output in forward (again when activation
+    checkpointing recomputes it) and each column-wise layer's input gradient in backward (wq, wk and wv apiece); a
+    row-wise embedding's output in forward; a gathered column-wise output (an lm_head's logits) gathered in forward,
+    half an all-reduce's traffic, and its input gradient all-reduced in backward. A pipeline rank holds 1/pp of the
+    layers (an even split)."""
     if shape.tensor_parallel == 1:
         return 0
-    rowwise = sum(2 * m.out_features for m in layers_split(model, "rowwise"))
+    split = layers_split(model, "rowwise")
+    rowwise = sum(m.out_features for m in split)
+    if config.speed.activation_checkpointing == "blocks":  # torch's recompute stops at the last tensor backward needs
+        ids = {id(m) for m in split}
+        rowwise += sum(_recomputed_rowwise(block, ids) for block in fsdp.find_blocks(model, config.dist.shard_modules))
+    colwise = sum(m.in_features for m in layers_split(model, "colwise"))
     embedding = sum(m.embedding_dim for m in layers_split(model, "embedding_rowwise"))
     gathered = sum(m.out_features / 2 + m.in_features for m in layers_split(model, "colwise_gather_output"))
-    return int(positions(inputs) * (rowwise + embedding + gathered))
+    microbatches = dimensions.pipeline.microbatches(config.dist) if shape.pipeline > 1 else 1
+    return positions(inputs) / microbatches * (rowwise + colwise + embedding + gathered) / shape.pipeline
 
 
 def _whole_model(config: Config, info) -> tuple[int, int, bool]:
@@ -326,7 +354,10 @@ def plan_run(config: Config, machine: Machine) -> dict:
                                              build_loss(config.train))
     compute_bytes = 2 if config.train.precision == "bf16" else 4
     traffic = (shape, config.dist, machine.nproc_per_node, local_params, compute_bytes, config.train.grad_accum_steps,
-               _tp_activations(model, shape, inputs) * compute_bytes)
+               _tp_activations(model, shape, inputs, config) * compute_bytes,
+               _root_share(model, config, shape.tensor_parallel),
+               held["expert_parameter_bytes_per_rank"] // 4,  # (FSDP2 keeps fp32 parameters)
+               sum(_nbytes(b) for b in model.buffers()))
     intra, inter = step_traffic(*traffic)
     experts = expert_plan(held, shape, machine.nproc_per_node, num_tokens(inputs),
                           compute_bytes, config.train.grad_accum_steps,
@@ -357,6 +388,7 @@ def plan_run(config: Config, machine: Machine) -> dict:
             "grad_accum_steps": batches.grad_accum_steps, "data_parallel_size": shape.batch_ranks,
             "collective_bytes_per_step_intra_node": intra, "collective_bytes_per_step_inter_node": inter,
             "named_collectives": named_traffic(*traffic),
+            "collectives": collectives(*traffic, experts=experts, staged=staged),
             "device_memory_bytes": machine.device_memory, "memory_bytes_per_rank": needed, **peak,
             "host_allocator": described_allocator(strategy, model) if device.type == "cpu" else "",
             **memory, **staged, **experts, "fixes": fixed,
@@ -407,6 +439,7 @@ def table(figures: dict, machine: Machine) -> str:
                                f"{_size(f['collective_bytes_per_step_inter_node'])} inter-node per rank"),
         *(("", f"of which the {c['name']}: {_size(c['intra_node'])} intra-node, {_size(c['inter_node'])} "
                "inter-node") for c in f["named_collectives"]),
+        *collective_rows(f, _size, machine.intra_node_bandwidth, machine.inter_node_bandwidth),
         ("start-up / rank", f"{_size(f['startup_bytes_per_rank'])} while building and loading ("
                             + ("each rank reads its shards from model.init_from" if f["loads_weights"] else
                                "the model initialises its own shards" if f["self_initialising"] else

@@ -8,26 +8,52 @@ from __future__ import annotations
 from distrib.config import DistConfig
 from distrib.distributed import dimensions
 from distrib.distributed.dimensions import StepCost, group_split
-from distrib.distributed.mesh import ParallelDims
+from distrib.distributed.mesh import EP, PP, ParallelDims
 
 
-def step_traffic(dims: ParallelDims, config: DistConfig, per_node: int, local_params: int, compute_bytes: int,
-                 grad_accum: int, tp_activation_bytes: float = 0) -> tuple[float, float]:
+def step_traffic(dims: ParallelDims, config: DistConfig, *cost) -> tuple[float, float]:
     """(intra-node, inter-node) bytes each rank sends per optimizer step for gradients and parameters, each declared
     degree's (distrib.distributed.dimensions: DDP's all-reduce; FSDP2's all-gathers, reduce-scatter and the replicas'
     all-reduce; tensor parallel's all-reduces of tp_activation_bytes per pass; a pipeline's microbatches multiplying
-    the passes). (The activations between stages: distrib.plan.pipeline; the experts' all-to-alls: plan.experts.)"""
-    step = StepCost(per_node, local_params, compute_bytes, grad_accum, tp_activation_bytes)
-    return dimensions.step_traffic(dims, config, step)
+    the passes). cost: StepCost's fields in order (per_node, local_params, compute_bytes, grad_accum,
+    tp_activation_bytes, root_share, expert_params, buffer_bytes). (The activations between stages:
+    distrib.plan.pipeline; the experts' all-to-alls: plan.experts.)"""
+    return dimensions.step_traffic(dims, config, StepCost(*cost))
 
 
-def named_traffic(dims: ParallelDims, config: DistConfig, per_node: int, local_params: int, compute_bytes: int,
-                  grad_accum: int, tp_activation_bytes: float = 0) -> list[dict]:
+def named_traffic(dims: ParallelDims, config: DistConfig, *cost) -> list[dict]:
     """The parts of step_traffic that the plan names on a line of their own (the all-reduce across replica groups):
     {name, intra_node, inter_node} bytes each rank sends per step."""
-    step = StepCost(per_node, local_params, compute_bytes, grad_accum, tp_activation_bytes)
     return [{"name": name, "intra_node": intra, "inter_node": inter}
-            for name, intra, inter in dimensions.traffic_lines(dims, config, step)]
+            for name, intra, inter in dimensions.traffic_lines(dims, config, StepCost(*cost))]
+
+
+def collectives(dims: ParallelDims, config: DistConfig, *cost, experts: dict | None = None,
+                staged: dict | None = None) -> list[dict]:
+    """The step's traffic by mesh dimension and collective: {dimension, kind, intra_node, inter_node} bytes each rank
+    sends per step: step_traffic's parts, the experts' all-to-alls (distrib.plan.experts' figures) and the
+    activations sent between pipeline stages (distrib.plan.pipeline's). Checked against the bytes a run's process
+    groups carry: scripts/bench_traffic.py."""
+    parts = [tuple(part) for part in dimensions.traffic_parts(dims, config, StepCost(*cost))]
+    if experts and dims.expert_parallel > 1:
+        parts.append((EP, "all-to-all", experts["all_to_all_bytes_per_step_intra_node"],
+                      experts["all_to_all_bytes_per_step_inter_node"]))
+    if staged and dims.pipeline > 1:
+        parts.append((PP, "send", staged["pipeline_bytes_per_step_intra_node"],
+                      staged["pipeline_bytes_per_step_inter_node"]))
+    return [{"dimension": dimension, "kind": kind, "intra_node": intra, "inter_node": inter}
+            for dimension, kind, intra, inter in parts]
+
+
+def collective_rows(f: dict, size, intra_bandwidth: float, inter_bandwidth: float) -> list[tuple[str, str]]:
+    """distrib plan's lines of the collectives' table: each mesh dimension's collectives per step and rank, and the
+    time they take alone at the links' bandwidths (bytes per second)."""
+    rows = []
+    for c in f.get("collectives", []):
+        seconds = max(c["intra_node"] / intra_bandwidth, c["inter_node"] / inter_bandwidth)
+        rows.append(("" if rows else "  by dimension", f"{c['dimension']:<15} {c['kind']:<14} "
+                     f"{size(c['intra_node']):>11} intra, {size(c['inter_node']):>11} inter, {seconds * 1e3:9.1f} ms"))
+    return rows
 
 
 def startup_memory(dims: ParallelDims, parameter_bytes_per_rank: int, whole_bytes: int, largest_tensor_bytes: int,
@@ -46,4 +72,4 @@ def startup_memory(dims: ParallelDims, parameter_bytes_per_rank: int, whole_byte
     return parameter_bytes_per_rank + extra, per_node
 
 
-__all__ = ["group_split", "named_traffic", "startup_memory", "step_traffic"]
+__all__ = ["collective_rows", "collectives", "group_split", "named_traffic", "startup_memory", "step_traffic"]

@@ -270,19 +270,33 @@ def test_pipeline_stages_their_state_and_what_is_sent_between_them():
 
 
 def test_tensor_parallel_traffic_counts_the_embedding_and_the_gathered_logits():
-    """Qwen2's own plan: per position, each row-wise projection's output twice (forward, backward), the row-wise
-    embedding's output once, the gathered lm_head's logits half an all-reduce and its input gradient once."""
+    """Qwen2's own plan, as a run's process groups carry it (scripts/bench_traffic.py): per position, each row-wise
+    projection's output in forward (o_proj's again when checkpointing recomputes a block), each column-wise
+    projection's input gradient in backward (q, k, v, gate and up apiece), the row-wise embedding's output once, the
+    gathered lm_head's logits half an all-reduce and its input gradient once; per microbatch, a pipeline rank's share
+    of the layers."""
     import torch
 
+    from distrib.config import load_config
     from distrib.plan import _tp_activations
     from tests.helpers.pretrained import qwen2
 
     model = qwen2()
     config, tokens = model.config, torch.zeros(2, 8, dtype=torch.long)
-    rowwise = config.num_hidden_layers * 2 * config.hidden_size  # o_proj and down_proj
-    per_position = 2 * rowwise + config.hidden_size + config.vocab_size / 2 + config.hidden_size
-    assert _tp_activations(model, ParallelDims(1, 2, tensor_parallel=2), tokens) == int(16 * per_position)
-    assert _tp_activations(model, ParallelDims(1, 2), tokens) == 0
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+
+    def per_position(recomputed: int) -> float:  # o_proj and down_proj forward, 5 column-wise backward
+        return layers * ((2 + recomputed) * hidden + 5 * hidden) + hidden + config.vocab_size / 2 + hidden
+
+    run = load_config(None, ["data.name=synthetic"])
+    tp = ParallelDims(1, 2, tensor_parallel=2)
+    assert _tp_activations(model, tp, tokens, run) == 16 * per_position(0)
+    checkpointed = load_config(None, ["data.name=synthetic", "speed.activation_checkpointing=blocks"])
+    assert _tp_activations(model, tp, tokens, checkpointed) == 16 * per_position(1)  # o_proj again, not down_proj
+    staged = load_config(None, ["data.name=synthetic", "dist.pipeline_parallel=2"])  # 2 microbatches, half the layers
+    assert _tp_activations(model, ParallelDims(1, 1, tensor_parallel=2, pipeline=2), tokens, staged) == \
+        16 / 2 * per_position(0) / 2
+    assert _tp_activations(model, ParallelDims(1, 2), tokens, run) == 0
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])

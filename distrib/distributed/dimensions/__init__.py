@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import replace
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch.nn as nn
 
@@ -23,6 +23,7 @@ from distrib.distributed.dimensions.base import (
     Layout,
     Mesh,
     StepCost,
+    Traffic,
     Training,
     Words,
     group_split,
@@ -130,6 +131,16 @@ def transform_batch(batch, dims: ParallelDims, rank: int):
     return batch
 
 
+def counted(inputs, dims: ParallelDims) -> tuple[object, Callable[[], int]]:
+    """The plan's forward of this rank's cut inputs with each degree's count of what it sends (Dimension.counted),
+    and the sum of the counts once it ran."""
+    counts = []
+    for dimension in DIMENSIONS:
+        inputs, count = dimension.counted(inputs, dims)
+        counts.append(count)
+    return inputs, lambda: sum(count() for count in counts)
+
+
 def loss_count(count: int, dims: ParallelDims) -> int:
     """How many shares a step's loss is normalised into, from `count` ranks' (Dimension.loss_count)."""
     for dimension in DIMENSIONS:
@@ -151,16 +162,21 @@ def traffic_lines(dims: ParallelDims, config: DistConfig, step: StepCost) -> lis
     for dimension in DIMENSIONS:
         parts = dimension.traffic(dims, config, step) if dimension.traffic_name else []
         if parts:
-            lines.append((dimension.traffic_name, sum(p[0] for p in parts), sum(p[1] for p in parts)))
+            lines.append((dimension.traffic_name, sum(p.intra for p in parts), sum(p.inter for p in parts)))
     return lines
 
 
 def step_traffic(dims: ParallelDims, config: DistConfig, step: StepCost) -> tuple[float, float]:
     """(intra-node, inter-node) bytes each rank sends per optimizer step over the mesh, each degree's parts summed
     innermost first. step.passes: the micro-steps, times what each degree multiplies them by (a pipeline)."""
+    parts = traffic_parts(dims, config, step)
+    return sum(p.intra for p in parts), sum(p.inter for p in parts)
+
+
+def traffic_parts(dims: ParallelDims, config: DistConfig, step: StepCost) -> list[Traffic]:
+    """What each rank sends per optimizer step over the mesh, by mesh dimension and collective, innermost first."""
     step = _passes(dims, config, step)
-    parts = [part for dimension in reversed(DIMENSIONS) for part in dimension.traffic(dims, config, step)]
-    return sum(p[0] for p in parts), sum(p[1] for p in parts)
+    return [part for dimension in reversed(DIMENSIONS) for part in dimension.traffic(dims, config, step)]
 
 
 def launch_flags(config: Config, environ: Mapping[str, str]) -> list[str]:
@@ -185,6 +201,6 @@ def around_training(training: Training) -> Iterator[StepAcross | None]:
 
 
 __all__ = ["DIMENSIONS", "Dimension", "Layout", "StepCost", "Training", "around_training", "check", "check_model",
-           "check_sizes", "data_parallel_size", "describe", "group_split", "launch_flags", "layout_words",
+           "check_sizes", "counted", "data_parallel_size", "describe", "group_split", "launch_flags", "layout_words",
            "loss_count", "mesh_dims", "model_checks", "parallelize_steps", "shards_state", "sizes", "step_traffic",
-           "traffic_lines", "transform_batch", "worker_config", "worlds"]
+           "Traffic", "traffic_lines", "traffic_parts", "transform_batch", "worker_config", "worlds"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Mapping
+from typing import Callable, ContextManager, Mapping, NamedTuple
 
 import torch.nn as nn
 
@@ -61,13 +61,32 @@ class Training:
 class StepCost:
     """What the plan's traffic of one optimizer step is counted from. passes: the forwards of a parameter's gathered
     block per step (micro-steps, times a pipeline's microbatches); activation_bytes: what tensor parallel all-reduces
-    per forward."""
+    per forward; root_share: the share of local_params outside the blocks (FSDP2 units gathered once a micro-step
+    under a pipeline); expert_params: those of local_params in experts that expert parallel split (FSDP2 shards
+    them over the shard dimension's rest, shard_mod_ep); buffer_bytes: the model's buffers (DDP broadcasts them from
+    rank 0 before each forward)."""
 
     per_node: int
     local_params: int
     compute_bytes: int
     passes: int
     activation_bytes: float = 0
+    root_share: float = 0
+    expert_params: int = 0
+    buffer_bytes: int = 0
+    # context parallel's keys and values a rank holds of its own per pass, in bytes: (all-gathered: again where
+    # activation checkpointing recomputes a block, reduce-scattered: their gradients in backward)
+    context_bytes: tuple[float, float] = (0, 0)
+
+
+class Traffic(NamedTuple):
+    """What each rank sends per optimizer step in one kind of collective over one mesh dimension (its name in the
+    mesh: 'shard', 'tp', 'replicate+shard' for a flattened pair): (intra-node, inter-node) bytes."""
+
+    dimension: str
+    kind: str  # all-gather, reduce-scatter, all-reduce, all-to-all, send
+    intra: float
+    inter: float
 
 
 def group_split(size: int, inner: int, per_node: int, nbytes: float, rounds: int) -> tuple[float, float]:
@@ -144,6 +163,11 @@ class Dimension:
         """What it does to a micro-batch before the forward (context parallel: this rank's cut of the sequence)."""
         return batch
 
+    def counted(self, inputs, dims: ParallelDims) -> tuple[object, Callable[[], int]]:
+        """The plan's forward of this rank's cut inputs (transform_batch's): the inputs with what counts the elements
+        it sends per forward, and the count once the forward ran (context parallel: its keys and values)."""
+        return inputs, lambda: 0
+
     def loss_count(self, count: int, dims: ParallelDims) -> int:
         """How many shares a step's loss is normalised into, from `count` ranks' that each count their micro-batch's
         targets whole (losses.step_loss): context parallel, whose ranks each backward 1/C of them, times its degree."""
@@ -170,6 +194,6 @@ class Dimension:
         """How many forwards each micro-step runs per block (a pipeline: its microbatches)."""
         return 1
 
-    def traffic(self, dims: ParallelDims, config: DistConfig, step: StepCost) -> list[tuple[float, float]]:
-        """The (intra-node, inter-node) bytes each rank sends per optimizer step over its dimension(s)."""
+    def traffic(self, dims: ParallelDims, config: DistConfig, step: StepCost) -> list[Traffic]:
+        """What each rank sends per optimizer step over its dimension(s), by mesh dimension and collective."""
         return []

@@ -14,8 +14,18 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from distrib.config import Config, SpeedConfig
 from distrib.distributed import fsdp
 from distrib.distributed.compile import compile_blocks, compile_whole
-from distrib.distributed.dimensions.base import DATA_PARALLEL, Dimension, Layout, Mesh, StepCost, Words, group_split
-from distrib.distributed.mesh import REPLICATE, SHARD, ParallelDims
+from distrib.distributed.dimensions.base import (
+    DATA_PARALLEL,
+    Dimension,
+    Layout,
+    Mesh,
+    StepCost,
+    Traffic,
+    Words,
+    group_split,
+)
+from distrib.distributed.dimensions.pipeline import microbatches as pipeline_microbatches
+from distrib.distributed.mesh import EP, REPLICATE, SHARD, SHARD_CP, SHARD_MOD_EP, ParallelDims
 from distrib.distributed.runtime import Runtime
 from distrib.errors import ConfigError
 
@@ -36,6 +46,35 @@ def replicate(model: nn.Module, runtime: Runtime, speed: SpeedConfig, log: Calla
     wrapped, line = compile_whole(wrapped, speed)
     log(line)
     return wrapped
+
+
+def _gathers(dims: ParallelDims, config, step: StepCost) -> float:
+    """How many times a step all-gathers the rank's parameters (counted in runs: scripts/bench_traffic.py): each
+    forward and, resharded after it, each backward of every pass; under a pipeline each microbatch's forward and
+    the first backward (the schedule keeps a stage's units gathered from then to the step's end), the units outside
+    the blocks (a stage's root: never resharded after forward) once a micro-step."""
+    again = config.reshard_after_forward
+    if dims.pipeline == 1:
+        return step.passes * (2 if again else 1)
+    microbatches = pipeline_microbatches(config)
+    blocks = (microbatches + 1) if again else 1
+    return _reductions(dims, config, step) * ((1 - step.root_share) * blocks + step.root_share)
+
+
+def _reductions(dims: ParallelDims, config, step: StepCost) -> int:
+    """How many times a step reduces the gradients: once (FSDP2 skips the sync of all micro-steps but the last);
+    under a pipeline each micro-step (its schedule reduces a stage's gradients after its last backward)."""
+    return step.passes // pipeline_microbatches(config) if dims.pipeline > 1 else 1
+
+
+def _sharded(name: str, size: int, inner: int, local: float, times: tuple[float, int],
+             step: StepCost) -> list[Traffic]:
+    """FSDP2's all-gathers (in the compute dtype) and fp32 reduce-scatters, (gathers, reductions) times a step, of
+    the `local` parameters a rank holds in shards over a group of `size` ranks `inner` apart."""
+    gathered, (gathers, reductions) = local * size, times
+    return [Traffic(name, "all-gather", *group_split(size, inner, step.per_node, gathered * step.compute_bytes,
+                                                     gathers)),
+            Traffic(name, "reduce-scatter", *group_split(size, inner, step.per_node, gathered * 4, reductions))]
 
 
 class DataParallel(Dimension):
@@ -74,18 +113,28 @@ class DataParallel(Dimension):
         return fsdp.shard(model, layout.runtime, config, layout.precision, layout.dims.data_parallel_mesh(),
                           layout.roots, experts=layout.experts)
 
-    def traffic(self, dims: ParallelDims, config, step: StepCost) -> list[tuple[float, float]]:
-        """DDP: one all-reduce of the fp32 gradients. FSDP2: all-gathers of parameters in every forward (and
-        backward, when resharded) of every pass, one reduce-scatter of fp32 gradients, and over a replicate degree an
-        all-reduce of the gradient shards."""
+    def traffic(self, dims: ParallelDims, config, step: StepCost) -> list[Traffic]:
+        """DDP: one all-reduce of the fp32 gradients, and its broadcast of the buffers before each forward (each rank
+        passes them on once: a pipelined ring's). FSDP2: all-gathers of parameters (_gathers) and reduce-scatters of
+        fp32 gradients (_reductions), over the shard dimension (its flattened pair under expert parallel; the
+        experts over its rest), and over a replicate degree an all-reduce of the gradient shards."""
         per_node, local = step.per_node, step.local_params
         if not dims.fully_shard:
-            return [group_split(dims.replicate, 1, per_node, local * 4, 2)]
+            buffers = step.buffer_bytes * step.passes if dims.replicate > 1 else 0
+            within = per_node >= dims.replicate  # a group within a node
+            return [Traffic(REPLICATE, "all-reduce", *group_split(dims.replicate, 1, per_node, local * 4, 2)),
+                    Traffic(REPLICATE, "broadcast", buffers if within else 0, 0 if within else buffers)]
         inner = dims.tensor_parallel  # the ranks between two of a shard group's: a tensor-parallel group's
-        gathered = local * dims.shard
-        gathers = step.passes * (2 if config.reshard_after_forward else 1)
-        parts = [group_split(dims.shard, inner, per_node, gathered * step.compute_bytes, gathers),
-                 group_split(dims.shard, inner, per_node, gathered * 4, 1)]
+        experts = step.expert_params if dims.expert_parallel > 1 else 0
+        times = _gathers(dims, config, step), _reductions(dims, config, step)
+        # under context parallel FSDP2 shards over the shard and cp ranks together (its flattened shard_cp)
+        shards, name = dims.shard * dims.context_parallel, SHARD if dims.context_parallel == 1 else SHARD_CP
+        parts = _sharded(name if not experts else f"{SHARD_MOD_EP}+{EP}", shards, inner, local - experts,
+                         times, step)
+        if experts:  # each rank's experts over shard / ep ranks, ep x tp apart
+            parts += _sharded(SHARD_MOD_EP, dims.shard // dims.expert_parallel, inner * dims.expert_parallel,
+                              experts, times, step)
         if dims.replicate > 1:
-            parts.append(group_split(dims.replicate, dims.shard * inner, per_node, local * 4, 2))
+            parts.append(Traffic(REPLICATE, "all-reduce",
+                                 *group_split(dims.replicate, shards * inner, per_node, local * 4, 2 * times[1])))
         return parts

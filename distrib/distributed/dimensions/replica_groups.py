@@ -15,7 +15,7 @@ from typing import Mapping
 
 from distrib.config import Config, DistConfig
 from distrib.distributed import fault_tolerance
-from distrib.distributed.dimensions.base import Dimension, StepCost, Training, Words, group_split
+from distrib.distributed.dimensions.base import Dimension, StepCost, Traffic, Training, Words, group_split
 from distrib.distributed.mesh import ParallelDims, divisors, either
 from distrib.distributed.runtime import LaunchEnv
 from distrib.errors import ConfigError
@@ -76,12 +76,13 @@ class ReplicaGroups(Dimension):
     def words(self, dims: ParallelDims, words: Words) -> Words:
         return (((GROUPS, f"{dims.fault_tolerant_groups} replica groups"),) if self.on(dims) else ()) + words
 
-    def traffic(self, dims: ParallelDims, config, step: StepCost) -> list[tuple[float, float]]:
+    def traffic(self, dims: ParallelDims, config, step: StepCost) -> list[Traffic]:
         """Each rank's gradients (its shards under fsdp: what it holds, local_params) all-reduced in fp32 with the
         same rank of every other group, G ranks spaced a group's world apart."""
         if not self.on(dims):
             return []
-        return [group_split(dims.fault_tolerant_groups, dims.world_size, step.per_node, step.local_params * 4, 2)]
+        split = group_split(dims.fault_tolerant_groups, dims.world_size, step.per_node, step.local_params * 4, 2)
+        return [Traffic(GROUPS, "all-reduce", *split)]
 
     # ---------------------------------------------------------------- the launcher and the worker
 

@@ -8,7 +8,16 @@ from __future__ import annotations
 import torch.nn as nn
 
 from distrib.config import Config, DistConfig
-from distrib.distributed.dimensions.base import SPLIT_TENSORS, Dimension, Layout, Mesh, StepCost, Words, group_split
+from distrib.distributed.dimensions.base import (
+    SPLIT_TENSORS,
+    Dimension,
+    Layout,
+    Mesh,
+    StepCost,
+    Traffic,
+    Words,
+    group_split,
+)
 from distrib.distributed.mesh import TP, ParallelDims
 from distrib.distributed.tensor_parallel import apply_tensor_parallel, tensor_parallel_plan
 from distrib.errors import ConfigError
@@ -55,8 +64,9 @@ class TensorParallel(Dimension):
         apply_tensor_parallel(model, layout.dims.mesh[TP], stage=layout.roots is not None)
         return model
 
-    def traffic(self, dims: ParallelDims, config, step: StepCost) -> list[tuple[float, float]]:
+    def traffic(self, dims: ParallelDims, config, step: StepCost) -> list[Traffic]:
         """The residual stream's all-reduces within its group, every pass."""
         if not self.on(dims):
             return []
-        return [group_split(dims.tensor_parallel, 1, step.per_node, step.activation_bytes * step.passes, 2)]
+        split = group_split(dims.tensor_parallel, 1, step.per_node, step.activation_bytes * step.passes, 2)
+        return [Traffic(TP, "all-reduce", *split)]
