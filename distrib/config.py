@@ -453,8 +453,9 @@ class DistConfig:
         "(balanced for causal attention), rotary positions the tokens' global ones, keys and values all-gathered "
         "across the C ranks in each attention; fsdp shards over the shard and cp ranks together. Must divide the "
         "world, and 2C must divide `data.seq_len`; the built-in GPT and transformers decoders (through their "
-        "attention interface), packed documents masked by their documents in the whole window; refused under ddp, "
-        "pipeline and expert parallel (see docs/layouts.md)")
+        "attention interface), packed documents masked by their documents in the whole window; beside "
+        "`dist.pipeline_parallel` the built-in GPT only, unpacked; refused under ddp and expert parallel (see "
+        "docs/layouts.md)")
     pipeline_schedule: str = key("1f1b",
         "`gpipe` (every forward, then every backward), `1f1b` (one forward, one backward: fewer activations in "
         "flight), `interleaved_1f1b` (`dist.pipeline_stages_per_rank` stages per rank: a smaller bubble), `zbv` or "

@@ -12,11 +12,19 @@ kernels allow it (it runs on no CPU backend and takes no arbitrary mask).
 Packed documents (data.document_mask) mask by document too: each rank takes the document ids of the whole window
 before the cut (documents_of), so its queries and the gathered keys keep their documents. A Hugging Face decoder's
 layers reach the gathered attention through transformers' attention interface (reach_attention registers
-HF_ATTENTION); the step hands `attend` down through the forward's keyword arguments to it."""
+HF_ATTENTION); the step hands `attend` down through the forward's keyword arguments to it.
+
+Under pipeline parallel the stages pass one tensor (the activations), so what is no tensor between stages (the cut's
+positions and its attention) reaches every stage's blocks through the step's cut (stepping_cut, entered by the
+pipeline's runner around the schedule's step; the built-in GPT reads it where its forward is handed neither).
+Forward-only passes (evaluation: whole windows) run outside it."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -123,6 +131,32 @@ def cut_batch(inputs: torch.Tensor | dict, targets: torch.Tensor, degree: int, i
                                                                  places, every)
     model_inputs = {INPUT_IDS: cut(tokens, places), POSITION_IDS: positions, ATTEND: GatheredAttention(mask, group)}
     return model_inputs, cut(targets, places)
+
+
+# The cut of the micro-step the pipeline's schedule runs: (position_ids [1, T / C], attend), or None outside one. A
+# context variable, so a forward-only pass outside the step, or another thread, never sees it.
+_STEP_CUT: contextvars.ContextVar[tuple[torch.Tensor, Callable] | None] = contextvars.ContextVar("cp_step_cut",
+                                                                                                 default=None)
+
+
+@contextlib.contextmanager
+def stepping_cut(model_inputs: dict) -> Iterator[torch.Tensor]:
+    """Inside: the cut's positions and attention (cut_batch's model inputs) reach every stage's forward (step_cut);
+    yields the token ids, the one tensor a pipeline cuts into microbatches. The positions of every sample of an
+    unpacked micro-batch are the same places, so one row serves a microbatch of any size."""
+    positions = model_inputs[POSITION_IDS]
+    if not bool((positions == positions[:1]).all()):
+        raise ValueError("a pipeline's microbatches take one row of positions: packed windows differ by sample")
+    token = _STEP_CUT.set((positions[:1], model_inputs[ATTEND]))
+    try:
+        yield model_inputs[INPUT_IDS]
+    finally:
+        _STEP_CUT.reset(token)
+
+
+def step_cut() -> tuple[torch.Tensor, Callable] | None:
+    """The micro-step's (position_ids [1, T / C], attend) inside stepping_cut; None outside (whole windows)."""
+    return _STEP_CUT.get()
 
 
 def takes_attend(model: nn.Module) -> bool:

@@ -25,6 +25,8 @@ from distrib.distributed.context_parallel import (
     gathered_places,
     reach_attention,
     restore,
+    step_cut,
+    stepping_cut,
 )
 from distrib.distributed.dimensions.context import ContextParallel
 from distrib.distributed.mesh import ParallelDims
@@ -95,6 +97,25 @@ def test_the_gpt_on_its_own_places_with_its_own_attention_is_the_whole_forward()
                                rtol=0, atol=1e-6)
 
 
+def test_a_pipeline_stage_handed_its_input_alone_runs_the_steps_cut_and_a_pass_outside_the_step_the_whole_window():
+    """Under pp x cp the stages pass the activations alone: the step's positions and attend reach each stage's blocks
+    (stepping_cut), for a microbatch of any size; outside the step (evaluation) nothing is left of them."""
+    torch.manual_seed(0)
+    model = GPT(vocab_size=32, seq_len=16, n_layers=2, n_heads=2, dim=16)
+    tokens = torch.randint(0, 32, (2, 16))
+    places = chunk_places(16, 2, 0)  # rank 0's chunks: places 0..3 and 12..15, its keys alone (a gather of one)
+    attend = GatheredAttention(causal_mask(places, places), group=None)
+    attend.gather = lambda rows: rows
+    model_inputs = {"input_ids": cut(tokens, places), "position_ids": places.expand(2, -1), ATTEND: attend}
+    expected = model(**model_inputs)
+    with stepping_cut(model_inputs) as handed:
+        assert handed is model_inputs["input_ids"]
+        torch.testing.assert_close(model(handed[1:]), expected[1:], rtol=0, atol=0)  # one sample's microbatch
+    assert step_cut() is None
+    torch.testing.assert_close(model(handed), model(cut(tokens, places)), rtol=0, atol=0)  # the causal triangle
+    assert (model(handed) - expected).abs().max() > 1e-5  # which is not the step's attention at these places
+
+
 def test_the_cp_mesh_dimension_sits_between_shard_and_tp():
     dims = parallel_dims(DistConfig(strategy="fsdp", context_parallel=2, tensor_parallel=2), 8, 8)
     assert (dims.shard, dims.context_parallel, dims.tensor_parallel, dims.world_size) == (2, 2, 2, 8)
@@ -114,7 +135,6 @@ def test_the_loss_is_normalised_into_c_shares_a_rank():
 
 @pytest.mark.parametrize("keys, words", [
     (["dist.strategy=ddp"], "composes with fsdp or hsdp"),
-    (["dist.strategy=fsdp", "dist.pipeline_parallel=2"], "dist.pipeline_parallel = 2"),
     (["dist.strategy=fsdp", "dist.expert_parallel=2"], "dist.expert_parallel = 2"),
     (["dist.strategy=fsdp", "data.seq_len=30"], "data.seq_len = 30 is not a multiple of 4; set --set data.seq_len=28"),
 ])
@@ -130,6 +150,10 @@ def test_a_world_it_does_not_divide_and_a_model_whose_attention_it_cannot_reach_
     with pytest.raises(ConfigError, match="the attention of Sequential cannot be reached"):
         ContextParallel().check_model(nn.Sequential(nn.Linear(2, 2)), ParallelDims(1, 2, context_parallel=2), 4)
     ContextParallel().check_model(GPT(), ParallelDims(1, 2, context_parallel=2), 4)  # the built-in GPT's is reached
+    # under pp x cp a stage is handed its activations alone: only the GPT reads the step's cut
+    with pytest.raises(ConfigError, match="beside dist.pipeline_parallel = 2 reaches the built-in GPT"):
+        ContextParallel().check_model(llama(vocab_size=64), ParallelDims(1, 2, context_parallel=2, pipeline=2), 8)
+    ContextParallel().check_model(GPT(), ParallelDims(1, 2, context_parallel=2, pipeline=2), 8)
 
 
 class _Threads(GatheredAttention):

@@ -14,7 +14,15 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distrib.config import Config, DistConfig
-from distrib.distributed.context_parallel import ATTEND, INPUT_IDS, POSITION_IDS, cut_batch, reach_attention, reachable
+from distrib.distributed.context_parallel import (
+    ATTEND,
+    INPUT_IDS,
+    POSITION_IDS,
+    cut_batch,
+    reach_attention,
+    reachable,
+    takes_attend,
+)
 from distrib.distributed.dimensions.base import (
     SPLIT_TENSORS,
     Dimension,
@@ -47,8 +55,7 @@ class ContextParallel(Dimension):
         if dist_config.strategy == "ddp":
             raise ConfigError(f"{said}: composes with fsdp or hsdp, which shard over the data and context ranks "
                               "together, and dist.strategy is ddp; set --set dist.strategy=fsdp (or hsdp)")
-        others = {"pipeline_parallel": "a pipeline cuts each micro-batch into microbatches of its own",
-                  "expert_parallel": "the experts' ranks are taken from the shard ranks it shards over"}
+        others = {"expert_parallel": "the experts' ranks are taken from the shard ranks it shards over"}
         for key, why in others.items():
             if getattr(dist_config, key) > 1:
                 raise ConfigError(f"{said}: not yet beside dist.{key} = {getattr(dist_config, key)} ({why}); set "
@@ -76,6 +83,10 @@ class ContextParallel(Dimension):
                               f"{type(model).__name__} cannot be reached (its forward takes no `{ATTEND}`, as the "
                               "built-in GPT's does, nor runs transformers' attention interface); use model.name=gpt "
                               "or --set dist.context_parallel=1")
+        if dims.pipeline > 1 and not takes_attend(model):  # a stage is handed the activations alone (step_cut)
+            raise ConfigError(f"dist.context_parallel = {dims.context_parallel}: beside dist.pipeline_parallel = "
+                              f"{dims.pipeline} reaches the built-in GPT's attention only, and {type(model).__name__} "
+                              "is not it; use model.name=gpt, or --set dist.pipeline_parallel=1")
 
     def parallelize(self, model: nn.Module, layout: Layout) -> nn.Module:
         self.check_model(model, layout.dims, layout.dims.world_size)

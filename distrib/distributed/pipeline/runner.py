@@ -5,6 +5,7 @@ same Pipeline for its forward-only passes (evaluation, prediction, the pre-fligh
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -13,6 +14,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from distrib.config import DistConfig, SpeedConfig
+from distrib.distributed.context_parallel import ATTEND, stepping_cut
 from distrib.distributed.dimensions.pipeline import microbatches
 from distrib.distributed.mesh import ParallelDims
 from distrib.distributed.parallel import explain_device_errors
@@ -57,16 +59,19 @@ class PipelineRunner(Runner):
                 f"{self.pipeline.describe()}: no rank held the model whole"]
 
     def forward_backward(self, model: nn.Module, micro_batches: list, step, grad_sync: GradSync) -> torch.Tensor:
-        """Each micro-batch through the schedule, cut into microbatches; no grad_sync: the schedule's stages reduce
-        their gradients after their last backward. The sum of this rank's microbatch losses (0 off the last stage)."""
+        """Each micro-batch, as the degrees cut it for this rank (context parallel: its chunks of every window), through
+        the schedule, cut into microbatches; no grad_sync: the schedule's stages reduce their gradients after their
+        last backward. The sum of this rank's microbatch losses (0 off the last stage)."""
         total = torch.zeros((), device=step.device)
         pieces = self.pipeline.microbatches
         for inputs, targets in micro_batches:
             if not isinstance(inputs, torch.Tensor):
                 raise UserError("dist.pipeline_parallel > 1: the samples' inputs are not one tensor, and a pipeline "
                                 "cuts one tensor into microbatches; use --set dist.pipeline_parallel=1")
-            with explain_device_errors(model, step.device, step.batch(inputs, targets)), step.autocast():
-                loss = self.pipeline.train_step(inputs, targets, lambda out, tgt: step.loss(out, tgt, pieces))
+            inputs, targets = self.cut((inputs, targets))
+            with explain_device_errors(model, step.device, step.batch(inputs, targets)), step.autocast(), \
+                    _one_tensor(inputs) as tokens:
+                loss = self.pipeline.train_step(tokens, targets, lambda out, tgt: step.loss(out, tgt, pieces))
             if loss is not None:
                 total = total + loss
         return total
@@ -91,3 +96,11 @@ class PipelineRunner(Runner):
         raise UserError("a one-file (ddp) checkpoint cannot be resumed under dist.pipeline_parallel > 1 (its "
                         "optimizer state is keyed by the whole model's parameter order); resume it under ddp or "
                         "fsdp once, then under pipeline parallel from that run's (sharded) checkpoint")
+
+
+def _one_tensor(inputs) -> contextlib.AbstractContextManager:
+    """Inside: the one tensor the schedule cuts into microbatches and the first stage takes; what else the degrees'
+    cut handed the model (context parallel's positions and attention) reaches every stage's forward from the step."""
+    if isinstance(inputs, dict) and ATTEND in inputs:
+        return stepping_cut(inputs)
+    return contextlib.nullcontext(inputs)
