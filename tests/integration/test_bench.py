@@ -136,3 +136,30 @@ def test_bench_pipeline_prints_the_ratios_idle_shares_and_bubbles(tmp_path):
         assert len(row["idle_share"]) == 2 and all(0 < share < 1 for share in row["idle_share"])
     lines = result.stdout.splitlines()
     assert lines[0].split()[:2] == ["variant", "tokens/s"] and lines[-1] == f"written to {out}"
+
+
+@pytest.mark.timeout(900)
+def test_bench_cp_prints_its_table_and_the_dry_run_of_cp2_fsdp2_is_within_20_percent_of_the_measured_peak(tmp_path):
+    """Sequence 256, 2 layers 64 wide (the target's 4,096 is the bench's own run): one launch of 4 workers runs fsdp 4
+    and cp 2 x fsdp 2, each rank a window a micro-batch; rank 0's step peak (torch's FSDPMemTracker over the real
+    tensors) against `distrib plan --dry-run`'s of the same layout (fake tensors on a fake group), within 20%; the
+    plan's activations against the bytes autograd saved in the run, within 20%."""
+    out = tmp_path / "bench_cp.json"
+    result = run([sys.executable, str(REPO / "scripts" / "bench_cp.py"), "--seq-len", "256", "--dim", "64",
+                  "--json", str(out)], timeout=EVENT_S)
+    assert_ok(result)
+    data = json.loads(out.read_text())
+    layouts = ["cp 1 (fsdp 4)", "cp 2 x fsdp 2"]
+    assert list(data["runs"]) == layouts
+    assert abs(data["dry_run_over_measured"] - 1) <= 0.2, data
+    for name in layouts:
+        measured, planned = data["runs"][name]["activation_bytes"], data["plan"]["activation_bytes"][name]
+        assert abs(planned - measured) <= 0.2 * measured, (name, planned, measured)
+    # the plan's all-gather of the keys and values and the reduce-scatter of their gradients: a rank's own, 2 layers
+    own = 2 * 2 * 128 * 64 * 4
+    assert [(c["kind"], c["intra_node"]) for c in data["plan"]["cp_collectives"]] == \
+        [("all-gather", own), ("reduce-scatter", own)]
+    lines = result.stdout.splitlines()
+    assert lines[1].split() == ["layout", "activations", "MiB", "plan", "MiB", "step", "peak", "MiB"]
+    assert [line.split("  ")[0] for line in lines[2:4]] == layouts
+    assert lines[4].startswith("activations cp 2 / cp 1: ") and lines[5].startswith("dry run of cp 2 x fsdp 2: ")
