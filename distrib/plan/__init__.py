@@ -3,7 +3,8 @@
 The model is built on the meta device (nothing allocated) and laid out by the run's own calls (Strategy.plan_module)
 over torch's fake process group of the asked world size, so per-rank bytes are the real plan's DTensor shards; the
 optimizer steps once on meta to create its state. Activations come from one meta forward that counts the tensors
-autograd saves; collective bytes from the mesh (distrib.plan.cost)."""
+autograd saves, of rank 0's slices and with the target's attention kernel (distrib.plan.activations); collective bytes
+from the mesh (distrib.plan.cost)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from distrib.distributed.strategies import Strategy, make_strategy
 from distrib.distributed.strategies.materialise import initialises_itself
 from distrib.distributed.tensor_parallel import layers_split
 from distrib.models.build import build_model
+from distrib.plan.activations import rank_batch, split_as_run, target_attention
 from distrib.plan.batch import first_samples, num_tokens, positions, shaped_batch
 from distrib.plan.cost import collective_rows, collectives, named_traffic, startup_memory, step_traffic
 from distrib.plan.experts import MetaRouting, autocast_on_meta, expert_plan, expert_rows, held_experts
@@ -41,6 +43,7 @@ from distrib.plan.host import (  # noqa: F401 - distrib.plan's names too
     host_allocator,
     returns_freed_memory,
 )
+from distrib.torch_private import register_fake_backend, storage_id, view_base
 from distrib.training.losses import Loss, build_loss, cross_entropy, forward, own_loss
 from distrib.training.trainer import build_optimizer
 
@@ -76,9 +79,8 @@ class Machine:
 def fake_process_group(world_size: int) -> Iterator[None]:
     """Rank 0 of a fake group of world_size ranks: collectives return at once, meshes of any shape can be built."""
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    register_fake_backend()
+    dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=world_size)
     try:
         yield
     finally:
@@ -108,25 +110,35 @@ def activation_bytes(model: nn.Module, inputs, targets, blocks: list[nn.Module],
 
 def saved_bytes(forward, model: nn.Module, blocks: list[nn.Module], skip: tuple[torch.Tensor, ...] = ()
                 ) -> tuple[int, int, object]:
-    """activation_bytes' count for any forward (a pipeline stage's): the bytes autograd saves while `forward()`
-    runs, neither the model's parameters nor the tensors in `skip` (each storage once); the same with each block
-    recomputed; and what forward returned."""
+    """activation_bytes' count for any forward: the bytes autograd saves while `forward()` runs, neither the model's
+    parameters nor the tensors in `skip` (each storage once); the same with each block recomputed; and what forward
+    returned."""
+    whole, kept, recomputed, returned = saved_parts(forward, model, blocks, skip)
+    return whole, kept + recomputed, returned
+
+
+def saved_parts(forward, model: nn.Module, blocks: list[nn.Module], skip: tuple[torch.Tensor, ...] = ()
+                ) -> tuple[int, int, int, object]:
+    """saved_bytes with each block recomputed in two parts: what stays until the backward (the blocks' inputs and
+    what no block saves) and the most one block saves again while it is recomputed (once per rank, whatever number
+    of microbatches a pipeline keeps in flight: one block recomputes at a time)."""
     params = {id(p) for p in model.parameters()}
-    skipped = {t.untyped_storage()._cdata for t in skip}
+    skipped = {storage_id(local_tensor(t)) for t in skip} | {storage_id(local_tensor(p)) for p in model.parameters()}
     saved: dict[tuple, tuple[int, int]] = {}  # storage -> (bytes, index of the block that saved it, -1: none)
     block_inputs, current = [], [-1]
 
     def pack(tensor):
-        if id(tensor) not in params and not (tensor._base is not None and id(tensor._base) in params) \
-                and tensor.untyped_storage()._cdata not in skipped:
-            key = (tensor.untyped_storage()._cdata, tensor.storage_offset(), tuple(tensor.shape))
-            saved.setdefault(key, (_nbytes(tensor), current[0]))
+        base, local = view_base(tensor), local_tensor(tensor)  # a split model's DTensors: this rank's slice
+        if id(tensor) not in params and not (base is not None and id(base) in params) \
+                and storage_id(local) not in skipped:
+            key = (storage_id(local), local.storage_offset(), tuple(local.shape))
+            saved.setdefault(key, (_nbytes(local), current[0]))
         return tensor
 
     def enter(index):
         def hook(module, args):
             current[0] = index
-            block_inputs.append(sum(_nbytes(a) for a in args if isinstance(a, torch.Tensor)))
+            block_inputs.append(sum(_nbytes(local_tensor(a)) for a in args if isinstance(a, torch.Tensor)))
         return hook
 
     handles = [block.register_forward_pre_hook(enter(i)) for i, block in enumerate(blocks)]
@@ -140,7 +152,19 @@ def saved_bytes(forward, model: nn.Module, blocks: list[nn.Module], skip: tuple[
     whole = sum(size for size, _ in saved.values())
     per_block = [sum(size for size, owner in saved.values() if owner == i) for i in range(len(blocks))]
     outside = whole - sum(per_block)
-    return whole, outside + sum(block_inputs) + max(per_block, default=0), returned
+    return whole, outside + sum(block_inputs), max(per_block, default=0), returned
+
+
+def rank_activations(config: Config, strategy: Strategy, info, machine: Machine, device: torch.device, inputs,
+                     targets) -> tuple[int, int]:
+    """activation_bytes of rank 0's forward as the target runs it: the model split as the run splits its tensors,
+    the micro-batch cut as the run cuts it, attention by the device's kernel (distrib.plan.activations)."""
+    runtime = Runtime(0, 0, machine.world_size, machine.nproc_per_node, device, "fake")
+    model = split_as_run(meta_model(config, info), strategy.dims, config, runtime)
+    inputs, targets = rank_batch((inputs, targets), strategy.dims)
+    with target_attention(device):
+        return activation_bytes(model, inputs, targets, fsdp.find_blocks(model, config.dist.shard_modules),
+                                build_loss(config.train))
 
 
 def meta_model(config: Config, info) -> nn.Module:
@@ -263,11 +287,13 @@ def _memory_figures(config: Config, strategy: Strategy, machine: Machine, info, 
     save = end_of_run_save(config, strategy, whole)  # into host memory, beside each rank's state there
     save_host = save + (machine.nproc_per_node * state if params_on_host else 0)
     host = max(startup_host, steady_host, save_host)
+    # at start-up an accelerator holds its shards under a sharded strategy (a whole copy is on a host), else the model
+    on_device = parts["parameters"] if strategy.sharded_state else startup
     return {"startup_bytes_per_rank": startup, "startup_host_bytes_per_node": startup_host,
             "host_bytes_per_node": steady_host, "save_bytes_rank0": save, "save_host_bytes_per_node": save_host,
             "host_memory_bytes": machine.host_memory,
             "whole_model_bytes": whole, "self_initialising": self_init, "loads_weights": loads,
-            "fits": needed <= machine.device_memory and (device.type == "cpu" or startup <= machine.device_memory),
+            "fits": needed <= machine.device_memory and (device.type == "cpu" or on_device <= machine.device_memory),
             "fits_host": host <= machine.host_memory}
 
 
@@ -350,8 +376,7 @@ def plan_run(config: Config, machine: Machine) -> dict:
             parts, local_params, held = _sharded_state(config, strategy, data.info, mesh, device)
         model = meta_model(config, data.info)
         inputs, targets = shaped_batch(sample, batches.micro_batch_size)
-        whole, recomputed = activation_bytes(model, inputs, targets, fsdp.find_blocks(model, config.dist.shard_modules),
-                                             build_loss(config.train))
+        whole, recomputed = rank_activations(config, strategy, data.info, mesh, device, inputs, targets)
     compute_bytes = 2 if config.train.precision == "bf16" else 4
     traffic = (shape, config.dist, machine.nproc_per_node, local_params, compute_bytes, config.train.grad_accum_steps,
                _tp_activations(model, shape, inputs, config) * compute_bytes,
@@ -373,7 +398,8 @@ def plan_run(config: Config, machine: Machine) -> dict:
     if pipeline:  # the highest pipeline rank's peak; the activations sent between stages on top of the collectives
         peak, needed = {**pipeline["peak"], "ddp_bucket_bytes_per_rank": 0}, pipeline["memory_bytes_per_rank"]
     memory = _memory_figures(config, strategy, machine, data.info, parts, needed, device)
-    fixed = [] if memory["fits"] or pipeline else _fixes(config, strategy, machine, model, step, recomputed, device)
+    fixing = (pipeline["steps"], staged["pipeline_microbatches"]) if pipeline else ([(step, recomputed)], 1)
+    fixed = [] if memory["fits"] else _fixes(config, strategy, machine, model, *fixing, device)
     intra += staged["pipeline_bytes_per_step_intra_node"]
     inter += staged["pipeline_bytes_per_step_inter_node"]
     bound = max(intra / machine.intra_node_bandwidth, inter / machine.inter_node_bandwidth)
@@ -395,19 +421,26 @@ def plan_run(config: Config, machine: Machine) -> dict:
             "step_seconds_lower_bound": bound, **goodput}
 
 
-def _fixes(config: Config, strategy: Strategy, machine: Machine, model: nn.Module, step: Step, checkpointed: int,
-           device: torch.device) -> list[dict]:
-    """What would make a run that does not fit the device fit (distrib.plan.fixes), each with its peak."""
+def _fixes(config: Config, strategy: Strategy, machine: Machine, model: nn.Module, steps: list[tuple[Step, int]],
+           microbatches: int, device: torch.device) -> list[dict]:
+    """What would make a run that does not fit the device fit (distrib.plan.fixes), each with its peak. steps: (the
+    step, its activations with blocks recomputed) of the run, or of each pipeline rank."""
     shape = strategy.dims
+    gathered = gathered_bytes(config, model, device, shape.tensor_parallel)
 
-    def slack(activations: int, gathered: int, sharded: bool) -> int:
-        return allocator_slack(model, device, sharded, activations + gathered, shape.tensor_parallel)
+    def run(step: Step, checkpointed: int) -> Run:
+        share = step.slack / max(1, step.activations + step.gathered + (step.unsharded or 0))
 
-    run = Run(step, checkpointed, config.speed.activation_checkpointing == "blocks", strategy.sharded_state,
-              config.train.global_batch_size, shape.data_parallel, shape.shard if strategy.sharded_state else 1,
-              machine.nnodes, device.type != "cpu", strategy.state_on_host,
-              gathered_bytes(config, model, device, shape.tensor_parallel), slack)
-    return fixes(run, machine.device_memory)
+        def slack(activations: int, gathered: int, sharded: bool) -> int:
+            if step.unsharded is not None:  # a pipeline rank's: its share of what it frees (distrib.plan.pipeline)
+                return round(share * (activations + gathered + step.unsharded))
+            return allocator_slack(model, device, sharded, activations + gathered, shape.tensor_parallel)
+
+        return Run(step, checkpointed, config.speed.activation_checkpointing == "blocks", strategy.sharded_state,
+                   config.train.global_batch_size, shape.data_parallel, shape.shard if strategy.sharded_state else 1,
+                   machine.nnodes, device.type != "cpu", strategy.state_on_host, gathered, slack, microbatches)
+
+    return fixes([run(*step) for step in steps], machine.device_memory)
 
 
 def _size(nbytes: float) -> str:
@@ -430,7 +463,9 @@ def table(figures: dict, machine: Machine) -> str:
         ("optimizer state / rank", _size(f["optimizer_bytes_per_rank"])),
         ("state_bytes_per_rank", f"{_size(f['state_bytes_per_rank'])} ({f['state_bytes_per_rank']} bytes)"),
         ("activations / micro-batch", f"{_size(f['activation_bytes_per_micro_batch'])}; with activation "
-                                      f"checkpointing {_size(f['activation_bytes_per_micro_batch_checkpointed'])}"),
+                                      f"checkpointing {_size(f['activation_bytes_per_micro_batch_checkpointed'])}"
+                                      + (" (all stages; a pipeline rank's below)" if f["pipeline_parallel"] > 1
+                                         else "")),
         *_pipeline_rows(f),
         *expert_rows(f, _size),
         ("batch", f"global {f['global_batch_size']} = {f['data_parallel_size']} data-parallel ranks x "
@@ -479,9 +514,6 @@ def _fix_rows(f: dict) -> list[tuple[str, str]]:
     """Under DOES NOT FIT: each fix with the peak it gives (distrib.plan.fixes), those that fit first."""
     if f["fits"]:
         return []
-    if f["pipeline_parallel"] > 1:
-        return [("fixes", "--set speed.activation_checkpointing=blocks, more train.grad_accum_steps or "
-                          "dist.pipeline_microbatches, more data-parallel ranks or dist.pipeline_parallel; plan each")]
     ordered = sorted(f["fixes"], key=lambda fix: not fix["fits"])
     if not ordered:
         return [("fixes", "none that plan knows lowers the peak: a device with more memory (--device-memory)")]

@@ -28,13 +28,25 @@ class Step:
     buckets: int
     slack: int
     grad_accum_steps: int
+    buffers: int = 0  # a pipeline rank's receive buffers (distrib.plan.pipeline)
+    unsharded: int | None = None  # a pipeline rank's gradients unsharded until the step's end (None: no pipeline)
 
     @property
     def peak(self) -> int:
         grads, activations = self.gradients, self.activations
+        if self.unsharded is not None:  # a pipeline rank: its stages reduce their gradients after all backwards
+            backward = self.gathered + self.unsharded + activations + self.buffers + (
+                grads if self.grad_accum_steps > 1 else 0)
+            return self.parameters + self.optimizer + self.slack + max(
+                backward, self.unsharded + grads + self.buffers, grads + self.temporaries + self.buffers)
         held = activations + grads if self.grad_accum_steps > 1 else max(activations, grads)
         return self.parameters + self.optimizer + self.buckets + self.slack + max(
             self.gathered + held, grads + self.temporaries)
+
+    def smaller(self, times: float) -> Step:
+        """Its micro-batch `times` smaller: as many times fewer activations and pipeline receive buffers."""
+        return dataclasses.replace(self, activations=round(self.activations / times),
+                                   buffers=round(self.buffers / times))
 
     def sharded(self, times: float) -> Step:
         """Its state (and the optimizer's chunk of it) on `times` as many shards."""
@@ -59,21 +71,30 @@ class Run:
     offloaded: bool
     sharded_gathered: int  # what fsdp would gather in flight (a ddp run's fix)
     slack: Callable[[int, int, bool], int]  # (activations, gathered, sharded) -> the allocator's slack
+    microbatches: int = 1  # a pipeline's per micro-batch: each micro-step's samples split into as many
 
 
-def fixes(run: Run, device_memory: float) -> list[dict]:
-    """Each fix that lowers the peak, as {"fix": what to pass, "memory_bytes_per_rank": its peak, "fits": bool}."""
-    found = [*_checkpointing(run), *_accumulation(run), *_shards(run), *_offload(run)]
-    return [{"fix": fix, "memory_bytes_per_rank": step.peak, "fits": step.peak <= device_memory}
-            for fix, step in _first_fitting(found, device_memory) if step.peak < run.step.peak]
+def fixes(runs: Run | list[Run], device_memory: float) -> list[dict]:
+    """Each fix that lowers the peak and is not on already, as {"fix": what to pass, "memory_bytes_per_rank": its
+    peak, "fits": bool}. Under pipeline parallel `runs` has each pipeline rank's: a fix's peak is the highest it
+    gives any of them (they try the same fixes, in the same order)."""
+    runs = [runs] if isinstance(runs, Run) else runs
+    found = [[(kind, [(fix, step.peak) for fix, step in tries])
+              for kind, tries in [*_checkpointing(run), *_accumulation(run), *_shards(run), *_offload(run)]]
+             for run in runs]
+    highest = [(kinds[0][0], [(same[0][0], max(peak for _, peak in same)) for same in zip(*(t for _, t in kinds))])
+               for kinds in zip(*found)]  # per kind, per fix (the same on every rank): the highest rank's peak
+    peak = max(run.step.peak for run in runs)
+    return [{"fix": fix, "memory_bytes_per_rank": fixed, "fits": fixed <= device_memory}
+            for fix, fixed in _first_fitting(highest, device_memory) if fixed < peak]
 
 
-def _first_fitting(found: list[tuple[str, list[tuple[str, Step]]]], device_memory: float
-                   ) -> Iterator[tuple[str, Step]]:
+def _first_fitting(found: list[tuple[str, list[tuple[str, int]]]], device_memory: float
+                   ) -> Iterator[tuple[str, int]]:
     """Of each kind of fix, tried from the least change to the most: the first that fits, else the last tried."""
     for _, tries in found:
         if tries:
-            yield next(((fix, step) for fix, step in tries if step.peak <= device_memory), tries[-1])
+            yield next(((fix, peak) for fix, peak in tries if peak <= device_memory), tries[-1])
 
 
 def _with(run: Run, step: Step, activations: int, sharded: bool) -> Step:
@@ -92,9 +113,9 @@ def _accumulation(run: Run):
     step, per_rank = run.step, run.global_batch_size // run.data_parallel
     tries = []
     for accum in range(step.grad_accum_steps + 1, per_rank + 1):
-        if per_rank % accum == 0:
-            activations = step.activations * step.grad_accum_steps // accum
-            smaller = dataclasses.replace(_with(run, step, activations, run.sharded), grad_accum_steps=accum)
+        if per_rank % (accum * run.microbatches) == 0:
+            less = step.smaller(accum / step.grad_accum_steps)
+            smaller = dataclasses.replace(_with(run, less, less.activations, run.sharded), grad_accum_steps=accum)
             tries.append((f"--set train.grad_accum_steps={accum} (micro-batch {per_rank // accum})", smaller))
     yield "accumulation", tries
 
@@ -113,8 +134,9 @@ def _shards(run: Run):
         tries = []
         for times in (2, 4, 8, 16, 32, 64):
             ranks = run.data_parallel * times
-            if run.global_batch_size % (ranks * step.grad_accum_steps) == 0:
-                more = _with(run, step.sharded(times), step.activations // times, True)
+            if run.global_batch_size % (ranks * step.grad_accum_steps * run.microbatches) == 0:
+                less = step.sharded(times).smaller(times)
+                more = _with(run, less, less.activations, True)
                 tries.append((f"--nnodes {run.nnodes * times} ({ranks} data-parallel ranks)", more))
         yield "shards", tries
 
@@ -124,7 +146,8 @@ def _offload(run: Run):
     if not run.on_accelerator or run.offloaded:
         return
     gathered = run.step.gathered if run.sharded else run.sharded_gathered
-    on_device = Step(0, 0, 0, run.step.activations, gathered, 0, 0, 0, run.step.grad_accum_steps)
+    on_device = dataclasses.replace(run.step, parameters=0, gradients=0, optimizer=0, gathered=gathered,
+                                    temporaries=0, buckets=0, slack=0)
     fix = "--set dist.cpu_offload=true" if run.sharded else \
         "--set dist.strategy=fsdp --set dist.cpu_offload=true"
     yield "offload", [(fix, on_device)]

@@ -16,7 +16,9 @@ from distrib.config import Config
 from distrib.data.batching import BatchPlan
 from distrib.distributed import fsdp, pipeline
 from distrib.distributed.mesh import ParallelDims
+from distrib.distributed.parallel import local_tensor
 from distrib.distributed.pipeline import owner_of, split_stages, stage_class, stages_of, view
+from distrib.distributed.runtime import Runtime
 from distrib.distributed.strategies import Strategy
 from distrib.plan import (
     KEPT_SLACK,
@@ -26,11 +28,13 @@ from distrib.plan import (
     optimizer_temporaries,
     planned_rank,
     returns_freed_memory,
-    saved_bytes,
+    saved_parts,
     state_parts_planned,
 )
+from distrib.plan.activations import rank_batch, split_as_run, target_attention
 from distrib.plan.batch import shaped_batch, staged_inputs
 from distrib.plan.experts import held_experts
+from distrib.plan.fixes import Step
 
 
 def bubble_share(pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
@@ -74,10 +78,18 @@ def stage_passes(model: nn.Module, split, blocks: list[nn.Module], inputs: torch
                 torch.nn.functional.cross_entropy(out.flatten(0, -2) if out.dim() > 2 else out, targets.flatten())
             return out
 
-        held, recomputed, x = saved_bytes(forward, model, blocks, skip=(received,) if stage else ())
-        sent = x.nbytes if stage < last else 0
-        passes.append({"activation": held + sent, "checkpointed": recomputed + sent, "sent": sent})
+        held, kept, recomputed, x = saved_parts(forward, model, blocks, skip=(received,) if stage else ())
+        sent = local_tensor(x).nbytes if stage < last else 0
+        passes.append({"activation": held + sent, "checkpointed": kept + sent, "recomputed": recomputed,
+                       "sent": sent})
     return passes
+
+
+def in_flight_bytes(passes: list[dict], mine: list[int], counts: list[int], key: str) -> int:
+    """The activations a pipeline rank holds at its peak: each of its stages' microbatches in flight; with blocks
+    recomputed ("checkpointed"), their inputs and the largest block's own tensors once (one recomputes at a time)."""
+    held = sum(count * passes[s][key] for count, s in zip(counts, mine))
+    return held + (max(passes[s]["recomputed"] for s in mine) if key == "checkpointed" else 0)
 
 
 def _sent(dims: ParallelDims, pipeline_rank: int, mine: list[int], passes: list[dict], config: Config,
@@ -122,16 +134,15 @@ def _stage_state(stage: nn.Module, optimizer: torch.optim.Optimizer, strategy: S
     return sum(state_parts_planned(stage, Held, strategy, device).values())
 
 
-def rank_peak(parts: dict, activations: int, buffers: int, gathered: int, unsharded_grads: int, temporaries: int,
-              slack: int, grad_accum_steps: int) -> int:
-    """A pipeline rank's peak: its state's parameters and optimizer state throughout, and the most of: its backwards
-    (the stages' parameters gathered, their gradients unsharded, the activations in flight, the receive buffers, and
-    the reduced gradients of earlier micro-steps), the reduction at the step's end (the unsharded gradients and the
-    reduced ones), and the optimizer's step (the gradients and its temporaries); the allocator's slack."""
-    grads = parts["gradients"]
-    backward = gathered + unsharded_grads + activations + buffers + (grads if grad_accum_steps > 1 else 0)
-    return parts["parameters"] + parts["optimizer"] + slack + max(
-        backward, unsharded_grads + grads + buffers, grads + temporaries + buffers)
+def rank_step(parts: dict, activations: int, buffers: int, gathered: int, unsharded_grads: int, temporaries: int,
+              slack: int, grad_accum_steps: int) -> Step:
+    """A pipeline rank's step; its peak (Step.peak): its state's parameters and optimizer state throughout, and the
+    most of: its backwards (the stages' parameters gathered, their gradients unsharded, the activations in flight, the
+    receive buffers, and the reduced gradients of earlier micro-steps), the reduction at the step's end (the unsharded
+    gradients and the reduced ones), and the optimizer's step (the gradients and its temporaries); the allocator's
+    slack."""
+    return Step(parts["parameters"], parts["gradients"], parts["optimizer"], activations, gathered, temporaries, 0,
+                slack, grad_accum_steps, buffers, unsharded_grads)
 
 
 def plan_pipeline(config: Config, strategy: Strategy, info, machine: Machine, device: torch.device,
@@ -145,8 +156,12 @@ def plan_pipeline(config: Config, strategy: Strategy, info, machine: Machine, de
     model = meta_model(config, info)
     split = split_stages(model, pp * per_rank, dist_config.pipeline_split, pp)
     staged_inputs(sample, pp)
-    inputs, targets = shaped_batch(sample, batches.micro_batch_size // microbatches)
-    passes = stage_passes(model, split, fsdp.find_blocks(model, dist_config.shard_modules), inputs, targets)
+    inputs, targets = rank_batch(shaped_batch(sample, batches.micro_batch_size // microbatches), strategy.dims)
+    # the passes as rank 0 runs them: its slices of the tensors, the target's attention kernel
+    runtime = Runtime(0, 0, machine.world_size, machine.nproc_per_node, device, "fake")
+    ranked = split_as_run(meta_model(config, info), strategy.dims, config, runtime)
+    with target_attention(device):
+        passes = stage_passes(ranked, split, fsdp.find_blocks(ranked, dist_config.shard_modules), inputs, targets)
     key = "checkpointed" if config.speed.activation_checkpointing == "blocks" else "activation"
     slack_share = 0.0 if device.type != "cpu" or returns_freed_memory(strategy, model) else KEPT_SLACK
     ranks = []
@@ -160,7 +175,7 @@ def plan_pipeline(config: Config, strategy: Strategy, info, machine: Machine, de
                  for s in mine]
         tp = strategy.dims.tensor_parallel
         gathered = sum(whole) * next(model.parameters()).element_size() // tp  # in the compute dtype
-        activations = sum(count * passes[s][key] for count, s in zip(counts, mine))
+        activations = in_flight_bytes(passes, mine, counts, key)
         figures = {"parameter_bytes": parts["parameters"], "gradient_bytes": parts["gradients"],
                    "optimizer_bytes": parts["optimizer"], "state_bytes": sum(parts.values()),
                    "activation_bytes_in_flight": activations, "buffer_bytes": _buffers(mine, passes, microbatches),
@@ -168,9 +183,10 @@ def plan_pipeline(config: Config, strategy: Strategy, info, machine: Machine, de
                    "optimizer_temporary_bytes": optimizer_temporaries(config, local)}
         figures["allocator_slack_bytes"] = round(slack_share * (activations + gathered
                                                                 + figures["unsharded_gradient_bytes"]))
-        figures["memory_bytes"] = rank_peak(parts, activations, figures["buffer_bytes"], gathered,
-                                            figures["unsharded_gradient_bytes"], figures["optimizer_temporary_bytes"],
-                                            figures["allocator_slack_bytes"], batches.grad_accum_steps)
+        step = rank_step(parts, activations, figures["buffer_bytes"], gathered, figures["unsharded_gradient_bytes"],
+                         figures["optimizer_temporary_bytes"], figures["allocator_slack_bytes"],
+                         batches.grad_accum_steps)
+        figures["memory_bytes"] = step.peak
         intra, inter = _sent(strategy.dims, pipeline_rank, mine, passes, config, machine, batches, microbatches)
         stages = [{"stage": s, "units": list(split.stage_units(s)),
                    "state_bytes": _stage_state(strategy.runner.stages[s], optimizer, strategy, device),
@@ -178,7 +194,8 @@ def plan_pipeline(config: Config, strategy: Strategy, info, machine: Machine, de
                   for s, count in zip(mine, counts)]
         ranks.append({"pipeline_rank": pipeline_rank, **figures, "sent_bytes_per_step_intra_node": intra,
                       "sent_bytes_per_step_inter_node": inter, "stages": stages, "_parts": parts, "_local": local,
-                      "_experts": held_experts(held, optimizer)})
+                      "_experts": held_experts(held, optimizer), "_step": step,
+                      "_checkpointed": in_flight_bytes(passes, mine, counts, "checkpointed")})
     return _fullest(ranks, pp, microbatches, per_rank, dist_config.pipeline_schedule)
 
 
@@ -192,6 +209,7 @@ def _fullest(ranks: list[dict], pp: int, microbatches: int, per_rank: int, sched
     by_experts = max(ranks, key=lambda rank: rank["_experts"]["expert_state_bytes_per_rank"])
     return {"parts": by_state["_parts"], "local_parameters": by_state["_local"], "experts": by_experts["_experts"],
             "memory_bytes_per_rank": by_peak["memory_bytes"],
+            "steps": [(rank["_step"], rank["_checkpointed"]) for rank in ranks],  # each rank's, for its fixes
             "peak": {"gathered_bytes_per_rank": by_peak["gathered_bytes"],
                      "optimizer_temporary_bytes_per_rank": by_peak["optimizer_temporary_bytes"],
                      "allocator_slack_bytes_per_rank": by_peak["allocator_slack_bytes"]},
