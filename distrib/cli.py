@@ -117,7 +117,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.dry_run:
         from distrib.plan import dry_run
 
-        return dry_run.main(config, machine, args.json)
+        return dry_run.main(config, machine, args.json, args.every_block)
     return main(config, machine, args.json)
 
 
@@ -310,6 +310,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print the figures as JSON, under summary.json's names")
     plan.add_argument("--dry-run", action="store_true", help="also build one rank's real layout on a fake process "
                                                             "group and measure a step on fake tensors (dry_run_*)")
+    plan.add_argument("--every-block", action="store_true", help="with --dry-run: step every block (default: a rank "
+                      "holding more than 3 alike blocks is stepped with 2 and 3 and counted for the rest)")
     plan.set_defaults(func=_plan)
     # Listed for --help only: main() hands `launch` to torchrun's own parser before this one sees it.
     commands.add_parser("launch", help="torchrun-compatible launcher: distrib launch [torchrun options] "

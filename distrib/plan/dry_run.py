@@ -8,7 +8,10 @@ state is created first (as a first step would), so the step measured is a steady
 dist.device says: a CUDA run also holds the blocks it prefetches (distrib.plan's BLOCKS_IN_FLIGHT), the analytic plan
 counts them. Under pipeline parallel the ranks of the first and the last stage are measured, each stage run directly
 on fake microbatches of the shapes a meta pass of the whole model gives (not torch's schedule: the fake group cannot
-carry shapes), as many in flight as the schedule holds; the larger peak is reported."""
+carry shapes), as many in flight as the schedule holds; the larger peak is reported. A rank that holds more than
+three alike blocks is measured on the model cut to 2 and 3 blocks a stage and counted for the rest (distrib.plan.blocks;
+every_block: stepped whole). For a CUDA target attention runs the fused kernel's footprint (distrib.plan.attention),
+not the CPU's math kernel; the verdict and the fixes are the plan's, of the measured peak."""
 
 from __future__ import annotations
 
@@ -36,6 +39,8 @@ from distrib.distributed.strategies.base import StepLoss
 from distrib.distributed.strategies.materialise import build_on_meta
 from distrib.models.build import build_model
 from distrib.plan import Machine, _size, fake_process_group, mesh_machine, meta_model
+from distrib.plan import blocks as cut_blocks
+from distrib.plan.attention import fused_target, target_attention
 from distrib.plan.batch import first_samples, shaped_batch, staged_inputs
 from distrib.plan.experts import MetaRouting, autocast_on_meta
 from distrib.plan.pipeline import in_flight
@@ -66,9 +71,12 @@ class FrozenParameterHooks(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def dry_run(config: Config, machine: Machine) -> dict:
+def dry_run(config: Config, machine: Machine, every_block: bool = False, plan: dict | None = None) -> dict:
     """The dry run's figures (plan's JSON keys dry_run_*): the measured rank's peak and its parts, and each measured
-    rank's (under pp the first and the last stage's). A layout that cannot be built raises train's one-line error."""
+    rank's (under pp the first and the last stage's; with the blocks it holds and those stepped, where counted); given
+    the plan's figures, its verdict and fixes (_verdict). A layout that cannot be built raises train's one-line
+    error."""
+    full = machine
     started = time.perf_counter()
     machine = mesh_machine(config, machine)  # the ranks one mesh spans (a replica group's)
     dims = make_strategy(config.dist, machine.world_size, machine.nproc_per_node).dims
@@ -80,18 +88,76 @@ def dry_run(config: Config, machine: Machine) -> dict:
     sample = first_samples(data.train, batches.micro_batch_size)  # the data's structure, dtypes and shapes
     # one group for all ranks (torch's meshes outlive a destroyed group); MetaRouting: an MoE layer's fake step;
     # autocast_on_meta: peft's LoRA on its experts in stage_inputs' meta pass; FrozenParameterHooks: frozen weights
-    with fake_process_group(machine.world_size), MetaRouting(), autocast_on_meta(), FrozenParameterHooks():
-        measured = [measure_rank(config, machine, data.info, batches, rank, sample) for rank in ranks]
+    held = _held_blocks(config, data.info, dims, ranks, every_block)
+    with fake_process_group(machine.world_size), MetaRouting(), autocast_on_meta(), FrozenParameterHooks(), \
+            target_attention(config.dist.device):
+        measured = [measure_rank(config, machine, data.info, batches, rank, sample) if not held else
+                    cut_blocks.extended(*(measure_rank(config, machine, data.info, batches, rank, sample,
+                                                       k * cut_blocks.stages(config)) for k in cut_blocks.MEASURED),
+                                        held["measured"], held[rank])
+                    for rank in ranks]
     top = max(measured, key=lambda figures: figures["peak_bytes"])
-    return {"dry_run_peak_bytes_per_rank": top["peak_bytes"], "dry_run_rank": top["rank"],
+    verdict = _verdict(config, full, data.info, top["parts"], top["peak_bytes"], plan) if plan else {}
+    return {**verdict, "dry_run_peak_bytes_per_rank": top["peak_bytes"], "dry_run_rank": top["rank"],
             **{f"dry_run_{part}_bytes": top["parts"][part] for part in PART_NAMES},
             "dry_run_ranks": measured, "dry_run_world_size": machine.world_size,
+            "dry_run_attention": "fused" if fused_target(config.dist.device) else "math",
             "dry_run_seconds": time.perf_counter() - started}
 
 
-def measure_rank(config: Config, machine: Machine, info, batches: BatchPlan, rank: int, sample) -> dict:
+def _verdict(config: Config, machine: Machine, info, parts: dict, peak: int, plan: dict) -> dict:
+    """The plan's verdict of the measured peak: it, the block FSDP prefetches on an accelerator (the dry run's CPU
+    mesh turns prefetching off: distrib.distributed.fsdp.shard) and the allocator's slack as the plan counts it
+    (distrib.plan.host), against the device's memory; where it does not fit, the plan's fixes (distrib.plan.fixes),
+    each moving the peak by what it moves in the plan's terms of the measured parts."""
+    from distrib.plan import _fixes, allocator_slack, gathered_bytes
+    from distrib.plan.fixes import Step
+
+    strategy = make_strategy(config.dist, *_mesh_ranks(config, machine))
+    device, tp = torch.device("cuda" if fused_target(config.dist.device) else "cpu"), strategy.dims.tensor_parallel
+    model = meta_model(config, info)
+    prefetched = gathered_bytes(config, model, device, tp) - gathered_bytes(config, model, HOST, tp) \
+        if strategy.sharded_state and strategy.dims.pipeline == 1 else 0
+    in_flight = parts["unsharded_parameters"] + parts["all_gather"] + parts["reduce_scatter"] + prefetched
+    slack = allocator_slack(model, device, strategy.sharded_state, parts["activations"] + in_flight, tp)
+    needed = peak + prefetched + slack
+    fits = needed <= machine.device_memory
+    step = Step(parts["parameters"], parts["gradients"], parts["optimizer"], parts["activations"], in_flight,
+                parts["temporaries"], parts["ddp_buckets"], slack, config.train.grad_accum_steps)
+    found = [] if fits else _fixes(config, strategy, machine, model,
+                                   [(step, plan["activation_bytes_per_micro_batch_checkpointed"])],
+                                   pipeline.microbatches(config.dist), device)
+    moved = [{**fix, "memory_bytes_per_rank": fix["memory_bytes_per_rank"] + needed - step.peak} for fix in found]
+    return {"dry_run_memory_bytes_per_rank": needed, "dry_run_prefetched_bytes": prefetched,
+            "dry_run_allocator_slack_bytes": slack, "dry_run_fits": fits, "dry_run_fixes": [
+                {**fix, "fits": fix["memory_bytes_per_rank"] <= machine.device_memory} for fix in moved
+                if fix["memory_bytes_per_rank"] < needed]}
+
+
+def _mesh_ranks(config: Config, machine: Machine) -> tuple[int, int]:
+    mesh = mesh_machine(config, machine)
+    return mesh.world_size, mesh.nproc_per_node
+
+
+def _held_blocks(config: Config, info, dims, ranks: list[int], every_block: bool) -> dict:
+    """{rank: the blocks it holds, "measured": the blocks it is stepped with cut}, where the dry run counts blocks
+    (distrib.plan.blocks): they are alike, the pipeline's split is the balanced one, and a rank holds more than it
+    would be stepped with; else {} (stepped whole)."""
+    if every_block or config.dist.pipeline_split:
+        return {}
+    model = meta_model(config, info)
+    found = cut_blocks.block_list(model, config)
+    per_rank = config.dist.stages_per_rank if config.dist.pipeline_parallel > 1 else 1
+    measured = tuple(k * per_rank for k in cut_blocks.MEASURED)
+    held = {rank: cut_blocks.held_blocks(config, len(found or ()), dims.pipeline_rank(rank)) for rank in ranks}
+    return {**held, "measured": measured} if found is not None and min(held.values()) > measured[1] else {}
+
+
+def measure_rank(config: Config, machine: Machine, info, batches: BatchPlan, rank: int, sample,
+                 blocks: int | None = None) -> dict:
     """`rank`'s layout, its optimizer's state created, and one step on micro-batches shaped as `sample` (the data's
-    first samples, distrib.plan.batch) measured: its peak and parts. Over the fake
+    first samples, distrib.plan.batch) measured: its peak and parts; of the model cut to its first `blocks` blocks
+    where given (distrib.plan.blocks). Over the fake
     group's rank 0, as plan's (distrib.plan.planned_rank): the measured ranks differ from it in their pipeline rank
     only, which lay_out reads from runtime.rank."""
     from distrib.torch_private import FakeTensorMode
@@ -99,10 +165,10 @@ def measure_rank(config: Config, machine: Machine, info, batches: BatchPlan, ran
     strategy = make_strategy(config.dist, machine.world_size, machine.nproc_per_node)  # its own mesh, this group's
     runtime = Runtime(rank, rank % machine.nproc_per_node, machine.world_size, machine.nproc_per_node, HOST, "fake")
     # each stage's input shapes, given: from a meta pass outside the fake mode (which refuses the meta model's casts)
-    given = stage_inputs(config, info, batches.micro_batch_size // pipeline.microbatches(config.dist), sample) \
-        if strategy.dims.pipeline > 1 else []
+    given = stage_inputs(config, info, batches.micro_batch_size // pipeline.microbatches(config.dist), sample,
+                         blocks) if strategy.dims.pipeline > 1 else []
     fake = FakeTensorMode(allow_non_fake_inputs=True)  # the meta model's tensors go in, fake ones come out
-    model = laid_out(config, strategy, info, runtime, fake)
+    model = laid_out(config, strategy, info, runtime, fake, blocks)
     with fake:
         optimizer = build_optimizer(model, config.train)
         _create_state(model, optimizer)
@@ -129,18 +195,24 @@ def _ddp_buckets(config: Config, strategy: Strategy, model: nn.Module) -> int:
     return sum(p.nbytes for p in model.parameters() if p.requires_grad)
 
 
-def laid_out(config: Config, strategy: Strategy, info, runtime: Runtime, fake) -> nn.Module:
+def laid_out(config: Config, strategy: Strategy, info, runtime: Runtime, fake, blocks: int | None = None
+             ) -> nn.Module:
     """The model as runtime.rank holds it, by the run's own calls (as strategy.setup_module lays it out, compile
     left out: it changes no tensor's size), its tensors fake (made under `fake`): sharded on meta then materialised,
-    or materialised whole (ddp). The mesh is built outside the fake mode (it reads real tensors): plan_module's."""
+    or materialised whole (ddp). The mesh is built outside the fake mode (it reads real tensors): plan_module's. Cut
+    to its first `blocks` blocks where given."""
     speed = dataclasses.replace(config.speed, compile=False)
-    model = build_on_meta(lambda: build_model(config.model, info), config.train.seed)
+    model = build_on_meta(lambda: _cut(build_model(config.model, info), config, blocks), config.train.seed)
     if strategy.dims.fully_shard:
         model = strategy.plan_module(model, runtime, config.train.precision, speed)
     else:  # parallelize's steps before DDP's wrapper (ddp takes no tensor parallel), which cannot wrap fake tensors:
         prepare(model, speed, config.dist.shard_modules)  # its buckets are counted (_ddp_buckets)
     with fake:
         return model.to_empty(device=HOST)
+
+
+def _cut(model: nn.Module, config: Config, blocks: int | None) -> nn.Module:
+    return model if blocks is None else cut_blocks.cut(model, config, blocks)
 
 
 def _create_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -184,11 +256,11 @@ def _step(config: Config, strategy: Strategy, model: nn.Module, sample, batches:
     strategy.forward_backward(model, micro_batches, _step_loss(config, strategy, [t for _, t in micro_batches]))
 
 
-def stage_inputs(config: Config, info, size: int, sample) -> list[torch.Tensor]:
-    """Each stage's input for a microbatch of `size` samples, as meta tensors: the whole model on meta, forwarded
-    stage by stage (the shapes each stage is given)."""
+def stage_inputs(config: Config, info, size: int, sample, blocks: int | None = None) -> list[torch.Tensor]:
+    """Each stage's input for a microbatch of `size` samples, as meta tensors: the whole model on meta (cut to
+    `blocks` where given), forwarded stage by stage (the shapes each stage is given)."""
     dist_config = config.dist
-    model = meta_model(config, info)
+    model = _cut(meta_model(config, info), config, blocks)
     split = pipeline.split_stages(model, dist_config.pipeline_parallel * dist_config.stages_per_rank,
                                   dist_config.pipeline_split, dist_config.pipeline_parallel)
     cls = stage_class(model)  # as lay_out views the stages (a Hugging Face decoder's run their units themselves)
@@ -269,26 +341,46 @@ PART_WORDS = {"parameters": "parameters", "unsharded_parameters": "gathered para
 
 
 def rows(figures: dict) -> list[tuple[str, str]]:
-    """The dry run's lines under the plan's table: the measured peak beside the plan's, its parts, each rank's."""
+    """The dry run's lines under the plan's table: the measured peak beside the plan's, its parts, each rank's, its
+    verdict and fixes (as the plan's), how it was measured."""
+    from distrib.plan import _fix_rows
+
     f = figures
     measured = ", ".join(f"rank {r['rank']} (pipeline rank {r['pipeline_rank']}) {_size(r['peak_bytes'])}"
                          for r in f["dry_run_ranks"])
     parts = ", ".join(f"{words} {_size(f[f'dry_run_{part}_bytes'])}" for part, words in PART_WORDS.items()
                       if f[f"dry_run_{part}_bytes"])
+    counted = f["dry_run_ranks"][0].get("measured_blocks")
+    how = f"{f['dry_run_attention']} attention" + (
+        f", {counted[0]} and {counted[1]} blocks stepped and the rank's {f['dry_run_ranks'][0]['blocks']} counted"
+        if counted else "")
     return [("dry run peak / rank", f"{_size(f['dry_run_peak_bytes_per_rank'])} measured on fake tensors (rank "
                                     f"{f['dry_run_rank']}), plan {_size(f['memory_bytes_per_rank'])} without its "
                                     f"allocator slack {_size(f['allocator_slack_bytes_per_rank'])}"),
             ("dry run parts at the peak", parts),
             *([("dry run ranks", measured)] if len(f["dry_run_ranks"]) > 1 else []),
+            *_verdict_rows(f, _fix_rows),
             ("dry run", f"the layout built on a fake group of {f['dry_run_world_size']} ranks and one step run in "
-                        f"{f['dry_run_seconds']:.1f} s")]
+                        f"{f['dry_run_seconds']:.1f} s ({how})")]
 
 
-def main(config: Config, machine: Machine, as_json: bool) -> int:
-    """`distrib plan --dry-run`: the plan's figures and the dry run's beside them."""
+def _verdict_rows(f: dict, fix_rows) -> list[tuple[str, str]]:
+    if "dry_run_fits" not in f:
+        return []
+    row = (f"{'fits' if f['dry_run_fits'] else 'DOES NOT FIT'}: {_size(f['dry_run_memory_bytes_per_rank'])} of "
+           f"{_size(f['device_memory_bytes'])} (the measured peak" + (
+               f", the block prefetched {_size(f['dry_run_prefetched_bytes'])}" if f["dry_run_prefetched_bytes"]
+               else "") + f", allocator slack {_size(f['dry_run_allocator_slack_bytes'])})")
+    fixes = fix_rows({"fits": f["dry_run_fits"], "fixes": f["dry_run_fixes"]})
+    return [("dry run device memory", row), *((f"dry run {name}" if name else "", text) for name, text in fixes)]
+
+
+def main(config: Config, machine: Machine, as_json: bool, every_block: bool = False) -> int:
+    """`distrib plan --dry-run`: the plan's figures and the dry run's beside them, with its verdict."""
     from distrib.plan import plan_run, table
 
-    figures = {**plan_run(config, machine), **dry_run(config, machine)}
+    planned = plan_run(config, machine)
+    figures = {**planned, **dry_run(config, machine, every_block, planned)}
     if as_json:
         print(json.dumps(figures, indent=1))
     else:

@@ -82,3 +82,13 @@ def test_the_table_names_every_figure(tokens, capsys):
 
 def test_plan_is_a_command_of_the_cli():
     assert "plan" in run([sys.executable, "-m", "distrib", "--help"], timeout=60, cwd=REPO).stdout
+
+
+def test_the_dry_run_bench_prints_its_table():
+    """scripts/bench_dry_run.py on its smallest work (a tiny Llama of 8 blocks, fsdp over 1,024 ranks, a CUDA
+    target): its header and the layout's row with the time, the resident peak, the rank's peak and the verdict."""
+    done = run([sys.executable, "scripts/bench_dry_run.py", "--layouts", "tiny"], timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    header, row = done.stdout.strip().splitlines()
+    assert header.split()[:4] == ["layout", "seconds", "peak", "RSS"] and "verdict" in header
+    assert row.split()[0] == "tiny" and " fits " in row

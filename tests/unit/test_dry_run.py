@@ -61,3 +61,39 @@ def test_a_layout_that_cannot_be_built_is_one_line(overrides, message, capsys):
     assert main(["plan", *_sets(*overrides), "--world-size", "4", "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("overrides", [["dist.strategy=fsdp", "speed.activation_checkpointing=blocks"],
+                                       ["dist.strategy=fsdp", "dist.pipeline_parallel=2"]])
+def test_a_rank_of_many_blocks_is_stepped_with_two_and_three_and_counted(overrides):
+    """8 alike blocks a rank (4 a stage under pp 2): stepped cut to 2 and 3 a stage, the line through the two peaks
+    extended to the rank's blocks, part by part, against the whole model stepped."""
+    config = load_config(None, [*TINY, "model.kwargs={n_layers = 8, n_heads = 4, dim = 32, tie_weights = false}",
+                                *overrides])
+    whole, counted = dry_run(config, Machine(1, 4), every_block=True), dry_run(config, Machine(1, 4))
+    per_rank = 8 // config.dist.pipeline_parallel
+    assert [(r.get("measured_blocks"), r.get("blocks")) for r in counted["dry_run_ranks"]] == \
+        [((2, 3), per_rank)] * len(counted["dry_run_ranks"])
+    assert all("blocks" not in r for r in whole["dry_run_ranks"])
+    for ours, reference in zip(counted["dry_run_ranks"], whole["dry_run_ranks"]):
+        assert ours["peak_bytes"] == pytest.approx(reference["peak_bytes"], rel=0.01)
+        for part in ("parameters", "gradients", "optimizer", "activations"):
+            assert ours["parts"][part] == pytest.approx(reference["parts"][part], rel=0.01, abs=1024), part
+
+
+def test_a_cuda_target_is_measured_with_the_fused_kernel_and_given_the_plans_verdict(capsys):
+    """dist.device = cuda: attention as the fused kernels hold it (distrib.plan.attention), and the plan's verdict of
+    the measured peak: DOES NOT FIT on a 1 MiB device, with the plan's fixes, each lower than the peak."""
+    assert main(["plan", *_sets("dist.strategy=fsdp", "dist.device=cuda"), "--world-size", "4", "--dry-run", "--json",
+                 "--device-memory", str(1 / 1024)]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert figures["dry_run_attention"] == "fused" and figures["dry_run_fits"] is False
+    # on an accelerator FSDP prefetches a block beyond what the CPU mesh measures
+    assert figures["dry_run_memory_bytes_per_rank"] >= figures["dry_run_peak_bytes_per_rank"] + \
+        figures["dry_run_prefetched_bytes"] > figures["dry_run_peak_bytes_per_rank"]
+    assert figures["dry_run_fixes"] and all(fix["memory_bytes_per_rank"] < figures["dry_run_memory_bytes_per_rank"]
+                                            for fix in figures["dry_run_fixes"])
+    lines = "\n".join(f"{name} {value}" for name, value in rows(figures))
+    assert "dry run device memory DOES NOT FIT" in lines
+    assert "dry run fixes --" in lines and "--set speed.activation_checkpointing=blocks: " in lines
+    assert "(fused attention, 2 and 3 blocks stepped and the rank's 4 counted)" in lines
