@@ -195,7 +195,15 @@ def test_plan_counts_each_rank_s_experts_the_all_to_all_and_the_worst_imbalance(
     # half of them stay on the rank
     sent = 2 * 4 * (4 * 32 * 2 * 64 * 4)
     assert planned["all_to_all_bytes_per_step_intra_node"] == sent / 2
-    assert planned["collective_bytes_per_step_intra_node"] == fsdp["collective_bytes_per_step_intra_node"] + sent / 2
+    # FSDP's rings: the dense parameters over the 4 ranks of shard_mod_ep x ep as under fsdp 4; each rank's half of
+    # the experts over the 2 of shard_mod_ep, gathered in forward and backward (ring: 1/2 of the gathered bytes sent)
+    rows = {(row["dimension"], row["kind"]): row["intra_node"] for row in planned["collectives"]}
+    whole_rows = {(row["dimension"], row["kind"]): row["intra_node"] for row in fsdp["collectives"]}
+    dense_gather = whole_rows["shard", "all-gather"] - 2 * 3 / 4 * whole
+    assert rows["shard_mod_ep+ep", "all-gather"] == dense_gather
+    assert rows["shard_mod_ep", "all-gather"] == 2 * (whole // 2) / 2
+    assert rows["shard_mod_ep", "reduce-scatter"] == (whole // 2) / 2 and rows["ep", "all-to-all"] == sent / 2
+    assert planned["collective_bytes_per_step_intra_node"] == sum(rows.values())
     assert planned["expert_rows_per_micro_batch"] == 256 and planned["expert_rows_per_micro_batch_worst"] == 512
     assert planned["expert_activation_bytes_worst"] == 512 * (64 + 4 * 64) * 4
     lines = table(planned, Machine(1, 4))
