@@ -41,7 +41,9 @@ def cut(model: nn.Module, config: Config, count: int) -> nn.Module:
 
 
 def stages(config: Config) -> int:
-    return config.dist.pipeline_parallel * max(1, config.dist.stages_per_rank)
+    """The pipeline's stages (1 without one): each holds the same blocks of a cut model."""
+    dist = config.dist
+    return dist.pipeline_parallel * dist.stages_per_rank if dist.pipeline_parallel > 1 else 1
 
 
 def held_blocks(config: Config, num_blocks: int, pipeline_rank: int) -> int:
