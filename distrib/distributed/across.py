@@ -35,3 +35,7 @@ class StepAcross(Protocol):
 
     def logged(self) -> dict:
         """What a logged step's record says of it."""
+
+    def training_ended(self, step: int, stop_reason: str) -> None:
+        """After the last step and the final checkpoint, before the final evaluation (which the other worlds may
+        wait for): the trainer's stop_reason ("completed", "early_stop")."""

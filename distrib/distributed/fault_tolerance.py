@@ -156,8 +156,11 @@ class ReplicaGroups:
 
     def _barrier_verdict(self, deadline: float) -> tuple[int | None, bool]:
         """Rank 0's, heard by every rank of this group (one broadcast, so they act alike): a group that finished the
-        run while this one was down, and whether the start barrier's time is up."""
-        verdict = [self.finished.find() if self.finished else None, time.monotonic() > deadline]
+        run while this one was down, and whether the start barrier's time is up (not while a group whose training
+        ended evaluates: its summary.json is awaited)."""
+        finished = self.finished if self.runtime.is_main else None
+        peer = finished.find() if finished else None
+        verdict = [peer, time.monotonic() > deadline and not (finished and finished.awaits(self.recorder.info))]
         if self.runtime.world_size > 1:
             dist.broadcast_object_list(verdict, src=0)
         return verdict[0], verdict[1]
@@ -221,6 +224,10 @@ class ReplicaGroups:
 
     def logged(self) -> dict:
         return {"replica_groups": self.participants}
+
+    def training_ended(self, step: int, stop_reason: str) -> None:
+        if self.runtime.is_main and self.finished is not None:
+            self.finished.training_ended(step, stop_reason)
 
     def state_dict(self) -> dict:
         """What a healing group loads (called in torchft's quorum thread while the main thread waits for the quorum):

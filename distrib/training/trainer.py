@@ -390,6 +390,8 @@ class Trainer:
         bar.close()
         if self.checkpointer and (not self.checkpointer.due(progress.step) or self.stopped_early()):
             self._save(progress.step)  # the final state (after the stopping evaluation), to extend it
+        if self.across is not None:
+            self.across.training_ended(progress.step, self.stop_reason()["stop_reason"])
         if self.last_eval is not None and self.last_eval[0] == progress.step:
             metrics = self.last_eval[1]  # stopped early right after evaluating these weights
             if self.validate is not None:  # on the validation set: the test set only now

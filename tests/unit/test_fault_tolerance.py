@@ -4,6 +4,7 @@ Manager (the start barrier, the average over the groups that took part, a heal's
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,7 +14,7 @@ import torch.nn as nn
 
 from distrib.config import DistConfig, TrainConfig
 from distrib.data import make_plan
-from distrib.distributed import fault_tolerance
+from distrib.distributed import fault_tolerance, group_folders
 from distrib.distributed.fault_tolerance import (
     FinishedPeers,
     QuorumLost,
@@ -206,3 +207,82 @@ def test_steps_the_groups_never_commit_stop_the_group_after_a_few_tries():
         assert not groups.start_step() and not groups.commit()
     with pytest.raises(QuorumLost, match=f"committed none of {fault_tolerance.MAX_UNCOMMITTED} tries of step 1"):
         groups.start_step()
+
+
+def _finished_peers(tmp_path, total_steps: int = 4) -> FinishedPeers:
+    config = small_config(tmp_path / "run", "dist.fault_tolerant_groups=2")
+    return FinishedPeers(config, 0, total_steps, lambda peer: None)
+
+
+def _write(config, group: int, name: str, record: dict) -> None:
+    path = Path(group_config(config, group).run.dir) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record))
+
+
+def test_a_run_that_stopped_early_is_finished_by_what_its_summary_says_not_by_its_step_count(tmp_path):
+    """Group 1 stopped early at step 2 of 4 (its summary's stop_reason, as the trainer writes it): group 0 takes it as
+    finished. A summary of fewer steps that completed (a run since extended) is not finished; nor is a torn one."""
+    finished = _finished_peers(tmp_path)
+    assert finished.find() is None
+    _write(finished.config, 1, "summary.json", {"steps": 2, "stop_reason": "completed"})
+    assert finished.find() is None
+    (Path(group_config(finished.config, 1).run.dir) / "summary.json").write_text('{"steps": 2, "stop_re')
+    assert finished.find() is None
+    _write(finished.config, 1, "summary.json", {"steps": 2, "stop_reason": "early_stop"})
+    assert finished.find() == 1
+    _write(finished.config, 1, "summary.json", {"steps": 4, "stop_reason": "completed"})
+    assert finished.find() == 1
+
+
+def test_the_trainer_s_early_stop_reason_is_the_one_a_finished_run_is_read_by():
+    from distrib.training.trainer import Trainer
+
+    stopped = SimpleNamespace(stopped_early=lambda: True,
+                              state=SimpleNamespace(early_stop=SimpleNamespace(reason=lambda: "no improvement")))
+    assert Trainer.stop_reason(stopped)["stop_reason"] == group_folders.EARLY_STOP
+
+
+def test_a_group_waits_past_the_timeout_for_a_peer_whose_training_ended_and_that_evaluates(tmp_path, monkeypatch):
+    """dist.timeout_s = 30 s on a fake clock: group 1's training loop ended at the last step (its TRAINING_ENDED,
+    written by its ReplicaGroups.training_ended) and its final evaluation runs for 100 s. Group 0, alone at the
+    start barrier, does not give up at 30 s: it waits, says so once, and takes group 1's final state once its
+    summary.json appears. Without the marker the same wait is the one-line timeout."""
+    clock = [0.0]
+    lines = []
+    source, behind = small_state(0), small_state(1)
+    source.progress.step = 4
+    finished = _finished_peers(tmp_path)
+    config = finished.config
+    peer = FinishedPeers(group_config(config, 1), 1, 4, lambda peer: None)
+
+    def tick(seconds):
+        clock[0] += seconds
+        if clock[0] >= 100:
+            _write(config, 1, "summary.json", {"steps": 4, "stop_reason": "completed"})
+
+    monkeypatch.setattr(fault_tolerance.time, "sleep", tick)
+    monkeypatch.setattr(fault_tolerance.time, "monotonic", lambda: clock[0])
+    checkpointer = SimpleNamespace(load=lambda resume, say: {**source.state_dict(24), "world_size": 1,
+                                                              "rng": [runtime().rng_state()]})
+    waiting = FinishedPeers(config, 0, 4, lambda peer: checkpointer)
+    groups = replicas(FakeManager([1]), behind, groups=2)
+    groups.finished, groups.recorder = waiting, SimpleNamespace(write=lambda record: None, info=lines.append)
+    with pytest.raises(UserError, match=r"^only 1 of dist.fault_tolerant_groups = 2 replica groups joined within "
+                                        r"dist.timeout_s = 30 s"):
+        groups.start_step()
+    assert 30 <= clock[0] < 31  # no marker: the timeout, as before
+
+    clock[0] = 0.0
+    peer_groups = replicas(FakeManager([2]), source, groups=2)
+    peer_groups.finished = peer
+    Path(peer.config.run.dir).mkdir(parents=True)
+    peer_groups.training_ended(4, "completed")  # group 1's trainer, before its final evaluation
+    assert json.loads((Path(group_config(config, 1).run.dir) / group_folders.TRAINING_ENDED).read_text()) == {
+        "steps": 4, "stop_reason": "completed"}
+    groups = replicas(FakeManager([1]), behind, groups=2)
+    groups.finished, groups.recorder = waiting, SimpleNamespace(write=lambda record: None, info=lines.append)
+    assert groups.start_step() and clock[0] >= 100 and behind.progress.step == 4
+    assert [line for line in lines if "training ended" in line] == [
+        "replica group 0: group 1's training ended; waiting for its final evaluation and summary.json to take its "
+        "final state"]
