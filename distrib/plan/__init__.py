@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from dataclasses import dataclass, replace
 from typing import Iterator
 
@@ -156,15 +157,28 @@ def saved_parts(forward, model: nn.Module, blocks: list[nn.Module], skip: tuple[
 
 
 def rank_activations(config: Config, strategy: Strategy, info, machine: Machine, device: torch.device, inputs,
-                     targets) -> tuple[int, int]:
+                     targets) -> tuple[int, int, int]:
     """activation_bytes of rank 0's forward as the target runs it: the model split as the run splits its tensors,
-    the micro-batch cut as the run cuts it, attention by the device's kernel (distrib.plan.activations)."""
+    the micro-batch cut as the run cuts it, attention by the device's kernel (distrib.plan.activations); and the
+    elements the degrees send per forward (dimensions.counted: context parallel's keys and values)."""
     runtime = Runtime(0, 0, machine.world_size, machine.nproc_per_node, device, "fake")
     model = split_as_run(meta_model(config, info), strategy.dims, config, runtime)
     inputs, targets = rank_batch((inputs, targets), strategy.dims)
+    inputs, sent = dimensions.counted(inputs, strategy.dims)
     with target_attention(device):
-        return activation_bytes(model, inputs, targets, fsdp.find_blocks(model, config.dist.shard_modules),
-                                build_loss(config.train))
+        whole, recomputed = activation_bytes(model, inputs, targets, fsdp.find_blocks(model, config.dist.shard_modules),
+                                             build_loss(config.train))
+    return whole, recomputed, sent()
+
+
+def _context_bytes(config: Config, dims: ParallelDims, own: int) -> tuple[int, int]:
+    """(all-gathered, reduce-scattered) bytes of a rank's own keys and values a pass (StepCost.context_bytes), from
+    `own`, the whole model's over one micro-batch (rank_activations' forward): a pipeline rank runs 1/pp of the
+    layers, and a pass is one of the degrees' pieces of the micro-batch (a pipeline's microbatches); the all-gather
+    again in each block's recomputation."""
+    pieces = math.prod(dimension.passes(dims, config.dist) for dimension in dimensions.DIMENSIONS)
+    own = own / (dims.pipeline * pieces)
+    return own * (2 if config.speed.activation_checkpointing == "blocks" else 1), own
 
 
 def meta_model(config: Config, info) -> nn.Module:
@@ -376,13 +390,14 @@ def plan_run(config: Config, machine: Machine) -> dict:
             parts, local_params, held = _sharded_state(config, strategy, data.info, mesh, device)
         model = meta_model(config, data.info)
         inputs, targets = shaped_batch(sample, batches.micro_batch_size)
-        whole, recomputed = rank_activations(config, strategy, data.info, mesh, device, inputs, targets)
+        whole, recomputed, sent = rank_activations(config, strategy, data.info, mesh, device, inputs, targets)
     compute_bytes = 2 if config.train.precision == "bf16" else 4
     traffic = (shape, config.dist, machine.nproc_per_node, local_params, compute_bytes, config.train.grad_accum_steps,
                _tp_activations(model, shape, inputs, config) * compute_bytes,
                _root_share(model, config, shape.tensor_parallel),
                held["expert_parameter_bytes_per_rank"] // 4,  # (FSDP2 keeps fp32 parameters)
-               sum(_nbytes(b) for b in model.buffers()))
+               sum(_nbytes(b) for b in model.buffers()),
+               _context_bytes(config, shape, sent * compute_bytes))
     intra, inter = step_traffic(*traffic)
     experts = expert_plan(held, shape, machine.nproc_per_node, num_tokens(inputs),
                           compute_bytes, config.train.grad_accum_steps,

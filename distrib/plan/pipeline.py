@@ -18,6 +18,7 @@ from distrib.distributed import fsdp, pipeline
 from distrib.distributed.mesh import ParallelDims
 from distrib.distributed.parallel import local_tensor
 from distrib.distributed.pipeline import owner_of, split_stages, stage_class, stages_of, view
+from distrib.distributed.pipeline.runner import one_tensor
 from distrib.distributed.runtime import Runtime
 from distrib.distributed.strategies import Strategy
 from distrib.plan import (
@@ -156,12 +157,13 @@ def plan_pipeline(config: Config, strategy: Strategy, info, machine: Machine, de
     model = meta_model(config, info)
     split = split_stages(model, pp * per_rank, dist_config.pipeline_split, pp)
     staged_inputs(sample, pp)
+    strategy.dims.build_mesh("cpu")  # a degree's cut of the batch may need its group (context parallel's attend)
     inputs, targets = rank_batch(shaped_batch(sample, batches.micro_batch_size // microbatches), strategy.dims)
     # the passes as rank 0 runs them: its slices of the tensors, the target's attention kernel
     runtime = Runtime(0, 0, machine.world_size, machine.nproc_per_node, device, "fake")
     ranked = split_as_run(meta_model(config, info), strategy.dims, config, runtime)
-    with target_attention(device):
-        passes = stage_passes(ranked, split, fsdp.find_blocks(ranked, dist_config.shard_modules), inputs, targets)
+    with target_attention(device), one_tensor(inputs) as tokens:
+        passes = stage_passes(ranked, split, fsdp.find_blocks(ranked, dist_config.shard_modules), tokens, targets)
     key = "checkpointed" if config.speed.activation_checkpointing == "blocks" else "activation"
     slack_share = 0.0 if device.type != "cpu" or returns_freed_memory(strategy, model) else KEPT_SLACK
     ranks = []

@@ -52,3 +52,16 @@ def test_a_cp_rank_keeps_half_a_sequence_and_the_gathered_keys_values_and_mask(p
     mask = LAYERS * (SEQ // 2) * SEQ * 4  # SDPA's additive float mask of each layer, from the boolean one
     assert one / 2 < two <= one / 2 + gathered + mask
     assert two - one / 2 >= mask  # the masks at least: they are not in the whole-window run
+
+
+def test_the_plan_of_pp_x_cp_cuts_every_stage_s_windows_as_the_pipeline_runs_them():
+    """The stages' passes run on this rank's chunks with the cut's positions and attention reaching every stage (the
+    pipeline runner's one_tensor), so each pipeline rank keeps what a cp 2 rank keeps, and cp's traffic is counted."""
+    figures = plan_run(load_config(None, [*GPT, "train.global_batch_size=4", "dist.pipeline_parallel=2",
+                                          "dist.context_parallel=2",
+                                          f"model.kwargs={{n_layers = {LAYERS}, n_heads = 4, dim = {DIM}, "
+                                          "tie_weights = false}"]), Machine(1, 8))
+    assert figures["mesh"] == {"pp": 2, "shard": 2, "cp": 2}
+    # a micro-batch of 2 windows a data-parallel rank; a pipeline rank's one layer; K and V of its half windows
+    own = (LAYERS // 2) * 2 * 2 * (SEQ // 2) * DIM * 4
+    assert _by(figures, "cp") == {"all-gather": pytest.approx(own), "reduce-scatter": pytest.approx(own)}

@@ -70,7 +70,7 @@ class PipelineRunner(Runner):
                                 "cuts one tensor into microbatches; use --set dist.pipeline_parallel=1")
             inputs, targets = self.cut((inputs, targets))
             with explain_device_errors(model, step.device, step.batch(inputs, targets)), step.autocast(), \
-                    _one_tensor(inputs) as tokens:
+                    one_tensor(inputs) as tokens:
                 loss = self.pipeline.train_step(tokens, targets, lambda out, tgt: step.loss(out, tgt, pieces))
             if loss is not None:
                 total = total + loss
@@ -98,9 +98,10 @@ class PipelineRunner(Runner):
                         "fsdp once, then under pipeline parallel from that run's (sharded) checkpoint")
 
 
-def _one_tensor(inputs) -> contextlib.AbstractContextManager:
+def one_tensor(inputs) -> contextlib.AbstractContextManager:
     """Inside: the one tensor the schedule cuts into microbatches and the first stage takes; what else the degrees'
-    cut handed the model (context parallel's positions and attention) reaches every stage's forward from the step."""
+    cut handed the model (context parallel's positions and attention) reaches every stage's forward from the step
+    (the step's schedule, and distrib plan's stage passes)."""
     if isinstance(inputs, dict) and ATTEND in inputs:
         return stepping_cut(inputs)
     return contextlib.nullcontext(inputs)
