@@ -206,6 +206,8 @@ def test_a_group_lost_while_the_other_finishes_takes_its_final_state(tmp_path):
         assert summary(run_dir, 0)["steps"] == summary(run_dir, 1)["steps"] == 12
         took = [r for r in records(run_dir, 0) if r.get("event") == "took_finished_state"]
         assert [r["from_group"] for r in took] == [1] and summary(run_dir, 1)["restart_count"] == 0
+        ended = json.loads((group_dir(run_dir, 1) / "training_ended.json").read_text())  # before its evaluation
+        assert ended == {"steps": 12, "stop_reason": "completed"}
         assert max_relative_diff(load_weights(run_dir), load_weights(group_dir(run_dir, 1))) < 1e-5
         assert_groups_equal(run_dir, 2)  # the same bits
 
