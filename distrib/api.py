@@ -184,8 +184,8 @@ def _one_line_if_uncaught(error: UserError, every_rank: bool) -> None:
 
 class _OneLineExit:
     """sys.excepthook once fit() raised a distrib error: an uncaught one is `distrib: error: ...` (unless distrib
-    launch's last line names it, or rank 0 says it), then the process ends with its exit code (2; EnvironmentFault
-    74, a hung or lost peer 69). Any other exception goes to the hook before it."""
+    launch's last line names it, another survivor of a lost peer does, or rank 0 says it), then the process ends with
+    its exit code (2; EnvironmentFault 74, a hung or lost peer 69). Any other exception goes to the hook before it."""
 
     def __init__(self, previous: Callable) -> None:
         self.previous = previous
@@ -194,9 +194,9 @@ class _OneLineExit:
         if not isinstance(error, UserError):
             return self.previous(kind, error, traceback)
         from distrib.errors import hard_exit
-        from distrib.launch.reporting import reported_by_launcher
+        from distrib.launch.reporting import told_elsewhere
 
-        if not reported_by_launcher(error):
+        if not told_elsewhere(error):
             if getattr(error, "_left_to_rank_0", False):
                 # Ended at once, this rank would have its launcher (torchrun: within 0.1 s) stop rank 0 before rank 0
                 # says it; rank 0's end stops this one instead. Still running after the wait, it says it too.

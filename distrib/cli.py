@@ -22,7 +22,7 @@ from typing import NoReturn, Sequence
 from distrib.errors import EXIT_PREEMPTED, UserError, hard_exit, say
 from distrib.launch.clusters import check_pod, wants_launcher
 from distrib.launch.launcher import add_train_flags, launch_trainer, train_flags, usage_error, without_train_flags
-from distrib.launch.reporting import reported_by_launcher
+from distrib.launch.reporting import told_elsewhere
 
 EXIT_USER_ERROR = 2
 
@@ -358,7 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.argv = without_train_flags(argv[1:])  # what a launched worker runs after `distrib train` (eval, ...)
         return args.func(args)
     except UserError as e:
-        if not reported_by_launcher(e):
+        if not told_elsewhere(e):
             say(f"distrib: error: {e}")
         return getattr(e, "exit_code", EXIT_USER_ERROR)  # 2; EnvironmentFault: EXIT_ENVIRONMENT (74)
 

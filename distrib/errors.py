@@ -27,7 +27,13 @@ class CollectiveTimeoutError(UserError):
 
 class PeerLostError(CollectiveTimeoutError):
     """A collective failed because another rank is gone (it died, and its own error says why): a secondary failure,
-    told in one line instead of gloo's traceback."""
+    told in one line instead of gloo's traceback. told_elsewhere: another survivor of the same loss says that line
+    (the first to claim it, PeerWatch.first_to_tell), so this rank ends with the same exit code and says nothing: the
+    log names the lost rank once, not once per survivor."""
+
+    def __init__(self, message: str, told_elsewhere: bool = False):
+        super().__init__(message)
+        self.told_elsewhere = told_elsewhere
 
 
 class DeviceMismatchError(UserError):

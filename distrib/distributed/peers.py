@@ -113,6 +113,16 @@ class PeerWatch:
         except Exception:  # the failure is reported without names rather than hidden behind a store error
             return ""
 
+    def first_to_tell(self, failure: str) -> bool:
+        """Whether this rank is the first of this attempt to claim saying `failure`'s line (the store's add is atomic
+        across ranks), so the survivors of one lost rank name it once; True when the store cannot tell, as then no
+        other rank can claim it either."""
+        try:
+            with self._lock:
+                return self._store_().add(f"told/{failure}", 1) == 1
+        except Exception:
+            return True
+
     def _diagnose(self, failure: str) -> str:
         with self._lock:
             self._store_().set(f"arrived/{self.rank}", self.where())

@@ -377,7 +377,8 @@ def collective_timeouts(timeout_s: float, where: Callable[[], str], peers: PeerW
         if any(word in lowered for word in _LOST_WORDS):
             missing = peers.diagnose("lost") if peers is not None else ""
             raise PeerLostError(f"{where()}: lost {missing or 'a peer'} ({text[:200]}); this rank stopped too: "
-                                "the lost rank's own error says why") from None
+                                "the lost rank's own error says why",
+                                told_elsewhere=bool(missing) and not peers.first_to_tell("lost")) from None
         raise
     finally:
         if peers is not None:

@@ -46,6 +46,13 @@ def reported_by_launcher(error: UserError) -> bool:
     return True
 
 
+def told_elsewhere(error: UserError) -> bool:
+    """Whether another process says `error`'s line, so this one ends with its exit code and says nothing: distrib
+    launch's last line (reported_by_launcher), or another survivor of the same lost peer (under torchrun too, where
+    no launcher names the rank: one worker still does)."""
+    return reported_by_launcher(error) or getattr(error, "told_elsewhere", False)
+
+
 def _how(failure) -> str:
     """How a rank ended, and the first line of its exception when its entry point wrote torch's error file."""
     if failure.exitcode < 0:
@@ -141,7 +148,7 @@ def restart_line(attempt: int, statuses: list[Status], max_restarts: int) -> str
     if cause.code < 0:
         how = f"was killed by signal {-cause.code} ({signal.Signals(-cause.code).name})"
     elif cause.code == EXIT_HUNG:
-        how = f"exited with code {cause.code}: it lost a peer, or waited for a hung one (its own line above " \
+        how = f"exited with code {cause.code}: it lost a peer, or waited for a hung one (a worker's line above " \
               "names which)"
     else:
         how = f"exited with code {cause.code}"

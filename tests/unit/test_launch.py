@@ -235,7 +235,7 @@ def test_a_restart_names_the_rank_that_died_and_its_signal_once_and_no_rank_the_
     assert restart_line(1, statuses, 1) is None
     assert restart_line(0, [statuses[0], statuses[3]], 1) == (  # another node's: its ranks lost rank 1
         "distrib launch: rank 3 (local rank 3, pid 203) exited with code 69: it lost a peer, or waited for a hung one "
-        "(its own line above names which); restarting (1 of 1)")
+        "(a worker's line above names which); restarting (1 of 1)")
     write_status(tmp_path, "1", Status(104, 204, 1, 4, 0, 5))  # another node's rank 4, on the second of 3 attempts
     assert restart_line(*read_attempt(tmp_path), 3) == \
         "distrib launch: rank 4 (local rank 0, pid 204) exited with code 1; restarting (2 of 3)"

@@ -5,6 +5,7 @@ only when nothing is lost, and every line of a failing run is whole."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import time
@@ -84,6 +85,52 @@ def test_a_lost_peer_is_the_rank_that_went_silent_not_those_that_said_so_and_end
         store.set(f"arrived/{rank}", "after step 4")
     text = watches[3].diagnose("lost")
     assert text.startswith("rank 1 (host ") and text.count("rank ") == 1, text
+
+
+def test_the_survivors_of_a_lost_rank_name_it_once_with_the_same_exit_code(monkeypatch):
+    """World 4, rank 1 killed: ranks 0, 2 and 3 (beating, in threads here as in their processes) each see their
+    collective break at once. Each names rank 1 alone and ends with EXIT_HUNG, and exactly one of them says its line
+    (the first to claim it in the store); without heartbeats (no store to claim in) a rank says it itself, as no
+    other can then."""
+    import threading
+
+    import torch.distributed as dist
+
+    from distrib.distributed import peers
+    from distrib.distributed.runtime import collective_timeouts
+    from distrib.errors import PeerLostError
+    from distrib.launch.reporting import told_elsewhere
+
+    monkeypatch.setattr(peers, "SILENT_AFTER_S", 0.5)
+    monkeypatch.setattr(peers, "BEAT_INTERVAL_S", 0.05)  # the survivors beat often: only rank 1 is silent for 0.5 s
+    store = dist.HashStore()
+    watches = [PeerWatch(lambda: store, rank, 4, timeout_s=40.0) for rank in range(4)]
+    watches[1].beat()  # its one beat before it was killed
+    errors = {}
+
+    def survivor(rank: int) -> None:
+        try:
+            with collective_timeouts(3.0, lambda: "after step 4", watches[rank]):
+                raise RuntimeError("[pair.cc:1] Connection closed by peer [h]:1. This is typically caused by ...")
+        except PeerLostError as e:
+            errors[rank] = e
+
+    survivors = [watches[rank].start() for rank in (0, 2, 3)]
+    threads = [threading.Thread(target=survivor, args=(watch.rank,)) for watch in survivors]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    for watch in survivors:
+        watch.stop()
+    assert sorted(errors) == [0, 2, 3], errors
+    for error in errors.values():
+        assert re.findall(r"\brank (\d+)", str(error)) == ["1"] and error.exit_code == EXIT_HUNG, error
+    assert len([rank for rank, error in errors.items() if not told_elsewhere(error)]) == 1, errors
+    with pytest.raises(PeerLostError) as alone:
+        with collective_timeouts(3.0, lambda: "after step 4"):
+            raise RuntimeError("Connection closed by peer")
+    assert not told_elsewhere(alone.value)
 
 
 # ---------------------------------------------------------------- the entry point's stop handlers
