@@ -46,9 +46,17 @@ CHILD = ("import json, resource, sys; from distrib.cli import main; code = main(
 
 def dry_run_once(root: Path, layout: str, seq_len: int, every_block: bool) -> dict:
     kwargs, own_seq_len, global_batch, others, _ = LAYOUTS[layout]
-    sets = ["data.name=tokens", f"data.root={root}", "data.vocab_size=50304", f"data.seq_len={own_seq_len or seq_len}",
-            "model.factory=tests.helpers.pretrained:llama", f"model.kwargs={kwargs}", "train.precision=bf16",
-            "train.optimizer=adamw", f"train.global_batch_size={global_batch}", *others]
+    sets = [f"data.seq_len={own_seq_len or seq_len}", "model.factory=tests.helpers.pretrained:llama",
+            f"model.kwargs={kwargs}", f"train.global_batch_size={global_batch}", *others]
+    return dry_run_once_with(root, layout, sets, every_block)
+
+
+def dry_run_once_with(root: Path, layout: str, settings: list[str], every_block: bool = False) -> dict:
+    """`distrib plan --dry-run --json` on 128 x 8 ranks of bf16 AdamW over the token files in root, with `settings`
+    (dotted overrides: the model, the sequence, the batch, the layout), in a child process: its JSON, its peak RSS and
+    its seconds, or {"error": its last line}."""
+    sets = ["data.name=tokens", f"data.root={root}", "data.vocab_size=50304", "train.precision=bf16",
+            "train.optimizer=adamw", *settings]
     args = ["plan", *[a for s in sets for a in ("--set", s)], "--nnodes", "128", "--nproc-per-node", "8",
             "--dry-run", "--json", *(["--every-block"] if every_block else [])]
     start = time.perf_counter()

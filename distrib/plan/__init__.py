@@ -104,9 +104,19 @@ def activation_bytes(model: nn.Module, inputs, targets, blocks: list[nn.Module],
         outputs = forward(model, inputs)  # a dict sample as model(**inputs)
         if own_loss(outputs) is None or loss.whole:
             loss(outputs, targets)
+            return getattr(outputs, "logits", outputs)
+        return None
 
-    whole, recomputed, _ = saved_bytes(forward_and_loss, model, blocks)
-    return whole, recomputed
+    whole, recomputed, logits = saved_bytes(forward_and_loss, model, blocks)
+    transient = loss_gradient_bytes(logits) if isinstance(logits, torch.Tensor) else 0
+    return whole + transient, recomputed + transient
+
+
+def loss_gradient_bytes(logits: torch.Tensor) -> int:
+    """What the loss's backward holds beside the saved tensors, at the step's peak when blocks are recomputed: the
+    float32 gradient of the logits twice at once (cross-entropy's nll_loss gradient and log_softmax's), a tp rank's
+    logits (whole where gathered)."""
+    return 8 * local_tensor(logits).numel()
 
 
 def saved_bytes(forward, model: nn.Module, blocks: list[nn.Module], skip: tuple[torch.Tensor, ...] = ()

@@ -25,6 +25,7 @@ from distrib.plan import (
     KEPT_SLACK,
     Machine,
     local_parameters,
+    loss_gradient_bytes,
     meta_model,
     optimizer_temporaries,
     planned_rank,
@@ -82,7 +83,7 @@ def stage_passes(model: nn.Module, split, blocks: list[nn.Module], inputs: torch
         held, kept, recomputed, x = saved_parts(forward, model, blocks, skip=(received,) if stage else ())
         sent = local_tensor(x).nbytes if stage < last else 0
         passes.append({"activation": held + sent, "checkpointed": kept + sent, "recomputed": recomputed,
-                       "sent": sent})
+                       "sent": sent, "loss_gradient": loss_gradient_bytes(x) if stage == last else 0})
     return passes
 
 
@@ -90,7 +91,8 @@ def in_flight_bytes(passes: list[dict], mine: list[int], counts: list[int], key:
     """The activations a pipeline rank holds at its peak: each of its stages' microbatches in flight; with blocks
     recomputed ("checkpointed"), their inputs and the largest block's own tensors once (one recomputes at a time)."""
     held = sum(count * passes[s][key] for count, s in zip(counts, mine))
-    return held + (max(passes[s]["recomputed"] for s in mine) if key == "checkpointed" else 0)
+    once = max(passes[s]["loss_gradient"] for s in mine)  # the loss's backward: one microbatch's at a time
+    return held + once + (max(passes[s]["recomputed"] for s in mine) if key == "checkpointed" else 0)
 
 
 def _sent(dims: ParallelDims, pipeline_rank: int, mine: list[int], passes: list[dict], config: Config,
@@ -146,6 +148,21 @@ def rank_step(parts: dict, activations: int, buffers: int, gathered: int, unshar
                 slack, grad_accum_steps, buffers, unsharded_grads)
 
 
+def unsharded_gradients(ranked: nn.Module, units: list[str], compute_bytes: int) -> int:
+    """The gradients a pipeline rank's units accumulate unsharded across the microbatches (FSDP2 keeps them in float32
+    until the last backward reduces them), a tp rank's slice of each. But an embedding tp splits by rows: DTensor
+    backs its lookup by replicated gradients (no row-wise rule), so its whole gradient comes out in the compute dtype
+    on every tp rank and is accumulated whole in float32 (a 70B Llama's: 1.96 + 3.91 GiB, where 1/tp was counted)."""
+    total = 0
+    for unit in units:
+        for module in ranked.get_submodule(unit).modules():
+            for param in module.parameters(recurse=False):
+                local = local_tensor(param).numel()
+                whole = isinstance(module, nn.Embedding) and param.numel() != local
+                total += param.numel() * (4 + compute_bytes) if whole else 4 * local
+    return total
+
+
 def plan_pipeline(config: Config, strategy: Strategy, info, machine: Machine, device: torch.device,
                   batches: BatchPlan, sample) -> dict:
     """Every pipeline rank's figures (under a fake process group of the world's size; `sample`: the data's first
@@ -173,15 +190,14 @@ def plan_pipeline(config: Config, strategy: Strategy, info, machine: Machine, de
         mine = stages_of(pipeline_rank, pp, per_rank, dist_config.pipeline_schedule)
         counts = in_flight(dist_config.pipeline_schedule, pp, per_rank, microbatches, pipeline_rank)
         parts, local = state_parts_planned(held, optimizer, strategy, device), local_parameters(held)
-        whole = [sum(p.numel() for u in split.stage_units(s) for p in model.get_submodule(u).parameters())
-                 for s in mine]
-        tp = strategy.dims.tensor_parallel
-        gathered = sum(whole) * next(model.parameters()).element_size() // tp  # in the compute dtype
+        units = [u for s in mine for u in split.stage_units(s)]
+        compute = next(model.parameters()).element_size()
+        gathered = sum(local_tensor(p).numel() for u in units for p in ranked.get_submodule(u).parameters()) * compute
         activations = in_flight_bytes(passes, mine, counts, key)
         figures = {"parameter_bytes": parts["parameters"], "gradient_bytes": parts["gradients"],
                    "optimizer_bytes": parts["optimizer"], "state_bytes": sum(parts.values()),
                    "activation_bytes_in_flight": activations, "buffer_bytes": _buffers(mine, passes, microbatches),
-                   "gathered_bytes": gathered, "unsharded_gradient_bytes": 4 * sum(whole) // tp,
+                   "gathered_bytes": gathered, "unsharded_gradient_bytes": unsharded_gradients(ranked, units, compute),
                    "optimizer_temporary_bytes": optimizer_temporaries(config, local)}
         figures["allocator_slack_bytes"] = round(slack_share * (activations + gathered
                                                                 + figures["unsharded_gradient_bytes"]))

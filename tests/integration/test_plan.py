@@ -92,3 +92,16 @@ def test_the_dry_run_bench_prints_its_table():
     header, row = done.stdout.strip().splitlines()
     assert header.split()[:4] == ["layout", "seconds", "peak", "RSS"] and "verdict" in header
     assert row.split()[0] == "tiny" and " fits " in row
+
+
+def test_the_plan_matrix_bench_prints_its_ratios():
+    """scripts/bench_plan_matrix.py on its smallest work (the tiny Llama under fsdp, without and with checkpointing):
+    its header with the ratio column, and each row's plan and dry-run peaks with their ratio, plan / dry run."""
+    done = run([sys.executable, "scripts/bench_plan_matrix.py", "--rows", "tiny"], timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    header, *rows = done.stdout.strip().splitlines()
+    assert header.split() == ["layout", "ckpt", "plan", "dry", "run", "ratio", "15%", "seconds"]
+    assert [row.split()[:2] for row in rows] == [["tiny", "off"], ["tiny", "blocks"]]
+    for row in rows:
+        plan, dry, ratio = float(row.split()[2]), float(row.split()[4]), float(row.split()[6])
+        assert dry > 0 and ratio > 0 and (plan == 0 or abs(plan / dry - ratio) < 0.5), row
