@@ -80,7 +80,9 @@ def dispatched_forward(module: nn.Module, forward: Callable, group: dist.Process
     tokens, top_k = top_k_index.shape
     experts = top_k_index.reshape(-1)
     order = torch.argsort(experts, stable=True)  # the (token, choice) pairs, by expert
-    counts = torch.bincount(experts, minlength=module.num_experts)
+    # scatter_add_, not bincount: the same counts, shaped before the values (a fake step's recomputation)
+    counts = torch.zeros(module.num_experts, dtype=torch.int64, device=experts.device).scatter_add_(
+        0, experts, torch.ones_like(experts))
 
     def local(rows: torch.Tensor, local_counts: torch.Tensor) -> torch.Tensor:
         with _local_experts(module, adapters, group) as count:

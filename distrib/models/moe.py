@@ -158,7 +158,10 @@ class MoE(nn.Module):
         capacity: their indices into choice.flatten() [M], and the kept counts per expert [E]; and the whole counts."""
         flat_choice = choice.flatten()
         order = torch.argsort(flat_choice, stable=True)
-        counts = torch.bincount(flat_choice, minlength=self.n_experts)
+        # scatter_add_, not bincount: the same integer counts with a shape known before the values (a fake step's
+        # recomputation under activation checkpointing cannot run bincount, whose length depends on them)
+        counts = torch.zeros(self.n_experts, dtype=torch.int64, device=flat_choice.device).scatter_add_(
+            0, flat_choice, torch.ones_like(flat_choice))
         if self.capacity_factor <= 0:
             return order, counts, counts
         capacity = math.ceil(self.capacity_factor * flat_choice.numel() / self.n_experts)

@@ -6,11 +6,13 @@ meta device (autocast_on_meta)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import Iterator
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from distrib.distributed.mesh import ParallelDims
@@ -42,6 +44,24 @@ class MetaRouting(TorchFunctionMode):
         if func is torch.Tensor.__bool__ and _shapes_only(args[0]) and args[0].dtype == torch.bool:
             return True  # a branch on a value a shapes-only pass has none of: transformers' "is the mask all ones?"
         return func(*args, **kwargs)
+
+    # Activation checkpointing's recomputation runs without torch function modes: F.grouped_mm itself is swapped for
+    # the pass, so that a block's recomputation saves what its forward saved (its check compares them).
+    def __enter__(self):
+        self._grouped = F.grouped_mm
+        F.grouped_mm = functools.partial(_grouped_shapes, self._grouped)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        F.grouped_mm = self._grouped
+        return super().__exit__(*exc)
+
+
+def _grouped_shapes(grouped, a: torch.Tensor, b: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """F.grouped_mm, but on shapes-only operands [rows, in] x [experts, in, out] one expert's product: its shape."""
+    if _shapes_only(a) and a.dim() == 2 and b.dim() == 3:
+        return a @ b[0]
+    return grouped(a, b, *args, **kwargs)
 
 
 class _MetaAsCPU(torch.autocast):
