@@ -102,8 +102,8 @@ def test_a_cuda_target_is_measured_with_the_fused_kernel_and_given_the_plans_ver
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_the_dry_run_of_experts_under_activation_checkpointing_recomputes_the_routing_it_ran(precision):
     """A block's recomputation saves what its forward saved (checkpointing compares them): the experts' grouped matmul
-    and their counts take the same shape-only path in both (the matrix's MoE row failed at bincount, then at grouped_mm's
-    stand-in seen by the forward only)."""
+    and their counts take the same shape-only path in both (the matrix's MoE row failed at bincount, then at
+    grouped_mm's stand-in seen by the forward only)."""
     config = load_config(None, [*TINY, "model.kwargs={n_layers = 4, n_heads = 4, dim = 32, tie_weights = false, "
                                 "n_experts = 8, top_k = 2, expert_hidden_dim = 32}", "dist.strategy=fsdp",
                                 "dist.expert_parallel=2", "speed.activation_checkpointing=blocks",
