@@ -4,7 +4,8 @@ backward run and its gradients sync and clip, how the training state is gathered
 A strategy holds the run's one ParallelDims (every parallel degree, and the mesh built from them: the data slices,
 losses and rank agreement read their coordinates and counts from it). The worker, trainer, checkpoint package,
 evaluation and plan talk to this interface only, never to a strategy's name. Each subclass registers the
-dist.strategy names it serves (`names`) and checks the config's rules about itself (`check_keys`, `check`)."""
+dist.strategy names it serves (`names`) and checks the config's rules about its state (`check`; the degrees'
+keys: distrib.distributed.dimensions)."""
 
 from __future__ import annotations
 
@@ -111,8 +112,9 @@ class Strategy(ABC):
 
     @classmethod
     def check(cls, config: Config) -> None:
-        """A one-line ConfigError (key, value, fix) for what this strategy's state cannot hold (its dist keys:
-        check_keys). Called before any worker starts (distrib train, plan, fit: strategies.check_config)."""
+        """A one-line ConfigError (key, value, fix) for what this strategy's state cannot hold (the dist keys'
+        rules are the degrees': distrib.distributed.dimensions). Called before any worker starts (distrib train,
+        plan, fit: strategies.check_config)."""
         if cls.sharded_state and config.train.precision == "fp16":  # GradScaler would skip per shard
             raise ConfigError(f"train.precision = 'fp16': not supported with {cls.described(config.dist)} (a "
                               "GradScaler's skip decision would differ between shards); use --set train.precision=bf16")
@@ -120,10 +122,6 @@ class Strategy(ABC):
             raise ConfigError(f"checkpoint.async_save = '{config.checkpoint.async_save}': background saves write "
                               "sharded (fsdp, hsdp) checkpoints; set --set dist.strategy=fsdp or "
                               "--set checkpoint.async_save=off")
-
-    @classmethod
-    def check_keys(cls, config: DistConfig) -> None:
-        """A one-line ConfigError for a dist key this strategy does not take or a value it cannot run."""
 
     @classmethod
     def described(cls, config: DistConfig) -> str:

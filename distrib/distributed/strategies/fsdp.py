@@ -56,12 +56,6 @@ class FSDPStrategy(Strategy):
     sharded_state = True
 
     @classmethod
-    def check_keys(cls, config: DistConfig) -> None:
-        if config.shard_size and config.strategy == "fsdp":
-            raise ConfigError(f"dist.shard_size = {config.shard_size}: sizes hsdp's shard groups, and dist.strategy "
-                              f"is {config.strategy}; set --set dist.strategy=hsdp or --set dist.shard_size=0")
-
-    @classmethod
     def replicas_and_shards(cls, config: DistConfig, data_parallel: int, world_size: int,
                             local_world_size: int) -> tuple[int, int]:
         """fsdp: one shard group of every data-parallel rank; hsdp: groups of dist.shard_size ranks (one node's, by
