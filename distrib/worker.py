@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from distrib.checkpoint import BestCheckpoints, Checkpointer, CheckpointError, committing, make_checkpointer
 from distrib.checkpoint.init_from import check_weights, clear_weights, load_weights, open_source
-from distrib.checkpoint.policy import resumable
+from distrib.checkpoint.resume import resumable
 from distrib.checkpoint.run_weights import write_run_weights
 from distrib.checkpoint.weight_files import WEIGHTS_DIR
 from distrib.config import Config, to_dict, write_resolved

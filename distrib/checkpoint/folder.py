@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from distrib.checkpoint.format import NAME, CheckpointError, is_held, read_checkpoint, run_id_of, save_atomic_text
-from distrib.checkpoint.sharded import TRAINER, WRITER, verify
+from distrib.checkpoint.shard_dir import TRAINER, WRITER, verify
 
 # .step_00000002.pt.<run id>.<pid>.tmp (a file being written), .step_00000020.tmp/ (a directory), best_ and -RUNID
 # names alike

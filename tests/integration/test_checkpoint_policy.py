@@ -11,7 +11,7 @@ import torch
 from distrib.checkpoint import CheckpointError, policy
 from distrib.checkpoint.folder import listing, read_stored, stored_run_id
 from distrib.checkpoint.format import hold
-from distrib.checkpoint.sharded import WRITER
+from distrib.checkpoint.shard_dir import WRITER
 from distrib.config import load_config
 from distrib.distributed.runtime import open_runtime
 from distrib.launch.rundir import LOCK_NAME

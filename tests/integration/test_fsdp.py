@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from distrib.checkpoint.policy import choose
-from distrib.checkpoint.sharded import list_sharded
+from distrib.checkpoint.resume import choose
+from distrib.checkpoint.shard_dir import list_sharded
 from distrib.config import load_config
 from distrib.worker import run_training
 from tests.helpers.launch_runs import torchrun_runs

@@ -16,7 +16,7 @@ from distrib.checkpoint.format import (
     read_checkpoint,
     save_atomic,
 )
-from distrib.checkpoint.policy import _newest_good
+from distrib.checkpoint.resume import _newest_good
 
 CPU = torch.device("cpu")
 
@@ -139,7 +139,7 @@ def test_a_preempted_run_closes_its_recorder(tmp_path, monkeypatch):
 
 
 def test_a_re_saved_checkpoint_directory_is_exchanged_never_missing(tmp_path):
-    from distrib.checkpoint.sharded import _swap
+    from distrib.checkpoint.shard_dir import _swap
 
     final, tmp = tmp_path / "step_00000004", tmp_path / ".step_00000004.tmp"
     final.mkdir()
@@ -155,7 +155,7 @@ def test_only_temporary_files_that_no_live_writer_holds_are_removed(tmp_path):
 
     from distrib.checkpoint.folder import remove_dead_temps
     from distrib.checkpoint.format import hold
-    from distrib.checkpoint.sharded import WRITER
+    from distrib.checkpoint.shard_dir import WRITER
 
     _write(tmp_path, 2)
     (tmp_path / ".step_00000004.pt.0123456789ab.4242.tmp").write_bytes(b"half")  # its writer was killed
@@ -184,7 +184,7 @@ def test_names_carry_the_run_id_only_beside_another_runs_and_old_names_still_res
     either ever lands on the other's name; each run prunes only its own."""
     from distrib.checkpoint.folder import listing, write_owner
     from distrib.checkpoint.format import checkpoint_name
-    from distrib.checkpoint.policy import decide
+    from distrib.checkpoint.resume import decide
 
     said = []
     old = [_write_of_run(tmp_path, f"step_{step:08d}", step, "aaaaaaaaaaaa") for step in (4, 8)]
@@ -211,7 +211,7 @@ def test_a_damaged_checkpoint_is_named_skipped_and_never_another_runs(tmp_path):
     """A one-file checkpoint cut short has no readable run id: it is said once as damaged, the run resumes the newest
     whole one and keeps its short names (the damaged file is no other run's), and it is pruned first, as this run's."""
     from distrib.checkpoint.folder import write_owner
-    from distrib.checkpoint.policy import decide
+    from distrib.checkpoint.resume import decide
 
     run = "aaaaaaaaaaaa"
     kept = [_write_of_run(tmp_path, f"step_{step:08d}", step, run) for step in (4, 8)]
@@ -227,7 +227,7 @@ def test_a_damaged_checkpoint_is_named_skipped_and_never_another_runs(tmp_path):
 
 def test_with_every_checkpoint_damaged_the_one_line_says_so_and_what_to_do(tmp_path):
     from distrib.checkpoint.folder import write_owner
-    from distrib.checkpoint.policy import decide
+    from distrib.checkpoint.resume import decide
 
     for step in (4, 8, 12):
         _truncate(_write_of_run(tmp_path, f"step_{step:08d}", step, "aaaaaaaaaaaa"))

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from distrib.checkpoint.policy import choose, decide
+from distrib.checkpoint.resume import choose, decide
 from distrib.config import load_config
 from distrib.distributed.strategies import check_config
 from distrib.errors import ConfigError
@@ -49,7 +49,7 @@ def test_named_blocks_that_the_model_lacks_are_refused():
 
 
 def test_only_the_runtime_names_the_accelerator():
-    for name in ("distributed/fsdp.py", "checkpoint/sharded.py", "distributed/parallel.py"):
+    for name in ("distributed/fsdp.py", "checkpoint/sharded.py", "checkpoint/shard_dir.py", "distributed/parallel.py"):
         assert not re.search(r"cuda|nccl|gloo", (REPO / "distrib" / name).read_text().lower()), name
 
 
