@@ -1,17 +1,14 @@
 """The fault-tolerant replicate degree's worker side (dist.fault_tolerant_groups = G, declared in
 distrib.distributed.dimensions.replica_groups): G replica groups, each its own world with its own rendezvous and
 restarts, kept in step by torchft: a quorum per step, one all-reduce of the gradients across the groups that took
-part, a commit, and a restarted group healed from a live one's state (docs/fault_tolerance.md)."""
+part, a commit, and a restarted group healed from a live one's state (docs/fault_tolerance.md). torchft's Manager is
+made in torchft_manager; the state a heal sends and takes is replica_heal's."""
 
 from __future__ import annotations
 
 import contextlib
-import logging
-import os
 import socket
 import time
-import uuid
-from datetime import timedelta
 from typing import Iterator
 from urllib.parse import urlsplit
 
@@ -20,18 +17,16 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distrib.distributed.across import AgreementLost
-from distrib.distributed.group_folders import GROUP_FOLDER, FinishedPeers, group_config, peer_config
+from distrib.distributed.group_folders import FinishedPeers, group_config, peer_config
 from distrib.distributed.parallel import local_tensor
+from distrib.distributed.replica_heal import sent_state, take_state
 from distrib.distributed.runtime import LIGHTHOUSE_VAR, REPLICA_GROUP_VAR, Runtime
+from distrib.distributed.torchft_manager import make_manager
 from distrib.errors import UserError
 
 # group_config and peer_config: each group's folders, which the declaration takes from here.
 __all__ = ["FinishedPeers", "QuorumLost", "ReplicaGroups", "group_config", "peer_config", "replica_groups"]
 
-# What torchft's Manager keeps, unprefixed, in its group's store: a restarted group must not read its dead self's.
-_MANAGER_KEYS = ("manager_addr", "replica_id")
-# Parts of the training state that belong to one group's folders and trackers, not sent to a healing group.
-_OWN_PARTS = ("trackers", "best")
 # How often a group that waits at the start barrier asks for a quorum again: each ask is a request to the Lighthouse
 # (and a line of its log); without a pause a waiting group asked ~1,100 times a second.
 BARRIER_POLL_S = 0.5
@@ -69,28 +64,6 @@ def _check_launch(groups: int, runtime: Runtime) -> None:
     if runtime.replica_group >= groups:
         raise UserError(f"{REPLICA_GROUP_VAR}={runtime.replica_group}: dist.fault_tolerant_groups = {groups} has "
                         f"groups 0 to {groups - 1}; fix the job script, or raise dist.fault_tolerant_groups")
-
-
-def _local(tree):
-    """A state whose DTensors (this rank's shards) are plain tensors, copied: what goes to a healing group's same rank,
-    which holds the same shards."""
-    if isinstance(tree, dict):
-        return {key: _local(value) for key, value in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_local(value) for value in tree)
-    return local_tensor(tree).detach().clone() if isinstance(tree, torch.Tensor) else tree
-
-
-def _like(tree, template):
-    """A received state's local tensors back as DTensors where this rank's own state (template) holds DTensors."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(tree, dict) and isinstance(template, dict):
-        return {key: _like(value, template.get(key)) for key, value in tree.items()}
-    if isinstance(template, DTensor):
-        return DTensor.from_local(tree, template.device_mesh, template.placements, shape=template.shape,
-                                  stride=template.stride())
-    return tree
 
 
 class ReplicaGroups:
@@ -230,33 +203,11 @@ class ReplicaGroups:
             self.finished.training_ended(step, stop_reason)
 
     def state_dict(self) -> dict:
-        """What a healing group loads (called in torchft's quorum thread while the main thread waits for the quorum):
-        the training state, copied, this rank's RNG, and which group sent it."""
-        train = self.state.state_dict(self.global_batch_size)
-        for part in _OWN_PARTS:
-            train.pop(part, None)
-        return {"train": _local(train), "rng": self.runtime.rng_state(), "group": self.group}
+        """What a healing group loads (distrib.distributed.replica_heal), called in torchft's quorum thread."""
+        return sent_state(self.state, self.global_batch_size, self.runtime, self.group)
 
     def load_state_dict(self, received: dict) -> None:
-        train = received["train"]
-        if self.state.strategy.sharded_state:
-            train = _like(train, self.state.state_dict(self.global_batch_size))
-        self.state.load_state_dict(train, self.global_batch_size)
-        self.runtime.set_rng_state(received["rng"])
-        self._healed_from = received["group"]
-
-
-def _forget_dead_manager(runtime: Runtime) -> None:
-    """The keys torchft's Manager leaves in the launcher's store, which outlives a restart: rank 0 deletes them before
-    its new Manager writes them again, and the group's barrier keeps the others from reading the old ones."""
-    if runtime.world_size == 1:
-        return
-    if runtime.is_main:
-        host, port = runtime.store.rsplit(":", 1)
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
-        for name in _MANAGER_KEYS:
-            store.delete_key(name)
-    dist.barrier()
+        self._healed_from = take_state(self.state, self.global_batch_size, self.runtime, received)
 
 
 @contextlib.contextmanager
@@ -273,7 +224,7 @@ def replica_groups(config, runtime: Runtime, state, plan, recorder,
         raise UserError(f"dist.fault_tolerant_groups = {groups}: the training data is a stream, whose position a "
                         "healed group cannot take from a live one yet; use map-style data, or --set "
                         "dist.fault_tolerant_groups=1")
-    manager = _manager(config, runtime)
+    manager = make_manager(config, runtime)
     replicas = ReplicaGroups(manager, groups, runtime.replica_group, state, plan.global_batch_size, runtime, recorder,
                              config.dist.timeout_s, finished)
     manager.register_state_dict_fn("distrib", replicas.load_state_dict, replicas.state_dict)
@@ -282,53 +233,4 @@ def replica_groups(config, runtime: Runtime, state, plan, recorder,
         yield replicas
     finally:
         manager.shutdown(wait=False)
-
-
-class _StorePort(int):
-    """The port of the group's store, which torchft also formats into the address of the keys of its collectives
-    across the groups (f"{store_addr}:{store_port}", then "/torchft/{quorum_id}/..."): formatted with a prefix of this
-    worker's own, since the store outlives a restart and a Lighthouse started again counts quorum ids from 1 again, so
-    a restarted group would read a dead worker's address under the same quorum id (gloo: connection refused)."""
-
-    def __new__(cls, port: int, prefix: str):
-        made = super().__new__(cls, port)
-        made.prefix = prefix
-        return made
-
-    def __format__(self, spec: str) -> str:
-        return f"{int(self)}/{self.prefix}"
-
-
-class _OneLine(logging.Filter):
-    """torchft's line for a collective that lost a group, without the traceback it appends: a lost group is the
-    expected event here, retried without it (the log's next lines say how many groups take part)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.exc_info, record.exc_text = None, None
-        return True
-
-
-def _manager(config, runtime: Runtime):
-    """torchft's Manager of this group: synchronous quorums (a heal is applied before the step's forward, so the
-    healed group takes part in that very step), no initial sync (every group builds the same weights from
-    train.seed), dist.fault_tolerant_timeout_s for the all-reduce across the groups, dist.timeout_s for the rest."""
-    # torchft's Rust side logs every quorum and commit at INFO (read once, at its import): warnings and errors only,
-    # unless the user asks for more.
-    os.environ.setdefault("RUST_LOG", "warn")
-    from torchft.manager import Manager
-
-    logger = logging.getLogger("torchft.manager")
-    if not any(isinstance(known, _OneLine) for known in logger.filters):
-        logger.addFilter(_OneLine())
-
-    _forget_dead_manager(runtime)
-    timeout = timedelta(seconds=config.dist.timeout_s)
-    host, port = runtime.store.rsplit(":", 1)
-    collectives = timedelta(seconds=config.dist.fault_tolerant_timeout_s)
-    return Manager(pg=runtime.replica_process_group(collectives), load_state_dict=None, state_dict=None,
-                   min_replica_size=config.dist.min_replicas, use_async_quorum=False, timeout=timeout,
-                   quorum_timeout=timeout, connect_timeout=timeout, rank=runtime.rank, world_size=runtime.world_size,
-                   store_addr=host, store_port=_StorePort(int(port), f"worker_{uuid.uuid4().hex[:12]}"),
-                   lighthouse_addr=runtime.lighthouse,
-                   replica_id=GROUP_FOLDER.format(runtime.replica_group), init_sync=False)
 
