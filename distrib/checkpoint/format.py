@@ -50,7 +50,7 @@ def _fsync_dir(directory: Path) -> None:
 
 def hold(path: Path) -> int:
     """An exclusive lock on `path` (created), held until the fd is closed or the process dies: what tells a live
-    writer's temporary file from a dead one's (distrib.checkpoint.policy.remove_dead_temps)."""
+    writer's temporary file from a dead one's (distrib.checkpoint.folder.remove_dead_temps)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     fcntl.flock(fd, fcntl.LOCK_EX)
     return fd

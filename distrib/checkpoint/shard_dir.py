@@ -30,10 +30,6 @@ WRITER = ".writer.lock"  # in a temporary directory: rank 0 holds its lock until
 SHARDED = ("model", "optimizer", "ema")  # the parts DCP writes (ema: when on); the rest goes into trainer.pt
 
 
-def step_dir(directory: Path, step: int) -> Path:
-    return Path(directory) / f"step_{step:08d}"
-
-
 def list_sharded(directory: Path) -> list[Path]:
     """Committed step checkpoint directories, any run's (temporary ones never match the name), newest first."""
     directory = Path(directory)
