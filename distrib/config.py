@@ -430,8 +430,8 @@ class DistConfig:
         "`dist.shard_size` ranks, replicated across the groups (see docs/parallelism.md)",
         choices=("ddp", "fsdp", "hsdp"))
     shard_size: int = key(0,
-        "hsdp: ranks per shard group; 0 = one node's (`LOCAL_WORLD_SIZE` / `dist.tensor_parallel`). Must divide the "
-        "data-parallel ranks; set under another strategy, refused")
+        "hsdp: ranks per shard group; 0 = one node's (`LOCAL_WORLD_SIZE` / `dist.tensor_parallel` / "
+        "`dist.context_parallel`). Must divide the data-parallel ranks; set under another strategy, refused")
     tensor_parallel: int = key(1,
         "ranks that split each layer of a model that declares a plan (the built-in GPT), on the innermost mesh "
         "dimension, composed with fsdp or hsdp on the others; the ranks of one group read the same micro-batches. "

@@ -22,6 +22,9 @@ SHARD_CP = "shard_cp"
 # Under expert parallel the shard dimension is built as two, (shard / E, E), and the dense parameters' `shard` is
 # their flattened product: the experts are split over `ep` and sharded over the rest (torchtitan's dp_shard_mod_ep).
 SHARD_MOD_EP, EP = "shard_mod_ep", "ep"
+# Under both, a rank's experts are sharded over the ranks that hold the same ones: (shard_mod_ep, cp) flattened (the
+# cp ranks' gradients of an expert are parts of one sum, as the dense parameters' are).
+SHARD_MOD_EP_CP = "shard_mod_ep_cp"
 
 
 @dataclass(frozen=True)
@@ -153,7 +156,9 @@ class ParallelDims:
             if self.expert_parallel > 1 and self.fully_shard:  # the dense parameters' shard group: one more group
                 flatten_mesh(mesh[SHARD_MOD_EP, EP], SHARD)
             if self.context_parallel > 1 and self.fully_shard:  # the parameters' shard group: shard x cp
-                flatten_mesh(mesh[SHARD, CP], SHARD_CP)
+                self._shard_cp(mesh)
+                if self.expert_parallel > 1:  # and the experts': shard_mod_ep x cp
+                    flatten_mesh(mesh[SHARD_MOD_EP, CP], SHARD_MOD_EP_CP)
             self._built[device_type] = mesh
         return self._built[device_type]
 
@@ -166,24 +171,31 @@ class ParallelDims:
 
     def data_parallel_mesh(self, mesh=None):
         """The submesh FSDP2 shards and replicates the (dense) parameters over: (replicate, shard), `shard` under expert
-        parallel the flattened (shard_mod_ep, ep) that build_mesh made."""
+        parallel the flattened (shard_mod_ep, ep) that build_mesh made, under context parallel the flattened shard x
+        cp (shard_cp)."""
         mesh = mesh or self.mesh
-        if self.context_parallel > 1 and self.fully_shard:  # expert parallel refused beside it
-            shard = flatten_mesh(mesh[SHARD, CP], SHARD_CP)  # the one build_mesh made
-            return concatenate_meshes([mesh[REPLICATE], shard]) if self.replicate > 1 else shard
-        if self.expert_parallel == 1 or not self.fully_shard:
+        if not self.fully_shard or (self.expert_parallel == 1 and self.context_parallel == 1):
             return mesh[tuple(name for name, _ in self.data_parallel_dims())]
-        shard = flatten_mesh(mesh[SHARD_MOD_EP, EP], SHARD)  # the one build_mesh made (kept by the root mesh)
+        # the one build_mesh made (kept by the root mesh)
+        shard = self._shard_cp(mesh) if self.context_parallel > 1 else flatten_mesh(mesh[SHARD_MOD_EP, EP], SHARD)
         # (replicate, shard) joined as FSDP2 joins its meshes: slicing a flattened dimension out of the root is
         # deprecated in torch 2.14
         return concatenate_meshes([mesh[REPLICATE], shard]) if self.replicate > 1 else shard
 
+    def _shard_cp(self, mesh):
+        """The shard and cp ranks flattened into one dimension (shard_cp): shard's own, or its (shard_mod_ep, ep)."""
+        shard = (SHARD_MOD_EP, EP) if self.expert_parallel > 1 else (SHARD,)
+        return flatten_mesh(mesh[(*shard, CP)], SHARD_CP)
+
     def expert_meshes(self, mesh=None):
         """(ep, the experts' data-parallel submesh): the dimension each MoE layer's experts are split over, and the
-        (replicate, shard_mod_ep) FSDP2 shards and replicates each rank's experts over."""
+        (replicate, shard_mod_ep) FSDP2 shards and replicates each rank's experts over; under context parallel
+        shard_mod_ep x cp flattened (the cp ranks hold the same experts, each routing its own tokens)."""
         mesh = mesh or self.mesh
-        data = (REPLICATE, SHARD_MOD_EP) if self.replicate > 1 else (SHARD_MOD_EP,)
-        return mesh[EP], mesh[data]
+        if self.context_parallel == 1:
+            return mesh[EP], mesh[(REPLICATE, SHARD_MOD_EP) if self.replicate > 1 else (SHARD_MOD_EP,)]
+        rest = flatten_mesh(mesh[SHARD_MOD_EP, CP], SHARD_MOD_EP_CP)  # the one build_mesh made
+        return mesh[EP], concatenate_meshes([mesh[REPLICATE], rest]) if self.replicate > 1 else rest
 
 
 def _forget_earlier_meshes() -> None:

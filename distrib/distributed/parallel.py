@@ -111,9 +111,8 @@ def clip_grad_norm(parameters, max_norm: float, across: dist.ProcessGroup | None
             groups.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
     if len(groups) <= 1 and across is None:
         return nn.utils.clip_grad_norm_([p for group in groups.values() for p in group], max_norm)
-    norms = [nn.utils.get_total_norm([p.grad for p in group]) for group in groups.values()]
     device = next(iter(groups.values()))[0].grad.device if groups else torch.device("cpu")
-    whole = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms] or [torch.zeros((), device=device)]
+    whole = [_mesh_norm([p.grad for p in group]) for group in groups.values()] or [torch.zeros((), device=device)]
     total = torch.linalg.vector_norm(torch.stack(whole))
     if across is not None:  # the squares summed over the stages: the norm of every parameter of the model
         squared = total.float() ** 2
@@ -123,6 +122,28 @@ def clip_grad_norm(parameters, max_norm: float, across: dist.ProcessGroup | None
         for group in groups.values():
             nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
+
+
+def _mesh_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of gradients on one mesh (plain tensors: torch's), whole on every rank of it: each rank's squares of
+    its shards summed over the mesh dimensions they are split along (not those they are replicated over), one
+    dimension at a time. torch's own DTensor norm merges the reductions of several dimensions into one over their
+    flattened mesh, and refuses (KeyError) a mesh whose dimensions are not in the root mesh's order: the experts'
+    (shard_mod_ep_cp, ep) under expert x context parallel. Every rank of a mesh holds the same parameters' shards,
+    so the same reductions, in the same order."""
+    if not isinstance(grads[0], DTensor):
+        return nn.utils.get_total_norm(grads)
+    split: dict[tuple[int, ...], list[torch.Tensor]] = {}  # the dimensions a gradient is split along -> its shards
+    for grad in grads:
+        split.setdefault(tuple(dim for dim, placement in enumerate(grad.placements)
+                               if not placement.is_replicate()), []).append(grad.to_local())
+    squares = []
+    for dims, shards in sorted(split.items()):
+        square = nn.utils.get_total_norm(shards).float() ** 2
+        for dim in dims:
+            dist.all_reduce(square, group=grads[0].device_mesh.get_group(dim))
+        squares.append(square)
+    return torch.stack(squares).sum().sqrt()
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -78,7 +78,11 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin, mask)
-        return x + (self.feed_forward if self.moe is None else self.moe)(self.ffn_norm(x))
+        if self.moe is None:
+            return x + self.feed_forward(self.ffn_norm(x))
+        # a cut's attention (context parallel) names the group holding the sequences' other cuts: the MoE's aux loss
+        # counts their choices too
+        return x + self.moe(self.ffn_norm(x), getattr(mask, "group", None))
 
 
 def swiglu_hidden(dim: int, multiple_of: int = 64) -> int:

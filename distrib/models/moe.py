@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -114,10 +115,10 @@ class MoE(nn.Module):
     capacity_factor > 0 keeps at most ceil(capacity_factor x tokens x top_k / n_experts) pairs per expert (the first
     tokens win; a dropped pair adds nothing); 0 drops none. aux_loss_coef > 0: each forward leaves `aux_loss`, the
     Switch Transformer's balance loss over this call's tokens, n_experts x sum_e(f_e x P_e) x aux_loss_coef (f_e the
-    share of pairs routed to e, P_e its mean score). bias_update_rate > 0: DeepSeek-V3's auxiliary-loss-free
-    balancing, expert_bias moved after each step by the global counts. Each training forward's counts accumulate in
-    tokens_per_expert and dropped_tokens (not in checkpoints) until distrib.training.experts reads and clears them
-    after the step."""
+    share of pairs routed to e, P_e its mean score; under context parallel f_e is the whole sequences', see
+    balance_loss). bias_update_rate > 0: DeepSeek-V3's auxiliary-loss-free balancing, expert_bias moved after each
+    step by the global counts. Each training forward's counts accumulate in tokens_per_expert and dropped_tokens (not
+    in checkpoints) until distrib.training.experts reads and clears them after the step."""
 
     def __init__(self, dim: int, hidden_dim: int, n_experts: int, top_k: int, n_shared_experts: int = 0,
                  capacity_factor: float = 0.0, aux_loss_coef: float = 0.0, bias_update_rate: float = 0.0):
@@ -169,7 +170,9 @@ class MoE(nn.Module):
         position = torch.arange(order.numel(), device=order.device) - starts[flat_choice[order]]
         return order[position < capacity], counts.clamp(max=capacity), counts
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sequence_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        """sequence_group: the context-parallel group whose ranks hold the other cuts of x's sequences (the aux loss
+        counts their choices too), None for whole sequences."""
         flat = x.reshape(-1, x.shape[-1])
         scores, choice, weights = self.route(flat)
         pairs, counts, wanted = self.dispatch(choice)
@@ -179,16 +182,26 @@ class MoE(nn.Module):
         out = torch.zeros_like(flat).index_add(0, tokens, routed.to(flat.dtype))
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
-        self.aux_loss = self.balance_loss(scores, wanted) if self.aux_loss_coef > 0 else None
+        self.aux_loss = self.balance_loss(scores, wanted, sequence_group) if self.aux_loss_coef > 0 else None
         if torch.is_grad_enabled() and not _recomputing():  # training forwards only, each once
             with torch.no_grad():
                 self.tokens_per_expert += counts
                 self.dropped_tokens += (wanted - counts).sum()
         return out.view_as(x)
 
-    def balance_loss(self, scores: torch.Tensor, wanted: torch.Tensor) -> torch.Tensor:
-        """aux_loss_coef x E x sum_e(f_e x P_e) over this call's tokens (1 x coef when perfectly balanced)."""
-        share = wanted.float() / (scores.shape[0] * self.top_k)
+    def balance_loss(self, scores: torch.Tensor, wanted: torch.Tensor,
+                     sequence_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        """aux_loss_coef x E x sum_e(f_e x P_e) over this call's tokens (1 x coef when perfectly balanced). Under
+        context parallel (sequence_group: the ranks holding the other cuts, as many tokens each) f_e is the whole
+        sequences' (the counts summed over the group: integers, no gradient, the same on each of its ranks) and P_e
+        this rank's: the group's mean of the value is the whole sequences' loss, and its C ranks' gradients, summed,
+        C times the whole one's, as the loss's C shares a rank are (dimensions.context: loss_count)."""
+        tokens = scores.shape[0]
+        if sequence_group is not None:
+            wanted = wanted.clone()
+            dist.all_reduce(wanted, group=sequence_group)
+            tokens *= dist.get_world_size(sequence_group)
+        share = wanted.float() / (tokens * self.top_k)
         return self.aux_loss_coef * self.n_experts * (share * scores.mean(0)).sum()
 
 

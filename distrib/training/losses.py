@@ -145,15 +145,17 @@ class Extras(Protocol):
     def take(self, outputs, share: float) -> torch.Tensor | None: ...
 
 
-def step_loss(loss: Loss, targets: list, world_size: int, extras: Extras | None = None
+def step_loss(loss: Loss, targets: list, shares: int, extras: Extras | None = None
               ) -> Callable[[object, object, int], torch.Tensor]:
     """The one place a step's loss is normalised: (outputs, targets, pieces) -> the loss to backward for one of
     `pieces` equal pieces of one of the step's micro-batches (`targets`: each micro-batch's), such that the gradients
     summed over micro-batches and pieces, then averaged over the batch mesh by DDP's or FSDP's reduction, are those
-    of the mean loss of the global batch. Losses whose counts vary divide each piece's sum by the global count
+    of the mean loss of the global batch. shares: how many shares of the step's loss the world backwards
+    (Runner.loss_shares: the world size, times C under context parallel, whose ranks each backward a share of the
+    micro-batch they all count whole). Losses whose counts vary divide each piece's sum by the global count
     (global_count_scale); the others average equal pieces' means. The model's extra losses (extras) are batch means
     of their own: each piece's value / (micro-steps x pieces), summed for the log, and added where extras.added."""
-    scale = global_count_scale(loss, targets, world_size)
+    scale = global_count_scale(loss, targets, shares)
     micro_steps = len(targets)
     if scale is not None:
         def main(outputs, piece_targets, pieces):
@@ -172,18 +174,20 @@ def step_loss(loss: Loss, targets: list, world_size: int, extras: Extras | None 
     return with_extras
 
 
-def global_count_scale(loss: Loss, targets: list, world_size: int) -> torch.Tensor | None:
-    """world_size / (positions counted in the whole global batch), for losses whose counts vary; None otherwise.
+def global_count_scale(loss: Loss, targets: list, shares: int) -> torch.Tensor | None:
+    """shares / (positions counted in the whole global batch), for losses whose counts vary; None otherwise.
     One all-reduce on every rank of every step where it applies (all ranks hold the same kind of targets). Under
     tensor and pipeline parallelism each group's ranks add the same count (every stage reads the targets), so the
-    sum and world_size are both tp x pp times the batch mesh's, and the ratio is the batch mesh's size over the
-    global count, as the gradient mean needs."""
+    sum and the shares (the world size, Runner.loss_shares) are both tp x pp times the batch mesh's, and the ratio is
+    the batch mesh's size over the global count, as the gradient mean needs; under context parallel the C ranks of a
+    group add the same whole count too, and the shares are C x the world size: each rank's piece is C x its part of
+    the micro-batch's sum, the C parts of one loss (dimensions.context: loss_count)."""
     if not loss.counts_vary(targets[0]):
         return None
     total = torch.stack([loss.count(t) for t in targets]).sum()
-    if world_size > 1:
+    if shares > 1:  # more than one rank (C > 1 only among them)
         dist.all_reduce(total)
-    return (world_size / total.clamp(min=1)).float()
+    return (shares / total.clamp(min=1)).float()
 
 
 def cross_entropy(label_smoothing: float = 0.0) -> Loss:

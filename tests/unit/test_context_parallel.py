@@ -135,7 +135,6 @@ def test_the_loss_is_normalised_into_c_shares_a_rank():
 
 @pytest.mark.parametrize("keys, words", [
     (["dist.strategy=ddp"], "composes with fsdp or hsdp"),
-    (["dist.strategy=fsdp", "dist.expert_parallel=2"], "dist.expert_parallel = 2"),
     (["dist.strategy=fsdp", "data.seq_len=30"], "data.seq_len = 30 is not a multiple of 4; set --set data.seq_len=28"),
 ])
 def test_refusals_in_one_line(keys, words):

@@ -211,6 +211,33 @@ def test_plan_counts_each_rank_s_experts_the_all_to_all_and_the_worst_imbalance(
     assert "(shard_mod_ep 2 x ep 2)" in lines
 
 
+def test_beside_context_parallel_a_rank_s_experts_shard_over_the_cp_ranks_and_the_plan_routes_a_rank_s_cut(tmp_path):
+    """ep 2 x cp 2 at world size 4: no refusal; each rank's experts sharded over the 2 cp ranks that hold the same
+    ones (shard_mod_ep 1 x cp 2), the dense parameters over all 4; distrib plan lays it out (against the runs:
+    tests/integration/test_moe_gpt.py)."""
+    from tests.helpers.support import fake_rank
+
+    config = load_config(None, [*GPT_MOE, f"run.dir={tmp_path}", "dist.expert_parallel=2", "dist.context_parallel=2"])
+    check_config(config)
+    dims = parallel_dims(config.dist, 4, 4)
+    assert dims.dims() == (("shard_mod_ep", 1), ("ep", 2), ("cp", 2)) and dims.describe() == "shard 2 (ep 2) x cp 2"
+    for rank in range(4):
+        with fake_rank(rank, 4):
+            built = ParallelDims(1, 2, expert_parallel=2, context_parallel=2)
+            built.build_mesh("cpu")
+            ep, rest = built.expert_meshes()
+            at = built.coordinate(rank)
+            assert ep.mesh.tolist() == [built.rank_at(shard=shard, cp=at["cp"]) for shard in range(2)]
+            assert rest.mesh.tolist() == [built.rank_at(shard=at["shard"], cp=cp) for cp in range(2)]
+            assert built.data_parallel_mesh().mesh.tolist() == [0, 1, 2, 3]
+    planned = plan_run(config, Machine(1, 4))
+    # each rank 1/2 of each layer's experts (ep), sharded over the 2 cp ranks: 1/4 of them, as under ep 2 x fsdp 2
+    assert planned["expert_parameter_bytes_per_rank"] == 2 * 3 * 8 * 64 * 64 * 4 // 4
+    # a micro-batch of 8 windows of 32 (2 data ranks), each rank routing its 16 tokens of each, top-2
+    assert planned["expert_rows_per_micro_batch"] == 8 * 16 * 2
+    assert {row["dimension"] for row in planned["collectives"]} >= {"shard_cp", "shard_mod_ep_cp", "ep", "cp"}
+
+
 def test_the_worst_case_activations_are_what_the_experts_save_per_row():
     torch.manual_seed(0)
     experts = MoE(64, 128, 4, 2).experts

@@ -19,6 +19,11 @@ def test_mesh_shapes_tile_the_world():
     tp = parallel_dims(DistConfig(strategy="hsdp", tensor_parallel=2), 32, 8)
     assert tp.dims() == (("replicate", 4), ("shard", 4), ("tp", 2)) and tp.data_parallel == 16
     assert [tp.batch_rank(rank) for rank in range(4)] == [0, 0, 1, 1]  # one tensor-parallel group, one micro-batch
+    # FSDP2 shards over a group's shard x cp ranks: by default a node's (8 ranks: shard 4 x cp 2), not two nodes'
+    cp = parallel_dims(DistConfig(strategy="hsdp", context_parallel=2), 16, 8)
+    assert cp == ParallelDims(2, 4, context_parallel=2) and cp.dims() == (("replicate", 2), ("shard", 4), ("cp", 2))
+    assert parallel_dims(DistConfig(strategy="hsdp", context_parallel=2, tensor_parallel=2), 16, 8) == \
+        ParallelDims(2, 2, 2, context_parallel=2)
 
 
 @pytest.mark.parametrize("config, world, message", [

@@ -54,9 +54,9 @@ def test_cross_entropy_over_positions_matches_pytorch_in_both_layouts():
 def test_the_global_count_weights_micro_batches_by_what_they_count():
     loss = build_loss(_train())
     targets = [torch.tensor([[1, -100, -100]]), torch.tensor([[1, 2, 0]])]
-    assert global_count_scale(loss, targets, world_size=1).item() == pytest.approx(1 / 4)
-    assert global_count_scale(loss, [t[:, 0] for t in targets], world_size=1) is None  # one class per sample
-    assert global_count_scale(build_loss(_train("train.loss=mse")), targets, world_size=1) is None
+    assert global_count_scale(loss, targets, shares=1).item() == pytest.approx(1 / 4)
+    assert global_count_scale(loss, [t[:, 0] for t in targets], shares=1) is None  # one class per sample
+    assert global_count_scale(build_loss(_train("train.loss=mse")), targets, shares=1) is None
 
 
 class _Net(nn.Module):

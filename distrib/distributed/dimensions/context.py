@@ -5,7 +5,9 @@ model and reaches its attention (a transformers decoder's, through their attenti
 what attends over the group (distrib.distributed.context_parallel, the mechanism; packed documents masked by their
 documents in the whole window), and FSDP2 shards over the shard and cp ranks together
 (ParallelDims.data_parallel_mesh), so that the C ranks' gradients of a parameter are reduced as parts of one sum.
-Evaluation and generation run whole windows on every rank."""
+Beside expert parallel (whose ranks are shard ranks: a cp group's ranks hold the same experts) each rank's experts are
+sharded over the shard_mod_ep and cp ranks together (ParallelDims.expert_meshes), and the MoE's aux loss counts the
+group's choices (distrib.models.moe: balance_loss). Evaluation and generation run whole windows on every rank."""
 
 from __future__ import annotations
 
@@ -55,11 +57,6 @@ class ContextParallel(Dimension):
         if dist_config.strategy == "ddp":
             raise ConfigError(f"{said}: composes with fsdp or hsdp, which shard over the data and context ranks "
                               "together, and dist.strategy is ddp; set --set dist.strategy=fsdp (or hsdp)")
-        others = {"expert_parallel": "the experts' ranks are taken from the shard ranks it shards over"}
-        for key, why in others.items():
-            if getattr(dist_config, key) > 1:
-                raise ConfigError(f"{said}: not yet beside dist.{key} = {getattr(dist_config, key)} ({why}); set "
-                                  f"--set dist.{key}=1 or --set dist.context_parallel=1")
         if config.data.seq_len % (2 * degree):
             fits = max(config.data.seq_len // (2 * degree), 1) * 2 * degree
             raise ConfigError(f"{said}: cuts each sequence into 2 x {degree} chunks, and data.seq_len = "

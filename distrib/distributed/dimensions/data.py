@@ -25,7 +25,7 @@ from distrib.distributed.dimensions.base import (
     group_split,
 )
 from distrib.distributed.dimensions.pipeline import microbatches as pipeline_microbatches
-from distrib.distributed.mesh import EP, REPLICATE, SHARD, SHARD_CP, SHARD_MOD_EP, ParallelDims
+from distrib.distributed.mesh import EP, REPLICATE, SHARD, SHARD_CP, SHARD_MOD_EP, SHARD_MOD_EP_CP, ParallelDims
 from distrib.distributed.runtime import Runtime
 from distrib.errors import ConfigError
 
@@ -128,12 +128,12 @@ class DataParallel(Dimension):
         experts = step.expert_params if dims.expert_parallel > 1 else 0
         times = _gathers(dims, config, step), _reductions(dims, config, step)
         # under context parallel FSDP2 shards over the shard and cp ranks together (its flattened shard_cp)
-        shards, name = dims.shard * dims.context_parallel, SHARD if dims.context_parallel == 1 else SHARD_CP
-        parts = _sharded(name if not experts else f"{SHARD_MOD_EP}+{EP}", shards, inner, local - experts,
-                         times, step)
-        if experts:  # each rank's experts over shard / ep ranks, ep x tp apart
-            parts += _sharded(SHARD_MOD_EP, dims.shard // dims.expert_parallel, inner * dims.expert_parallel,
-                              experts, times, step)
+        cp = dims.context_parallel
+        shards, name = dims.shard * cp, SHARD_CP if cp > 1 else f"{SHARD_MOD_EP}+{EP}" if experts else SHARD
+        parts = _sharded(name, shards, inner, local - experts, times, step)
+        if experts:  # each rank's experts over shard / ep ranks, ep x tp apart (and the cp ranks: counted as if so)
+            parts += _sharded(SHARD_MOD_EP_CP if cp > 1 else SHARD_MOD_EP, dims.shard // dims.expert_parallel * cp,
+                              inner * dims.expert_parallel, experts, times, step)
         if dims.replicate > 1:
             parts.append(Traffic(REPLICATE, "all-reduce",
                                  *group_split(dims.replicate, shards * inner, per_node, local * 4, 2 * times[1])))

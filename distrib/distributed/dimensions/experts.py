@@ -61,7 +61,9 @@ class ExpertParallel(Dimension):
                      for name, said in words)
 
     def parallelize(self, model: nn.Module, layout: Layout) -> nn.Module:
-        ep, rest = layout.dims.expert_meshes()
+        dims = layout.dims
+        ep, rest = dims.expert_meshes()
         # each MoE layer's experts split over `ep`; FSDP2 units of their own over the rest of the data-parallel ranks
-        layout.experts = (apply_expert_parallel(model, ep), rest, layout.dims.data_parallel)
+        # (and the cp ranks), their gradients divided by every rank whose backward added to them, as the dense ones'
+        layout.experts = (apply_expert_parallel(model, ep), rest, dims.data_parallel * dims.context_parallel)
         return model

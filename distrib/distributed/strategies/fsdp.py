@@ -59,18 +59,19 @@ class FSDPStrategy(Strategy):
     def replicas_and_shards(cls, config: DistConfig, data_parallel: int, world_size: int,
                             local_world_size: int) -> tuple[int, int]:
         """fsdp: one shard group of every data-parallel rank; hsdp: groups of dist.shard_size ranks (one node's, by
-        default), replicated across the groups."""
+        default: FSDP2 shards over a group's ranks times the cp ranks, tp's outer neighbours, so a node holds
+        shard x cp x tp ranks), replicated across the groups."""
         if config.strategy == "fsdp":
             return 1, data_parallel
-        tp, pp = config.tensor_parallel, config.pipeline_parallel
-        shard = config.shard_size or max(1, min(data_parallel, local_world_size // tp))
+        tp, pp, cp = config.tensor_parallel, config.pipeline_parallel, config.context_parallel
+        shard = config.shard_size or max(1, min(data_parallel, local_world_size // (tp * cp)))
         if data_parallel % shard:
-            key = "dist.shard_size" if config.shard_size else \
-                "LOCAL_WORLD_SIZE / dist.tensor_parallel (dist.shard_size)"
+            per_node = "LOCAL_WORLD_SIZE / dist.tensor_parallel" + (" / dist.context_parallel" if cp > 1 else "")
+            key = "dist.shard_size" if config.shard_size else f"{per_node} (dist.shard_size)"
             raise ConfigError(f"{key} = {shard}: does not divide the {data_parallel} data-parallel ranks (world size "
                               f"{world_size} / tensor parallel {tp}" + (f" / pipeline parallel {pp}" if pp > 1 else "")
-                              + f"); set --set dist.shard_size to a divisor of {data_parallel}, e.g. the ranks of one "
-                              "node")
+                              + (f" / context parallel {cp}" if cp > 1 else "") + f"); set --set dist.shard_size to "
+                              f"a divisor of {data_parallel}, e.g. the ranks of one node")
         return data_parallel // shard, shard
 
     # ---------------------------------------------------------------- the model's life
