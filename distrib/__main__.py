@@ -7,7 +7,7 @@ import signal
 # Copies, not imports (tests/unit/test_lifecycle.py checks them): nothing may come before the handlers.
 _EXIT_PREEMPTED = 75  # distrib.errors.EXIT_PREEMPTED
 _REPORTS_VAR = "DISTRIB_LAUNCH_REPORTS"  # distrib.launch.reporting.REPORTS_VAR
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # distrib.launch.launcher.STOP_SIGNALS
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # distrib.launch.exits.STOP_SIGNALS
 
 
 def _stopped(signum, frame) -> None:

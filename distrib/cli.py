@@ -20,8 +20,9 @@ import sys
 from typing import NoReturn, Sequence
 
 from distrib.errors import EXIT_PREEMPTED, UserError, hard_exit, say
+from distrib.launch.arguments import usage_error
 from distrib.launch.clusters import check_pod, wants_launcher
-from distrib.launch.launcher import add_train_flags, launch_trainer, train_flags, usage_error, without_train_flags
+from distrib.launch.launcher import add_train_flags, launch_trainer, train_flags, without_train_flags
 from distrib.launch.reporting import told_elsewhere
 
 EXIT_USER_ERROR = 2
@@ -273,7 +274,7 @@ def _use_parser(commands, name: str, help_text: str) -> argparse.ArgumentParser:
 
 
 class _Parser(argparse.ArgumentParser):
-    """A wrong argument is one line and exit 2 (launcher.usage_error), not argparse's usage text; the subcommands'
+    """A wrong argument is one line and exit 2 (arguments.usage_error), not argparse's usage text; the subcommands'
     parsers are of this class too."""
 
     def error(self, message: str) -> NoReturn:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from distrib.errors import EXIT_HUNG, UserError
-from distrib.launch import launcher
+from distrib.launch import arguments
 from tests.helpers.cluster_envs import (
     pytorchjob_container,
     pytorchjob_env,
@@ -52,7 +52,7 @@ def no_launch_env(monkeypatch):
     for key in list(os.environ):
         if key.startswith(("PET_", "SLURM_")):
             monkeypatch.delenv(key)
-    monkeypatch.setattr(launcher, "visible_gpu_count", lambda: 0)
+    monkeypatch.setattr(arguments, "visible_gpu_count", lambda: 0)
 
 
 def _slurm_env(**extra) -> dict[str, str]:
@@ -74,13 +74,13 @@ def fake_scontrol(tmp_path, monkeypatch):
 
 
 def _resolved(argv, environ=None):
-    return launcher.apply_defaults(launcher.parse_args([*argv, "train.py"]), environ or {})
+    return arguments.apply_defaults(arguments.parse_args([*argv, "train.py"]), environ or {})
 
 
 def test_slurm_gives_nodes_first_host_job_id_and_port(no_launch_env, fake_scontrol):
     args = _resolved(["--nproc-per-node", "2"], _slurm_env())
     assert (args.nnodes, args.rdzv_backend, args.rdzv_id) == ("2", "c10d", "4242")
-    assert args.rdzv_endpoint == f"gpu7:{launcher.SLURM_PORT_BASE + 4242}"
+    assert args.rdzv_endpoint == f"gpu7:{arguments.SLURM_PORT_BASE + 4242}"
     assert not args.standalone
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from distrib import cli
 from distrib.errors import UserError
-from distrib.launch import clusters, doctor, launcher
+from distrib.launch import arguments, clusters, doctor
 from tests.helpers.cluster_envs import (
     PYTORCHJOB,
     SKYPILOT,
@@ -81,14 +81,14 @@ def no_launch_env(monkeypatch):
     for key in list(os.environ):
         if key.startswith(("PET_", "SLURM_", "SKYPILOT_")) or key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
             monkeypatch.delenv(key)
-    monkeypatch.setattr(launcher, "visible_gpu_count", lambda: 0)
+    monkeypatch.setattr(arguments, "visible_gpu_count", lambda: 0)
 
 
 def _resolved(monkeypatch, environ: dict, argv=()) -> tuple:
     for key, value in environ.items():  # torchrun's parser reads PET_* from os.environ
         monkeypatch.setenv(key, value)
-    args = launcher.apply_defaults(launcher.parse_args([*argv, "train.py"]), environ)
-    launcher.check_rendezvous(args, environ)
+    args = arguments.apply_defaults(arguments.parse_args([*argv, "train.py"]), environ)
+    arguments.check_rendezvous(args, environ)
     for key in environ:
         monkeypatch.delenv(key)
     return (args.nnodes, args.nproc_per_node, args.node_rank, args.master_addr, int(args.master_port),

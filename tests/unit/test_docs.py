@@ -206,7 +206,7 @@ def _parse(parser_parse, argv: list[str], where: str) -> argparse.Namespace:
 
 
 def _torchrun(argv: list[str], where: str) -> None:
-    from distrib.launch.launcher import parse_args
+    from distrib.launch.arguments import parse_args
 
     args = _parse(parse_args, argv, where)
     if args.module and args.training_script == "distrib":

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distrib.checkpoint.init_from import Safetensors, check_weights, load_weights, open_source
+from distrib.checkpoint.init_from import check_weights, load_weights, open_source
+from distrib.checkpoint.pretrained_sources import Safetensors
 from distrib.checkpoint.weights import hf_config, model_tensors, save_weights
 from distrib.distributed.expert_modules import find_experts
 from distrib.errors import ConfigError, UserError

@@ -14,7 +14,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from distrib.distributed.host_heap import return_freed_memory
 from distrib.distributed.runtime import collective_timeouts
 from distrib.errors import EXIT_HUNG, EXIT_PREEMPTED, CollectiveTimeoutError, PeerLostError, UserError
-from distrib.launch import launcher
+from distrib.launch import arguments, environment, exits, launcher, reporting
 
 # ---------------------------------------------------------------- defaults, without starting anything
 
@@ -24,7 +24,7 @@ def no_launch_env(monkeypatch):
     for key in list(os.environ):
         if key.startswith(("PET_", "SLURM_")):
             monkeypatch.delenv(key)
-    monkeypatch.setattr(launcher, "visible_gpu_count", lambda: 0)
+    monkeypatch.setattr(arguments, "visible_gpu_count", lambda: 0)
 
 
 def _slurm_env(**extra) -> dict[str, str]:
@@ -46,7 +46,7 @@ def fake_scontrol(tmp_path, monkeypatch):
 
 
 def _resolved(argv, environ=None):
-    return launcher.apply_defaults(launcher.parse_args([*argv, "train.py"]), environ or {})
+    return arguments.apply_defaults(arguments.parse_args([*argv, "train.py"]), environ or {})
 
 
 def test_single_node_gets_a_private_local_rendezvous_and_one_cpu_worker(no_launch_env):
@@ -55,7 +55,7 @@ def test_single_node_gets_a_private_local_rendezvous_and_one_cpu_worker(no_launc
 
 
 def test_workers_default_to_the_visible_gpus(no_launch_env, monkeypatch):
-    monkeypatch.setattr(launcher, "visible_gpu_count", lambda: 4)
+    monkeypatch.setattr(arguments, "visible_gpu_count", lambda: 4)
     assert _resolved([]).nproc_per_node == "4"
 
 
@@ -94,20 +94,20 @@ def test_slurm_single_node_job_uses_the_local_rendezvous(no_launch_env, monkeypa
 
 def test_cpu_workers_share_the_cores_unless_the_user_chose():
     cores = len(os.sched_getaffinity(0))
-    assert launcher.cpu_threads({}, 2, num_gpus=0) == str(max(1, cores // 2))
-    assert launcher.cpu_threads({}, 10 * cores, num_gpus=0) == "1"
-    assert launcher.cpu_threads({"OMP_NUM_THREADS": "7"}, 2, num_gpus=0) is None
-    assert launcher.cpu_threads({}, 2, num_gpus=2) is None  # GPU workers: torchrun's default
+    assert environment.cpu_threads({}, 2, num_gpus=0) == str(max(1, cores // 2))
+    assert environment.cpu_threads({}, 10 * cores, num_gpus=0) == "1"
+    assert environment.cpu_threads({"OMP_NUM_THREADS": "7"}, 2, num_gpus=0) is None
+    assert environment.cpu_threads({}, 2, num_gpus=2) is None  # GPU workers: torchrun's default
 
 
 def test_more_cpu_workers_than_cores_is_a_warning():
-    line = launcher.oversubscribed(16, num_gpus=0, num_cores=2)
+    line = environment.oversubscribed(16, num_gpus=0, num_cores=2)
     assert line == ("distrib launch: warning: --nproc-per-node 16 starts 16 CPU workers (no GPU is visible) on 2 "
                     "cores: they take turns on the cores and each step waits for the slowest; --nproc-per-node 2 or "
                     "fewer gives each worker a core of its own")
-    assert launcher.oversubscribed(2, num_gpus=0, num_cores=2) is None
-    assert launcher.oversubscribed(16, num_gpus=8, num_cores=2) is None  # GPU workers: the cores only feed them
-    assert launcher.oversubscribed(len(os.sched_getaffinity(0)), num_gpus=0) is None
+    assert environment.oversubscribed(2, num_gpus=0, num_cores=2) is None
+    assert environment.oversubscribed(16, num_gpus=8, num_cores=2) is None  # GPU workers: the cores only feed them
+    assert environment.oversubscribed(len(os.sched_getaffinity(0)), num_gpus=0) is None
 
 
 def _resident_bytes() -> int:
@@ -135,7 +135,7 @@ def test_a_failure_every_rank_shares_is_one_line(tmp_path):
                                                   "extraInfo": {"py_callstack": "Traceback ...", "timestamp": "5"}}}))
     failures = {rank: ProcessFailure(rank, 100 + rank, 2, str(error_file)) for rank in range(3)}
     failures[3] = ProcessFailure(3, 103, EXIT_PREEMPTED, "/nonexistent")  # stopped by the agent while starting
-    lines = launcher.failure_lines(ChildFailedError("train", failures))
+    lines = reporting.failure_lines(ChildFailedError("train", failures))
     assert lines == ["distrib launch: rank 3 (local rank 3, pid 103) was stopped by the launcher when the first "
                      "failure ended the run",
                      "distrib launch: ranks 0, 1, 2 (pids 100, 101, 102) exited with code 2: ConfigError: "
@@ -149,15 +149,15 @@ def test_failure_summary_is_one_line_per_rank_first_failure_last(tmp_path):
     failures = {0: ProcessFailure(0, 100, -signal.SIGTERM, "/nonexistent"),
                 3: ProcessFailure(1, 101, 3, str(error_file))}
     error = ChildFailedError("train", failures)
-    lines = launcher.failure_lines(error, {101: 201})  # lifeline pid 101 ran worker pid 201
+    lines = reporting.failure_lines(error, {101: 201})  # lifeline pid 101 ran worker pid 201
     assert lines[1] == "distrib launch: rank 3 (local rank 1, pid 201) exited with code 3: ValueError: bad batch " \
                        "[first failure]"
     assert lines[0] == "distrib launch: rank 0 (local rank 0, pid 100) was stopped by the launcher when the first " \
                        "failure ended the run"  # SIGTERMed by the agent: no failure of its own
-    assert launcher.exit_code(error) == 3
-    assert launcher.exit_code(ChildFailedError("train", {0: failures[0]})) == 128 + signal.SIGTERM  # no checkpoint
-    assert launcher.signal_exit_code(signal.SIGTERM) == EXIT_PREEMPTED
-    assert launcher.signal_exit_code(signal.SIGKILL) == 128 + 9
+    assert exits.exit_code(error) == 3
+    assert exits.exit_code(ChildFailedError("train", {0: failures[0]})) == 128 + signal.SIGTERM  # no checkpoint
+    assert exits.signal_exit_code(signal.SIGTERM) == EXIT_PREEMPTED
+    assert exits.signal_exit_code(signal.SIGKILL) == 128 + 9
 
 
 def _failure(tmp_path, rank: int, exitcode: int, message: str, timestamp: int) -> ProcessFailure:
@@ -175,14 +175,14 @@ def test_workers_preempted_by_sigterm_are_a_preemption_not_a_failure(tmp_path):
     failures = {rank: _failure(tmp_path, rank, EXIT_PREEMPTED, "Preempted: 75", 10 + (rank + 2) % 4)
                 for rank in range(4)}
     error = ChildFailedError("train", failures)
-    lines = launcher.failure_lines(error)
+    lines = reporting.failure_lines(error)
     assert lines == ["distrib launch: ranks 0, 1, 2, 3 (pids 100, 101, 102, 103) were preempted (exit 75: "
                      "checkpointed, or stopped before training)",
                      "distrib launch: the run was preempted; exit 75: requeue the job and it resumes from its last "
                      "checkpoint"]
-    assert launcher.exit_code(error) == EXIT_PREEMPTED
+    assert exits.exit_code(error) == EXIT_PREEMPTED
     failures[3] = ProcessFailure(3, 103, -signal.SIGTERM, "/nonexistent")  # one the launcher's SIGTERM killed
-    lines = launcher.failure_lines(ChildFailedError("train", failures))
+    lines = reporting.failure_lines(ChildFailedError("train", failures))
     assert lines[0].startswith("distrib launch: ranks 0, 1, 2 (pids 100, 101, 102) were preempted (exit 75"), lines
     assert lines[1] == "distrib launch: rank 3 (local rank 3, pid 103) was stopped by the launcher when the " \
                        "preemption ended the run"
@@ -193,14 +193,14 @@ def test_a_rank_that_fails_during_a_preemption_is_the_failure_and_stopped_ranks_
     failures = {rank: _failure(tmp_path, rank, EXIT_PREEMPTED, "Preempted: 75", 10 + rank) for rank in range(3)}
     failures[3] = _failure(tmp_path, 3, 1, "OSError: disk full", 20)  # ended after rank 0's preemption, failed
     error = ChildFailedError("train", failures)
-    assert launcher.failure_lines(error) == [
+    assert reporting.failure_lines(error) == [
         "distrib launch: ranks 0, 1, 2 (pids 100, 101, 102) were preempted (exit 75: checkpointed, or stopped before "
         "training)",
         "distrib launch: rank 3 (local rank 3, pid 103) exited with code 1: OSError: disk full [first failure]"]
-    assert launcher.exit_code(error) == 1  # not a preemption: the job script must not requeue it as one
+    assert exits.exit_code(error) == 1  # not a preemption: the job script must not requeue it as one
     failures = {rank: _failure(tmp_path, rank, EXIT_PREEMPTED, "Preempted: 75", 20 + rank) for rank in range(1, 4)}
     failures[0] = _failure(tmp_path, 0, 2, "ConfigError: bad", 10)
-    assert launcher.failure_lines(ChildFailedError("train", failures))[0] == \
+    assert reporting.failure_lines(ChildFailedError("train", failures))[0] == \
         "distrib launch: ranks 1, 2, 3 (pids 101, 102, 103) were stopped by the launcher when the first failure " \
         "ended the run"
 
@@ -212,7 +212,7 @@ def test_ranks_the_agent_killed_after_its_grace_are_stopped_by_the_launcher_not_
                 1: ProcessFailure(1, 101, -signal.SIGKILL, "/nonexistent"),
                 2: ProcessFailure(2, 102, -signal.SIGKILL, "/nonexistent")}
     failures[1].timestamp = failures[0].timestamp - 30
-    lines = launcher.failure_lines(ChildFailedError("train", failures), {}, {102})
+    lines = reporting.failure_lines(ChildFailedError("train", failures), {}, {102})
     assert lines == ["distrib launch: ranks 0, 2 (pids 100, 102) were stopped by the launcher when the first failure "
                      "ended the run",
                      "distrib launch: rank 1 (local rank 1, pid 101) was killed by signal 9 (SIGKILL) [first failure]"]

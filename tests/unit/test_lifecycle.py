@@ -15,7 +15,7 @@ import pytest
 
 from distrib.distributed.peers import SILENT_AFTER_S, PeerWatch
 from distrib.errors import EXIT_HUNG, EXIT_PREEMPTED
-from distrib.launch import launcher
+from distrib.launch import exits
 from tests.helpers.processes import REPO
 
 # ---------------------------------------------------------------- lifelines and exit codes, no launch
@@ -23,14 +23,14 @@ from tests.helpers.processes import REPO
 
 def test_a_signal_is_a_preemption_only_when_nothing_is_lost():
     term, usr1, hup = signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP
-    assert launcher.signal_exit_code(term, []) == EXIT_PREEMPTED  # no worker yet: nothing to lose
-    assert launcher.signal_exit_code(usr1, []) == EXIT_PREEMPTED
-    assert launcher.signal_exit_code(term, [75, 75]) == EXIT_PREEMPTED  # every worker checkpointed
-    assert launcher.signal_exit_code(term, [EXIT_HUNG, None]) == EXIT_HUNG  # a hung rank: no checkpoint
-    assert launcher.signal_exit_code(term, [75, None]) == 128 + term  # one worker killed before it checkpointed
-    assert launcher.signal_exit_code(term, [-15, -15]) == 128 + term  # a plain script that ends on SIGTERM
-    assert launcher.signal_exit_code(term, [0, 0]) == 0
-    assert launcher.signal_exit_code(hup, []) == 128 + hup
+    assert exits.signal_exit_code(term, []) == EXIT_PREEMPTED  # no worker yet: nothing to lose
+    assert exits.signal_exit_code(usr1, []) == EXIT_PREEMPTED
+    assert exits.signal_exit_code(term, [75, 75]) == EXIT_PREEMPTED  # every worker checkpointed
+    assert exits.signal_exit_code(term, [EXIT_HUNG, None]) == EXIT_HUNG  # a hung rank: no checkpoint
+    assert exits.signal_exit_code(term, [75, None]) == 128 + term  # one worker killed before it checkpointed
+    assert exits.signal_exit_code(term, [-15, -15]) == 128 + term  # a plain script that ends on SIGTERM
+    assert exits.signal_exit_code(term, [0, 0]) == 0
+    assert exits.signal_exit_code(hup, []) == 128 + hup
 
 
 def test_a_stop_after_a_peer_failed_kills_at_once_only_inside_a_replica_group(tmp_path, monkeypatch):
@@ -152,7 +152,7 @@ def test_the_entry_point_takes_the_stop_signals_before_it_imports_anything():
     kinds = [type(node).__name__ for node in entry.body[1:]]  # after the docstring
     assert kinds[:2] == ["For", "ImportFrom"], kinds  # the handlers, then the CLI
     assert (main._EXIT_PREEMPTED, main._REPORTS_VAR, main.STOP_SIGNALS) == \
-        (EXIT_PREEMPTED, REPORTS_VAR, launcher.STOP_SIGNALS)  # the copies agree
+        (EXIT_PREEMPTED, REPORTS_VAR, exits.STOP_SIGNALS)  # the copies agree
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts == {"distrib": "distrib.__main__:entry"}
 

@@ -11,8 +11,8 @@ import pytest
 
 from distrib import cli
 from distrib.errors import EXIT_PREEMPTED, UserError
-from distrib.launch import launcher, lighthouse, replica_groups
-from distrib.launch.replica_groups import ReplicaGroups
+from distrib.launch import arguments, group_launches, lighthouse, replica_groups
+from distrib.launch.group_launches import ReplicaGroups
 
 
 @pytest.fixture
@@ -21,12 +21,12 @@ def no_launch_env(monkeypatch):
         if key.startswith(("PET_", "SLURM_", "SKYPILOT_")) or key in (replica_groups.GROUP_VAR,
                                                                      replica_groups.LIGHTHOUSE_VAR, "RANK"):
             monkeypatch.delenv(key)
-    monkeypatch.setattr(launcher, "visible_gpu_count", lambda: 0)
+    monkeypatch.setattr(arguments, "visible_gpu_count", lambda: 0)
 
 
 def _settled(argv, environ=None, num_workers=None):
-    args = launcher.apply_defaults(launcher.parse_args([*argv, "train.py", "--lr", "1"]), {})
-    replica_groups.settle(args, num_workers or launcher.local_world_size(args.nproc_per_node), environ or {})
+    args = arguments.apply_defaults(arguments.parse_args([*argv, "train.py", "--lr", "1"]), {})
+    replica_groups.settle(args, num_workers or arguments.local_world_size(args.nproc_per_node), environ or {})
     return args
 
 
@@ -75,26 +75,26 @@ def test_one_group_of_a_run_across_nodes_reads_its_index_and_lighthouse_from_the
 def test_each_group_launches_its_share_with_its_index_the_lighthouse_and_a_role(no_launch_env):
     argv = ["--nproc_per_node=4", "--replica-groups", "2", "--max-restarts", "3", "-m", "distrib", "train",
             "--nproc-per-node", "9"]
-    args = launcher.parse_args(argv)
-    child = replica_groups.group_argv(argv, args, 1, 2, "http://127.0.0.1:5")
+    args = arguments.parse_args(argv)
+    child = group_launches.group_argv(argv, args, 1, 2, "http://127.0.0.1:5")
     assert child[-4:] == ["distrib", "train", "--nproc-per-node", "9"]  # the worker's own arguments untouched
-    parsed = launcher.parse_args(child)  # later flags win: the group's share beats the user's 4
+    parsed = arguments.parse_args(child)  # later flags win: the group's share beats the user's 4
     assert (parsed.nproc_per_node, parsed.replica_group, parsed.lighthouse, parsed.role) == \
         ("2", 1, "http://127.0.0.1:5", "replica_group_1")
     assert (parsed.max_restarts, parsed.module, parsed.training_script) == (3, True, "distrib")
 
 
 def test_each_group_gets_its_own_gpus():
-    assert replica_groups.group_env({}, 1, 2, num_gpus=4) == {"CUDA_VISIBLE_DEVICES": "2,3"}
-    assert replica_groups.group_env({"CUDA_VISIBLE_DEVICES": "7,5,3,1"}, 0, 2, 4) == {"CUDA_VISIBLE_DEVICES": "7,5"}
-    assert replica_groups.group_env({}, 1, 2, num_gpus=0) == {}
+    assert group_launches.group_env({}, 1, 2, num_gpus=4) == {"CUDA_VISIBLE_DEVICES": "2,3"}
+    assert group_launches.group_env({"CUDA_VISIBLE_DEVICES": "7,5,3,1"}, 0, 2, 4) == {"CUDA_VISIBLE_DEVICES": "7,5"}
+    assert group_launches.group_env({}, 1, 2, num_gpus=0) == {}
 
 
 def test_the_runs_exit_code_is_the_first_failure_else_a_preemption():
-    assert replica_groups.combined_exit_code([0, 0]) == 0
-    assert replica_groups.combined_exit_code([0, EXIT_PREEMPTED]) == EXIT_PREEMPTED
-    assert replica_groups.combined_exit_code([EXIT_PREEMPTED, 1, 143]) == 1
-    assert replica_groups.shell_code(-9) == 137 and replica_groups.shell_code(3) == 3
+    assert group_launches.combined_exit_code([0, 0]) == 0
+    assert group_launches.combined_exit_code([0, EXIT_PREEMPTED]) == EXIT_PREEMPTED
+    assert group_launches.combined_exit_code([EXIT_PREEMPTED, 1, 143]) == 1
+    assert group_launches.shell_code(-9) == 137 and group_launches.shell_code(3) == 3
 
 
 def test_a_groups_lines_name_it(no_launch_env):
@@ -141,7 +141,7 @@ def _ending(run, when_polled: dict[int, tuple[FakeProcess, int]]):
 
 def test_a_group_whose_restarts_are_spent_ends_the_run(monkeypatch, capsys):
     run, (group0, group1, group2), _ = _run(3)
-    monkeypatch.setattr(replica_groups.time, "sleep", _ending(run, {0: (group1, 1), 1: (group0, EXIT_PREEMPTED),
+    monkeypatch.setattr(group_launches.time, "sleep", _ending(run, {0: (group1, 1), 1: (group0, EXIT_PREEMPTED),
                                                                     2: (group2, EXIT_PREEMPTED)}))
     ended = run.wait()
     assert ended == [("group 1", 1), ("group 0", EXIT_PREEMPTED), ("group 2", EXIT_PREEMPTED)]
@@ -149,27 +149,27 @@ def test_a_group_whose_restarts_are_spent_ends_the_run(monkeypatch, capsys):
     assert capsys.readouterr().err == ("distrib launch: replica group 1 ended with exit 1 (its --max-restarts spent, "
                                        "or stopped); stopping the other replica groups (SIGTERM: they checkpoint and "
                                        "stop)\n")
-    assert replica_groups.combined_exit_code([code for _, code in ended]) == 1
+    assert group_launches.combined_exit_code([code for _, code in ended]) == 1
 
 
 def test_groups_that_finish_leave_the_others_running(monkeypatch, capsys):
     run, (group0, group1), _ = _run(2)
-    monkeypatch.setattr(replica_groups.time, "sleep", _ending(run, {0: (group0, 0), 3: (group1, 0)}))
+    monkeypatch.setattr(group_launches.time, "sleep", _ending(run, {0: (group0, 0), 3: (group1, 0)}))
     assert run.wait() == [("group 0", 0), ("group 1", 0)]
     assert group1.signals == [] and capsys.readouterr().err == ""
 
 
 def test_a_stop_signal_goes_to_every_group_and_a_preemption_is_no_failure(monkeypatch, capsys):
     run, (group0, group1), _ = _run(2)
-    monkeypatch.setattr(replica_groups.time, "sleep", _ending(run, {0: (group0, EXIT_PREEMPTED),
+    monkeypatch.setattr(group_launches.time, "sleep", _ending(run, {0: (group0, EXIT_PREEMPTED),
                                                                     1: (group1, EXIT_PREEMPTED)}))
     run.forward(signal.SIGUSR1)
     assert group0.signals == group1.signals == [signal.SIGUSR1]
     ended = run.wait()
     assert capsys.readouterr().err == ""  # a group's 75 after a stop signal is no failure to announce
-    code = replica_groups.combined_exit_code([code for _, code in ended])
+    code = group_launches.combined_exit_code([code for _, code in ended])
     assert code == EXIT_PREEMPTED
-    assert replica_groups.end_line(run.stop_signal, ended, code, None) == (
+    assert group_launches.end_line(run.stop_signal, ended, code, None) == (
         "distrib launch: stopped by SIGUSR1, passed on to every replica group (in the order they ended: group 0 exit "
         "75, group 1 exit 75); exit 75")
 
@@ -177,13 +177,13 @@ def test_a_stop_signal_goes_to_every_group_and_a_preemption_is_no_failure(monkey
 def test_a_lost_lighthouse_is_said_once_and_the_groups_it_stopped_make_the_runs_code(monkeypatch, capsys):
     """No signal: each group's quorum gives up on its own, and the group checkpoints and ends 75 (resumable)."""
     run, (group0, group1), lighthouse_proc = _run(2)
-    monkeypatch.setattr(replica_groups.time, "sleep", _ending(run, {0: (lighthouse_proc, -9), 1: (group0, 75),
+    monkeypatch.setattr(group_launches.time, "sleep", _ending(run, {0: (lighthouse_proc, -9), 1: (group0, 75),
                                                                     2: (group1, 75)}))
     ended = run.wait()
     assert ended[0] == ("the Lighthouse", 137) and group0.signals == group1.signals == []
     assert capsys.readouterr().err.count("torchft's Lighthouse ended (exit 137): no step can be agreed") == 1
-    assert replica_groups.run_exit_code(None, ended) == EXIT_PREEMPTED
-    assert replica_groups.run_exit_code(None, [*ended[:2], ("group 1", 1)]) == 1  # a group's failure stays its own
+    assert group_launches.run_exit_code(None, ended) == EXIT_PREEMPTED
+    assert group_launches.run_exit_code(None, [*ended[:2], ("group 1", 1)]) == 1  # a group's failure stays its own
 
 
 def test_distrib_train_passes_the_groups_of_its_config_to_the_launcher(no_launch_env, monkeypatch, tmp_path):

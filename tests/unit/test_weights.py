@@ -12,7 +12,8 @@ import torch
 import torch.nn as nn
 
 from distrib.checkpoint.format import FORMAT
-from distrib.checkpoint.init_from import Safetensors, TorchFile, check_weights, load_weights, open_source, read_plan
+from distrib.checkpoint.init_from import check_weights, load_weights, open_source
+from distrib.checkpoint.pretrained_sources import Safetensors, TorchFile, read_plan
 from distrib.checkpoint.weight_files import INDEX
 from distrib.checkpoint.weights import (
     byte_runs,
