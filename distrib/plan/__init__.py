@@ -446,14 +446,15 @@ def plan_run(config: Config, machine: Machine) -> dict:
             "step_seconds_lower_bound": bound, **goodput}
 
 
-def _fixes(config: Config, strategy: Strategy, machine: Machine, model: nn.Module, steps: list[tuple[Step, int]],
+def _fixes(config: Config, strategy: Strategy, machine: Machine, model: nn.Module, steps: list[tuple],
            microbatches: int, device: torch.device) -> list[dict]:
     """What would make a run that does not fit the device fit (distrib.plan.fixes), each with its peak. steps: (the
-    step, its activations with blocks recomputed) of the run, or of each pipeline rank."""
+    step, its activations with blocks recomputed[, what its first backward frees of those]) of the run, or of each
+    pipeline rank."""
     shape = strategy.dims
     gathered = gathered_bytes(config, model, device, shape.tensor_parallel)
 
-    def run(step: Step, checkpointed: int) -> Run:
+    def run(step: Step, checkpointed: int, drained_checkpointed: int = 0) -> Run:
         share = step.slack / max(1, step.activations + step.gathered + (step.unsharded or 0))
 
         def slack(activations: int, gathered: int, sharded: bool) -> int:
@@ -463,7 +464,8 @@ def _fixes(config: Config, strategy: Strategy, machine: Machine, model: nn.Modul
 
         return Run(step, checkpointed, config.speed.activation_checkpointing == "blocks", strategy.sharded_state,
                    config.train.global_batch_size, shape.data_parallel, shape.shard if strategy.sharded_state else 1,
-                   machine.nnodes, device.type != "cpu", strategy.state_on_host, gathered, slack, microbatches)
+                   machine.nnodes, device.type != "cpu", strategy.state_on_host, gathered, slack, microbatches,
+                   drained_checkpointed)
 
     return fixes([run(*step) for step in steps], machine.device_memory)
 

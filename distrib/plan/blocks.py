@@ -61,12 +61,19 @@ def held_blocks(config: Config, num_blocks: int, pipeline_rank: int) -> int:
 
 def extended(first: dict, second: dict, measured: tuple[int, int], held: int) -> dict:
     """A rank's figures at `held` blocks from its figures at measured[0] and measured[1] blocks: each part on the
-    line through the two, never below zero; the peak their sum."""
+    line through the two, never below zero; the peak their sum. A pipeline's step turns, from all its microbatches in
+    flight, to backwards that each free one and leave the gradients whole; each turn's peak grows by its own bytes a
+    block, so the turn that peaks at 2 and 3 blocks need not at 5 (the 70B's first stage without checkpointing at 40
+    layers: its second backward's end, accumulating the embedding's whole gradient again, at 2 and 3; its first's at
+    5: read 4% low). So the peak so far at each turn ("phase_parts") has a line too; the highest at `held` is the
+    peak."""
     low, high = measured
 
     def at(a: int, b: int) -> int:
         return max(0, round(a + (b - a) * (held - low) / (high - low)))
 
-    parts = {part: at(first["parts"][part], second["parts"][part]) for part in first["parts"]}
+    lines = [{part: at(one[part], two[part]) for part in one}
+             for one, two in zip([first["parts"], *first["phase_parts"]], [second["parts"], *second["phase_parts"]])]
+    parts = max(lines, key=lambda line: sum(line.values()))
     return {**first, "peak_bytes": sum(parts.values()), "parts": parts,
             "measured_blocks": measured, "blocks": held}

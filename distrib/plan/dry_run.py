@@ -173,18 +173,22 @@ def measure_rank(config: Config, machine: Machine, info, batches: BatchPlan, ran
         optimizer = build_optimizer(model, config.train)
         _create_state(model, optimizer)
         tracker = _tracker(strategy, model, optimizer)
+        phases = []  # the peak so far at each turn of the first micro-step (a pipeline's: _pipeline_step)
         with tracker:
             if strategy.dims.pipeline > 1:
-                _pipeline_step(config, strategy, model, sample, batches, rank, given, tracker.reset_mod_stats)
+                _pipeline_step(config, strategy, model, sample, batches, rank, given, tracker.reset_mod_stats,
+                               lambda: phases.append(tracker.get_tracker_snapshot("peak").get(HOST, {})))
             else:
                 _step(config, strategy, model, sample, batches)
             _optimizer_step(config, strategy, model, optimizer)
     peak = tracker.get_tracker_snapshot("peak").get(HOST, {})
     state = sum(local_tensor(t).nbytes for s in optimizer.state.values() for t in s.values()
                 if isinstance(t, torch.Tensor))
-    parts = {**_parts(peak, state), "ddp_buckets": _ddp_buckets(config, strategy, model)}
+    buckets = _ddp_buckets(config, strategy, model)
+    parts = {**_parts(peak, state), "ddp_buckets": buckets}
     return {"rank": rank, "pipeline_rank": strategy.dims.pipeline_rank(rank),
-            "peak_bytes": peak.get("Total", 0) + parts["ddp_buckets"], "parts": parts}
+            "peak_bytes": peak.get("Total", 0) + buckets, "parts": parts,
+            "phase_parts": [{**_parts(phase, state), "ddp_buckets": buckets} for phase in phases]}
 
 
 def _ddp_buckets(config: Config, strategy: Strategy, model: nn.Module) -> int:
@@ -274,10 +278,11 @@ def stage_inputs(config: Config, info, size: int, sample, blocks: int | None = N
 
 
 def _pipeline_step(config: Config, strategy: Strategy, model: nn.Module, sample, batches: BatchPlan, rank: int,
-                   inputs: list[torch.Tensor], next_microbatch) -> None:
+                   inputs: list[torch.Tensor], next_microbatch, turned) -> None:
     """Each micro-step, this rank's stages on their microbatches as torch's schedule holds them: as many forwarded
     before the first backward as the schedule keeps in flight (distrib.plan.pipeline.in_flight), then the others one
-    by one; each stage reduces its gradients in its last backward only (the schedule's no-sync backwards)."""
+    by one; each stage reduces its gradients in its last backward only (the schedule's no-sync backwards). turned()
+    is called at the first micro-step's turns: before its first backward and after each (distrib.plan.blocks)."""
     dist_config, stages = config.dist, strategy.runner.stages
     count = pipeline.microbatches(dist_config)
     mine = pipeline.stages_of(strategy.dims.pipeline_rank(rank), dist_config.pipeline_parallel,
@@ -303,16 +308,20 @@ def _pipeline_step(config: Config, strategy: Strategy, model: nn.Module, sample,
         stages[stage].set_requires_gradient_sync(final)
         out.backward() if stage == last else out.backward(torch.ones_like(out))
 
-    for _ in range(batches.grad_accum_steps):
+    for micro_step in range(batches.grad_accum_steps):
         pending = [(stage, forward_one(stage)) for stage, kept in zip(mine, held) for _ in range(kept)]
+        first = turned if micro_step == 0 else lambda: None
+        first()
         done = dict.fromkeys(mine, 0)
         for stage, out in pending:
             backward_one(stage, out, done[stage])
             done[stage] += 1
+            first()
         for stage, kept in zip(mine, held):
             for _ in range(count - kept):
                 backward_one(stage, forward_one(stage), done[stage])
                 done[stage] += 1
+                first()
 
 
 def _optimizer_step(config: Config, strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -30,13 +30,16 @@ class Step:
     grad_accum_steps: int
     buffers: int = 0  # a pipeline rank's receive buffers (distrib.plan.pipeline)
     unsharded: int | None = None  # a pipeline rank's gradients unsharded until the step's end (None: no pipeline)
+    drained: int = 0  # of the activations, what a pipeline rank's first backward frees before any forward refills it
 
     @property
     def peak(self) -> int:
         grads, activations = self.gradients, self.activations
         if self.unsharded is not None:  # a pipeline rank: its stages reduce their gradients after all backwards
-            backward = self.gathered + self.unsharded + activations + self.buffers + (
-                grads if self.grad_accum_steps > 1 else 0)
+            # the first backward's start (all in flight, no gradient yet) or its end (the gradients whole, less the
+            # microbatch it freed where no forward follows: distrib.plan.pipeline.drained_bytes)
+            held = max(activations, activations - self.drained + self.unsharded)
+            backward = self.gathered + held + self.buffers + (grads if self.grad_accum_steps > 1 else 0)
             return self.parameters + self.optimizer + self.slack + max(
                 backward, self.unsharded + grads + self.buffers, grads + self.temporaries + self.buffers)
         held = activations + grads if self.grad_accum_steps > 1 else max(activations, grads)
@@ -46,7 +49,7 @@ class Step:
     def smaller(self, times: float) -> Step:
         """Its micro-batch `times` smaller: as many times fewer activations and pipeline receive buffers."""
         return dataclasses.replace(self, activations=round(self.activations / times),
-                                   buffers=round(self.buffers / times))
+                                   buffers=round(self.buffers / times), drained=round(self.drained / times))
 
     def sharded(self, times: float) -> Step:
         """Its state (and the optimizer's chunk of it) on `times` as many shards."""
@@ -72,6 +75,7 @@ class Run:
     sharded_gathered: int  # what fsdp would gather in flight (a ddp run's fix)
     slack: Callable[[int, int, bool], int]  # (activations, gathered, sharded) -> the allocator's slack
     microbatches: int = 1  # a pipeline's per micro-batch: each micro-step's samples split into as many
+    drained_checkpointed: int = 0  # a pipeline rank's Step.drained with speed.activation_checkpointing = blocks
 
 
 def fixes(runs: Run | list[Run], device_memory: float) -> list[dict]:
@@ -104,7 +108,7 @@ def _with(run: Run, step: Step, activations: int, sharded: bool) -> Step:
 def _checkpointing(run: Run):
     if run.checkpointing:
         return
-    step = _with(run, run.step, run.checkpointed, run.sharded)
+    step = _with(run, dataclasses.replace(run.step, drained=run.drained_checkpointed), run.checkpointed, run.sharded)
     yield "checkpointing", [("--set speed.activation_checkpointing=blocks", step)]
 
 

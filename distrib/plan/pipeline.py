@@ -95,6 +95,16 @@ def in_flight_bytes(passes: list[dict], mine: list[int], counts: list[int], key:
     return held + once + (max(passes[s]["recomputed"] for s in mine) if key == "checkpointed" else 0)
 
 
+def drained_bytes(passes: list[dict], mine: list[int], counts: list[int], key: str, microbatches: int) -> int:
+    """What a pipeline rank's first backward frees before its stages' gradients are whole: one microbatch's
+    activations of the stage it runs backward first (its last), where every forward of the micro-step ran before it
+    (gpipe; 1f1b's first rank at the default microbatches); else none, since a forward fills its place before the
+    next backward, which starts with the gradients whole (1f1b's steady state; the measured pipeline's peak)."""
+    if sum(counts) < len(mine) * microbatches:
+        return 0
+    return passes[max(mine)][key]
+
+
 def _sent(dims: ParallelDims, pipeline_rank: int, mine: list[int], passes: list[dict], config: Config,
           machine: Machine, batches: BatchPlan, microbatches: int) -> tuple[float, float]:
     """(intra-node, inter-node) bytes one rank of this pipeline rank sends per step: each stage's output to the next
@@ -138,14 +148,14 @@ def _stage_state(stage: nn.Module, optimizer: torch.optim.Optimizer, strategy: S
 
 
 def rank_step(parts: dict, activations: int, buffers: int, gathered: int, unsharded_grads: int, temporaries: int,
-              slack: int, grad_accum_steps: int) -> Step:
+              slack: int, grad_accum_steps: int, drained: int) -> Step:
     """A pipeline rank's step; its peak (Step.peak): its state's parameters and optimizer state throughout, and the
-    most of: its backwards (the stages' parameters gathered, their gradients unsharded, the activations in flight, the
-    receive buffers, and the reduced gradients of earlier micro-steps), the reduction at the step's end (the unsharded
-    gradients and the reduced ones), and the optimizer's step (the gradients and its temporaries); the allocator's
-    slack."""
+    most of: its backwards (the stages' parameters gathered, the receive buffers, the reduced gradients of earlier
+    micro-steps, and the more of the activations in flight and, at the first backward's end, their gradients unsharded
+    beside the activations less those it freed: `drained`), the reduction at the step's end (the unsharded gradients
+    and the reduced ones), and the optimizer's step (the gradients and its temporaries); the allocator's slack."""
     return Step(parts["parameters"], parts["gradients"], parts["optimizer"], activations, gathered, temporaries, 0,
-                slack, grad_accum_steps, buffers, unsharded_grads)
+                slack, grad_accum_steps, buffers, unsharded_grads, drained)
 
 
 def unsharded_gradients(ranked: nn.Module, units: list[str], compute_bytes: int) -> int:
@@ -203,7 +213,7 @@ def plan_pipeline(config: Config, strategy: Strategy, info, machine: Machine, de
                                                                 + figures["unsharded_gradient_bytes"]))
         step = rank_step(parts, activations, figures["buffer_bytes"], gathered, figures["unsharded_gradient_bytes"],
                          figures["optimizer_temporary_bytes"], figures["allocator_slack_bytes"],
-                         batches.grad_accum_steps)
+                         batches.grad_accum_steps, drained_bytes(passes, mine, counts, key, microbatches))
         figures["memory_bytes"] = step.peak
         intra, inter = _sent(strategy.dims, pipeline_rank, mine, passes, config, machine, batches, microbatches)
         stages = [{"stage": s, "units": list(split.stage_units(s)),
@@ -213,7 +223,8 @@ def plan_pipeline(config: Config, strategy: Strategy, info, machine: Machine, de
         ranks.append({"pipeline_rank": pipeline_rank, **figures, "sent_bytes_per_step_intra_node": intra,
                       "sent_bytes_per_step_inter_node": inter, "stages": stages, "_parts": parts, "_local": local,
                       "_experts": held_experts(held, optimizer), "_step": step,
-                      "_checkpointed": in_flight_bytes(passes, mine, counts, "checkpointed")})
+                      "_checkpointed": in_flight_bytes(passes, mine, counts, "checkpointed"),
+                      "_drained_checkpointed": drained_bytes(passes, mine, counts, "checkpointed", microbatches)})
     return _fullest(ranks, pp, microbatches, per_rank, dist_config.pipeline_schedule)
 
 
@@ -227,7 +238,8 @@ def _fullest(ranks: list[dict], pp: int, microbatches: int, per_rank: int, sched
     by_experts = max(ranks, key=lambda rank: rank["_experts"]["expert_state_bytes_per_rank"])
     return {"parts": by_state["_parts"], "local_parameters": by_state["_local"], "experts": by_experts["_experts"],
             "memory_bytes_per_rank": by_peak["memory_bytes"],
-            "steps": [(rank["_step"], rank["_checkpointed"]) for rank in ranks],  # each rank's, for its fixes
+            "steps": [(rank["_step"], rank["_checkpointed"], rank["_drained_checkpointed"])  # each rank's, for its
+                      for rank in ranks],  # fixes
             "peak": {"gathered_bytes_per_rank": by_peak["gathered_bytes"],
                      "optimizer_temporary_bytes_per_rank": by_peak["optimizer_temporary_bytes"],
                      "allocator_slack_bytes_per_rank": by_peak["allocator_slack_bytes"]},

@@ -63,11 +63,15 @@ def test_a_layout_that_cannot_be_built_is_one_line(overrides, message, capsys):
     assert message in err and err.count("\n") == 1
 
 
-@pytest.mark.parametrize("overrides", [["dist.strategy=fsdp", "speed.activation_checkpointing=blocks"],
-                                       ["dist.strategy=fsdp", "dist.pipeline_parallel=2"]])
-def test_a_rank_of_many_blocks_is_stepped_with_two_and_three_and_counted(overrides):
+@pytest.mark.parametrize("overrides, by_part", [
+    (["dist.strategy=fsdp", "speed.activation_checkpointing=blocks"], True),
+    (["dist.strategy=fsdp", "dist.pipeline_parallel=2"], True),
+    (["dist.strategy=fsdp", "dist.pipeline_parallel=2", "data.seq_len=8", "train.global_batch_size=4"], False)])
+def test_a_rank_of_many_blocks_is_stepped_with_two_and_three_and_counted(overrides, by_part):
     """8 alike blocks a rank (4 a stage under pp 2): stepped cut to 2 and 3 a stage, the line through the two peaks
-    extended to the rank's blocks, part by part, against the whole model stepped."""
+    extended to the rank's blocks, part by part, against the whole model stepped. With windows of 8 the last stage
+    peaks at another turn of its step at 2 and 3 blocks than at 4 (its peak's line alone read 1.8% low): each turn's
+    line is extended and the highest taken (two turns within 1% of each other there, so their parts differ)."""
     config = load_config(None, [*TINY, "model.kwargs={n_layers = 8, n_heads = 4, dim = 32, tie_weights = false}",
                                 *overrides])
     whole, counted = dry_run(config, Machine(1, 4), every_block=True), dry_run(config, Machine(1, 4))
@@ -77,7 +81,7 @@ def test_a_rank_of_many_blocks_is_stepped_with_two_and_three_and_counted(overrid
     assert all("blocks" not in r for r in whole["dry_run_ranks"])
     for ours, reference in zip(counted["dry_run_ranks"], whole["dry_run_ranks"]):
         assert ours["peak_bytes"] == pytest.approx(reference["peak_bytes"], rel=0.01)
-        for part in ("parameters", "gradients", "optimizer", "activations"):
+        for part in ("parameters", "gradients", "optimizer", "activations") if by_part else ():
             assert ours["parts"][part] == pytest.approx(reference["parts"][part], rel=0.01, abs=1024), part
 
 

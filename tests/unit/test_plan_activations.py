@@ -76,11 +76,15 @@ def test_the_fused_kernel_saves_what_a_real_cpu_forward_saves():
     assert planned == measured
 
 
-def test_fixes_never_name_what_is_on_and_give_a_figure_under_pipeline_parallel():
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_fixes_never_name_what_is_on_and_give_a_figure_under_pipeline_parallel(schedule):
     """A pipeline run that does not fit: its fixes each carry a peak, checkpointing's the peak plan gives the run
-    with it; with checkpointing on, no fix names it again."""
+    with it; with checkpointing on, no fix names it again. Under gpipe the highest rank (the last) peaks where its
+    first backward ends, its gradients whole beside one microbatch fewer: that microbatch's bytes with checkpointing
+    are the fix's too."""
     base = [*GPT, "model.kwargs={n_layers = 4, n_heads = 4, dim = 64, tie_weights = false}",
-            "train.global_batch_size=16", "dist.device=cuda", "dist.pipeline_parallel=2"]
+            "train.global_batch_size=16", "dist.device=cuda", "dist.pipeline_parallel=2",
+            f"dist.pipeline_schedule={schedule}"]
     on = ["speed.activation_checkpointing=blocks"]
     fits = plan_run(load_config(None, base), Machine(1, 4))
     short = Machine(1, 4, device_memory=fits["memory_bytes_per_rank"] - 1)
@@ -129,6 +133,13 @@ def test_llama_3_70b_at_pp_8_tp_8_fsdp_16_fits_80_gb_with_checkpointing(tokens):
     off = plan_run(load_config(None, sets), machine)
     per_block = (off["stages"][0]["activation_bytes_in_flight"] - 8 * 8192 * 8192 * 2) / 80  # less the sends
     assert per_block == pytest.approx(1300.3 * 2**20, rel=0.01)
+    # by hand (docs/parallelism.md): the first backward starts with all 8 in flight, 8 x (10 x 1300.3 + 128) MiB, and
+    # ends with 7 and the stage's gradients whole (the blocks' fp32 slices, the embedding's whole bf16 + fp32): the
+    # start is the peak, beside the state, the stage's parameters gathered over tp and its gradients' receive buffers
+    in_flight, unsharded = 8 * (10 * 1300.3 + 128) * 2**20, 10 * 855.6e6 * 4 / 8 + 1.051e9 * (2 + 4)
+    assert 7 / 8 * in_flight + unsharded < in_flight
+    by_hand = (286.35 + 572.71) * 2**20 + 9.607e9 * 2 / 8 + in_flight + 8 * 128 * 2**20
+    assert off["memory_bytes_per_rank"] == pytest.approx(by_hand, rel=0.002)
     assert not off["fits"] and [fix for fix in off["fixes"] if fix["fits"]][0] == {
         "fix": "--set speed.activation_checkpointing=blocks", "fits": True,
         "memory_bytes_per_rank": on["memory_bytes_per_rank"]}
