@@ -685,10 +685,6 @@ class Config:
                               "set --set speed.static_graph=false or --set train.grad_accum_steps=1")
         _needs_ema("checkpoint", "best_metric", self.checkpoint.best_metric if self.checkpoint.keep_best else "",
                    self.train.ema_decay)
-        if self.data.document_mask and self.dist.pipeline_parallel > 1:  # stages take one tensor, not the positions
-            raise ConfigError(f"data.document_mask = true: does not work with dist.pipeline_parallel = "
-                              f"{self.dist.pipeline_parallel} (its stages pass one tensor, not the documents' "
-                              "positions); set --set dist.pipeline_parallel=1 or --set data.document_mask=false")
 
 
 def check_world_size(global_batch_size: int, grad_accum_steps: int, world_size: int) -> None:

@@ -15,29 +15,25 @@ layers reach the gathered attention through transformers' attention interface (r
 HF_ATTENTION); the step hands `attend` down through the forward's keyword arguments to it.
 
 Under pipeline parallel the stages pass one tensor (the activations), so what is no tensor between stages (the cut's
-positions and its attention) reaches every stage's blocks through the step's cut (stepping_cut, entered by the
-pipeline's runner around the schedule's step; the built-in GPT reads it where its forward is handed neither).
-Forward-only passes (evaluation: whole windows) run outside it."""
+positions and its attention) reaches every stage's blocks through the step's inputs (distrib.distributed.step_inputs,
+entered by the pipeline's runner around the schedule's step; the built-in GPT and a transformers decoder's stage read
+them where their forward is handed neither). Forward-only passes (evaluation: whole windows) run outside it."""
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import inspect
-from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from distrib.distributed.step_inputs import ATTEND, INPUT_IDS, POSITION_IDS
 from distrib.torch_private import all_gather_single_autograd
 
-# The model's keyword for what attends on a cut of the window (the built-in GPT's forward: `attend`).
-ATTEND = "attend"
+# ATTEND: the model's keyword for what attends on a cut of the window (the built-in GPT's forward: `attend`).
 # The name a transformers decoder's attention runs under (config._attn_implementation) once reach_attention set it.
 HF_ATTENTION = "distrib_context_parallel"
-INPUT_IDS, POSITION_IDS = "input_ids", "position_ids"  # the keys of a packed batch (distrib.data.documents)
 
 
 def chunk_places(length: int, degree: int, index: int, device=None) -> torch.Tensor:
@@ -106,6 +102,10 @@ class GatheredAttention:
             k, v = (rows.repeat_interleave(q.shape[1] // rows.shape[1], dim=1) for rows in (k, v))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, scale=scale)
 
+    def rows(self, samples: torch.Tensor) -> GatheredAttention:
+        """The attention of a pipeline's microbatch: these samples' rows of a mask per sample (packed windows)."""
+        return self if self.mask.dim() < 4 else GatheredAttention(self.mask.index_select(0, samples), self.group)
+
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
         """[B, H, T, D] of this rank -> [B, H, C x T, D] of the group, in rank order. The autograd all-gather's
         backward reduce-scatters the gradients (torch.distributed.nn.functional.all_gather, measured, gave the keys'
@@ -131,32 +131,6 @@ def cut_batch(inputs: torch.Tensor | dict, targets: torch.Tensor, degree: int, i
                                                                  places, every)
     model_inputs = {INPUT_IDS: cut(tokens, places), POSITION_IDS: positions, ATTEND: GatheredAttention(mask, group)}
     return model_inputs, cut(targets, places)
-
-
-# The cut of the micro-step the pipeline's schedule runs: (position_ids [1, T / C], attend), or None outside one. A
-# context variable, so a forward-only pass outside the step, or another thread, never sees it.
-_STEP_CUT: contextvars.ContextVar[tuple[torch.Tensor, Callable] | None] = contextvars.ContextVar("cp_step_cut",
-                                                                                                 default=None)
-
-
-@contextlib.contextmanager
-def stepping_cut(model_inputs: dict) -> Iterator[torch.Tensor]:
-    """Inside: the cut's positions and attention (cut_batch's model inputs) reach every stage's forward (step_cut);
-    yields the token ids, the one tensor a pipeline cuts into microbatches. The positions of every sample of an
-    unpacked micro-batch are the same places, so one row serves a microbatch of any size."""
-    positions = model_inputs[POSITION_IDS]
-    if not bool((positions == positions[:1]).all()):
-        raise ValueError("a pipeline's microbatches take one row of positions: packed windows differ by sample")
-    token = _STEP_CUT.set((positions[:1], model_inputs[ATTEND]))
-    try:
-        yield model_inputs[INPUT_IDS]
-    finally:
-        _STEP_CUT.reset(token)
-
-
-def step_cut() -> tuple[torch.Tensor, Callable] | None:
-    """The micro-step's (position_ids [1, T / C], attend) inside stepping_cut; None outside (whole windows)."""
-    return _STEP_CUT.get()
 
 
 def takes_attend(model: nn.Module) -> bool:

@@ -13,7 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distrib.distributed.context_parallel import block_causal_mask, documents_of, step_cut
+from distrib.distributed.context_parallel import block_causal_mask, documents_of
+from distrib.distributed.step_inputs import step_inputs
 from distrib.errors import ConfigError
 from distrib.models.moe import STEP_BUFFERS, FeedForward, MoE, add_aux_losses
 
@@ -217,10 +218,10 @@ class GPT(nn.Module):
         window this is a slice of. None: positions 0..T-1 and the causal triangle. attend: input_ids are a cut of the
         window (context parallel: distrib.distributed.context_parallel), position_ids their places in it, and
         attend(q, k, v) each block's attention of them over the whole window's keys. A pipeline stage is handed its
-        input alone: inside a pipeline's context-parallel step (step_cut) the positions and attend are the step's."""
+        input alone: inside a pipeline's step (step_inputs) the positions (and attend, under cp) are the step's."""
         length = input_ids.shape[1]
-        if attend is None and position_ids is None and document_ids is None and (cut := step_cut()) is not None:
-            position_ids, attend = cut
+        if attend is None and position_ids is None and document_ids is None and (step := step_inputs()) is not None:
+            position_ids, attend = step.position_ids, step.attend
         if length > self.seq_len:
             raise ValueError(f"a sequence of {length} tokens is longer than the model's seq_len {self.seq_len}")
         if attend is None:

@@ -268,7 +268,7 @@ def stage_inputs(config: Config, info, size: int, sample, blocks: int | None = N
     split = pipeline.split_stages(model, dist_config.pipeline_parallel * dist_config.stages_per_rank,
                                   dist_config.pipeline_split, dist_config.pipeline_parallel)
     cls = stage_class(model)  # as lay_out views the stages (a Hugging Face decoder's run their units themselves)
-    staged_inputs(sample, dist_config.pipeline_parallel)
+    staged_inputs(sample, dist_config.pipeline_parallel, dry_run=True)
     x, inputs = shaped_batch(sample, size)[0], []
     with torch.no_grad():
         for stage in range(split.num_stages):

@@ -1,8 +1,9 @@
 """Pipeline parallel (gloo, CPU) against one process, on the built-in GPT (4 blocks, dim 64, seq 32, untied) after 6
 AdamW steps with gradient clipping: pp 2 x fsdp 2 with 1f1b and with interleaved_1f1b (2 stages per rank) at world
 size 4 and pp 2 alone (ddp, gpipe) at world size 2 end within 1e-5 of it and evaluate the same test set exactly (pp 2 x
-tp 2 x fsdp 2 at world size 8: the Llama's below; pp 2 x cp 2 x fsdp 2 at world size 8: a GPT at sequence 256, 12
-steps, resumed bitwise, and in one process). The pp 2 x fsdp 2 checkpoint of step 3 resumes within 1e-5 of one
+tp 2 x fsdp 2 at world size 8: the Llama's below; pp 2 x cp 2 x fsdp 2 at world size 8: a GPT and a transformers
+Llama at sequence 256, 12 steps, resumed bitwise, and in one process; packed documents under pp 2 x fsdp 2: the GPT and
+the Llama). The pp 2 x fsdp 2 checkpoint of step 3 resumes within 1e-5 of one
 process as fsdp at world size 2 and as ddp in one process. A user's nn.Sequential split by
 dist.pipeline_split trains like one process, with a validation set, EMA weights and early stopping; without a split it
 is one line, exit 2. distrib plan gives a pipeline run's state exactly and its bubble, and each pipeline rank's peak
@@ -63,12 +64,19 @@ PLANNED = ["model.name=gpt", "data.name=text", f"data.root={TEXT}", "data.seq_le
            "train.global_batch_size=16", "train.max_steps=2", "train.epochs=0", "train.eval_every_epochs=0",
            "run.progress=false", "dist.device=cpu", *PP]
 # Context parallel beside the pipeline at the issue's size: the built-in GPT at sequence 256, 12 AdamW steps, each
-# stage's blocks attending over the cp ranks' keys (the step's cut: distrib.distributed.context_parallel.step_cut)
+# stage's blocks attending over the cp ranks' keys (the step's inputs: distrib.distributed.step_inputs)
 CP_GPT = ["model.name=gpt", "model.kwargs={n_layers = 2, n_heads = 4, dim = 32, tie_weights = false}",
           "data.name=text", f"data.root={TEXT}", "data.seq_len=256", "train.optimizer=adamw", "train.lr=3e-3",
           "train.warmup_steps=3", "train.max_steps=12", "train.global_batch_size=4", "train.epochs=0",
           "train.eval_every_epochs=0", "checkpoint.every_steps=6", "run.progress=false", "dist.device=cpu"]
 PP_CP = [*CP_GPT, *PP, "dist.context_parallel=2"]
+# and a transformers Llama (GQA), its stages' layers attending through transformers' attention interface
+CP_LLAMA = [*CP_GPT[2:], "model.factory=tests.helpers.pretrained:llama", "model.kwargs={max_position_embeddings = 256}"]
+PP_CP_LLAMA = [*CP_LLAMA, *PP, "dist.context_parallel=2"]
+# Packed documents (a document ends at each '.', byte 46) under pp 2 x fsdp 2: the stages take the step's positions
+PACKED = ["data.document_mask=true", "data.eos_id=46", "data.seq_len=64"]
+PACKED_GPT = [*GPT, *PACKED]
+PACKED_LLAMA = [*LLAMA, *PACKED, "model.kwargs={max_position_embeddings = 64}"]
 PLANNED_RUNS = {"plan_tiny": [*PLANNED, "model.kwargs={n_layers = 4, n_heads = 4, dim = 32, tie_weights = false}"],
                 "plan_medium": [*PLANNED, "model.kwargs={n_layers = 8, n_heads = 8, dim = 512, tie_weights = false}"]}
 
@@ -99,9 +107,11 @@ def runs(tmp_path_factory) -> tuple[Path, dict[str, str]]:
             "hf_tp_fsdp": [*llama, "dist.strategy=fsdp", "dist.tensor_parallel=2"],
             "hf_pp": [*llama, *PP, "checkpoint.every_steps=6"],
             "hf_pp_resumed": [*llama, *PP, _resume_from(tmp / "hf_pp", 6)], "hf_plain_pp": [*LLAMA, *PP],
-            "qwen2_tp": [*qwen2, "dist.strategy=fsdp", "dist.tensor_parallel=2"]},
+            "qwen2_tp": [*qwen2, "dist.strategy=fsdp", "dist.tensor_parallel=2"],
+            "pp_packed": [*PACKED_GPT, *PP], "hf_pp_packed": [*PACKED_LLAMA, *PP]},
         8: {"hf_pp_tp_fsdp": [*llama, *PP, "dist.tensor_parallel=2"], "pp_cp_fsdp": PP_CP,
-            "pp_cp_resumed": [*PP_CP, _resume_from(tmp / "pp_cp_fsdp", 6)]}}
+            "pp_cp_resumed": [*PP_CP, _resume_from(tmp / "pp_cp_fsdp", 6)], "hf_pp_cp_fsdp": PP_CP_LLAMA,
+            "hf_pp_cp_resumed": [*PP_CP_LLAMA, _resume_from(tmp / "hf_pp_cp_fsdp", 6)]}}
     for nproc, named in launches.items():
         (tmp / f"launch{nproc}").mkdir()
         done = torchrun_runs(nproc, {name: [*items, f"run.dir={tmp / name}"] for name, items in named.items()},
@@ -255,27 +265,48 @@ def test_a_hugging_face_llama_from_its_folder_trains_under_every_layout_like_one
 
 
 @pytest.mark.timeout(900)
-def test_pp2_cp2_fsdp2_trains_like_one_process_and_resumes_bitwise_and_in_one_process(runs, tmp_path):
+@pytest.mark.parametrize("name, items, plain", [("pp_cp", CP_GPT, []), ("hf_pp_cp", CP_LLAMA, ["dist.strategy=fsdp"])])
+def test_pp2_cp2_fsdp2_trains_like_one_process_and_resumes_bitwise_and_in_one_process(runs, tmp_path, name, items,
+                                                                                      plain):
     """pp 2 x cp 2 x fsdp 2 (world 8): the stages pass the activations of this rank's two chunks of every window, and
-    each stage's blocks take the step's global positions and gathered attention; evaluation sees whole windows.
-    Measured: weights 7.4e-7 off one process, the logged loss and the test loss within 1e-8; its checkpoint of step 6
-    resumes bitwise under the same layout, and in one process."""
+    each stage's blocks take the step's global positions and gathered attention (a transformers Llama's stages: through
+    its attention interface); evaluation sees whole windows. Measured: weights 7.4e-7 (the GPT) and 2.3e-6 (the Llama)
+    off one process, the logged loss and the test loss within 1e-8; its checkpoint of step 6 resumes bitwise under the
+    same layout, and in one process (the Llama's as plain fsdp)."""
     tmp, logs = runs
-    one = run_training(load_config(None, [*CP_GPT, f"run.dir={tmp_path}/one"]))
-    run = _summary(tmp / "pp_cp_fsdp")
-    went_on = load_weights(tmp / "pp_cp_fsdp")
+    one = run_training(load_config(None, [*items, f"run.dir={tmp_path}/one"]))
+    run = _summary(tmp / f"{name}_fsdp")
+    went_on = load_weights(tmp / f"{name}_fsdp")
     assert run["world_size"] == 8 and run["steps"] == one["steps"] == 12
-    assert "fsdp: pp 2 x shard 2 x cp 2" in logs["pp_cp_fsdp"], logs["pp_cp_fsdp"][-3000:]
+    assert "fsdp: pp 2 x shard 2 x cp 2" in logs[f"{name}_fsdp"], logs[f"{name}_fsdp"][-3000:]
     assert max_relative_diff(went_on, load_weights(tmp_path / "one")) < 1e-5
     assert run["test_count"] == one["test_count"] > 0  # every test window once, whole
     assert run["test_loss"] == pytest.approx(one["test_loss"], rel=1e-5)
     assert run["train_loss"] == pytest.approx(one["train_loss"], rel=1e-5)
-    resumed = load_weights(tmp / "pp_cp_resumed")
-    assert _summary(tmp / "pp_cp_resumed")["resumed_from_step"] == 6
-    assert all(torch.equal(resumed[name], went_on[name]) for name in went_on)
-    run_training(load_config(None, [*CP_GPT, f"run.dir={tmp_path}/plain", _resume_from(tmp / "pp_cp_fsdp", 6)]))
+    resumed = load_weights(tmp / f"{name}_resumed")
+    assert _summary(tmp / f"{name}_resumed")["resumed_from_step"] == 6
+    assert all(torch.equal(resumed[key], went_on[key]) for key in went_on)
+    run_training(load_config(None, [*items, *plain, f"run.dir={tmp_path}/plain",
+                                    _resume_from(tmp / f"{name}_fsdp", 6)]))
     assert _summary(tmp_path / "plain")["resumed_from_step"] == 6
     assert max_relative_diff(load_weights(tmp_path / "plain"), went_on) < 1e-6
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name, items", [("pp_packed", PACKED_GPT), ("hf_pp_packed", PACKED_LLAMA)])
+def test_packed_documents_under_pp2_fsdp2_train_and_evaluate_like_one_process(runs, tmp_path, name, items):
+    """Each stage masks by the documents of the step's positions (each microbatch's rows), as the whole model does in
+    one process (whose packed windows equal each document alone: tests/unit/test_packed_documents.py; the stages'
+    logits of three documents as alone: tests/unit/test_context_parallel.py)."""
+    tmp, logs = runs
+    one = run_training(load_config(None, [*items, f"run.dir={tmp_path}/one"]))
+    run = _summary(tmp / name)
+    assert "packed documents" in logs[name] and "this rank holds stage 0" in logs[name]
+    assert run["steps"] == one["steps"] > 0
+    assert max_relative_diff(load_weights(tmp / name), load_weights(tmp_path / "one")) < 1e-5
+    assert run["test_count"] == one["test_count"] > 0
+    assert run["test_loss"] == pytest.approx(one["test_loss"], rel=1e-5)
+    assert run["train_loss"] == pytest.approx(one["train_loss"], rel=1e-5)
 
 
 @pytest.mark.timeout(900)

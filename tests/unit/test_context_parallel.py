@@ -25,12 +25,13 @@ from distrib.distributed.context_parallel import (
     gathered_places,
     reach_attention,
     restore,
-    step_cut,
-    stepping_cut,
 )
 from distrib.distributed.dimensions.context import ContextParallel
 from distrib.distributed.mesh import ParallelDims
+from distrib.distributed.pipeline import split_stages, view
+from distrib.distributed.pipeline.decoder import stage_class
 from distrib.distributed.runner import Runner
+from distrib.distributed.step_inputs import microbatch, step_inputs, stepping
 from distrib.distributed.strategies import parallel_dims
 from distrib.errors import ConfigError
 from distrib.models.gpt import GPT
@@ -99,7 +100,7 @@ def test_the_gpt_on_its_own_places_with_its_own_attention_is_the_whole_forward()
 
 def test_a_pipeline_stage_handed_its_input_alone_runs_the_steps_cut_and_a_pass_outside_the_step_the_whole_window():
     """Under pp x cp the stages pass the activations alone: the step's positions and attend reach each stage's blocks
-    (stepping_cut), for a microbatch of any size; outside the step (evaluation) nothing is left of them."""
+    (stepping), each microbatch's rows; outside the step (evaluation) nothing is left of them."""
     torch.manual_seed(0)
     model = GPT(vocab_size=32, seq_len=16, n_layers=2, n_heads=2, dim=16)
     tokens = torch.randint(0, 32, (2, 16))
@@ -108,10 +109,10 @@ def test_a_pipeline_stage_handed_its_input_alone_runs_the_steps_cut_and_a_pass_o
     attend.gather = lambda rows: rows
     model_inputs = {"input_ids": cut(tokens, places), "position_ids": places.expand(2, -1), ATTEND: attend}
     expected = model(**model_inputs)
-    with stepping_cut(model_inputs) as handed:
+    with stepping(model_inputs, microbatches=2) as handed, microbatch(1):
         assert handed is model_inputs["input_ids"]
-        torch.testing.assert_close(model(handed[1:]), expected[1:], rtol=0, atol=0)  # one sample's microbatch
-    assert step_cut() is None
+        torch.testing.assert_close(model(handed[1:]), expected[1:], rtol=0, atol=0)  # the second microbatch
+    assert step_inputs() is None
     torch.testing.assert_close(model(handed), model(cut(tokens, places)), rtol=0, atol=0)  # the causal triangle
     assert (model(handed) - expected).abs().max() > 1e-5  # which is not the step's attention at these places
 
@@ -149,9 +150,8 @@ def test_a_world_it_does_not_divide_and_a_model_whose_attention_it_cannot_reach_
     with pytest.raises(ConfigError, match="the attention of Sequential cannot be reached"):
         ContextParallel().check_model(nn.Sequential(nn.Linear(2, 2)), ParallelDims(1, 2, context_parallel=2), 4)
     ContextParallel().check_model(GPT(), ParallelDims(1, 2, context_parallel=2), 4)  # the built-in GPT's is reached
-    # under pp x cp a stage is handed its activations alone: only the GPT reads the step's cut
-    with pytest.raises(ConfigError, match="beside dist.pipeline_parallel = 2 reaches the built-in GPT"):
-        ContextParallel().check_model(llama(vocab_size=64), ParallelDims(1, 2, context_parallel=2, pipeline=2), 8)
+    # under pp x cp a stage is handed its activations alone: the GPT and a transformers decoder's stage read the step's
+    ContextParallel().check_model(llama(vocab_size=64), ParallelDims(1, 2, context_parallel=2, pipeline=2), 8)
     ContextParallel().check_model(GPT(), ParallelDims(1, 2, context_parallel=2, pipeline=2), 8)
 
 
@@ -170,21 +170,45 @@ class _Threads(GatheredAttention):
         self.barrier.wait()  # every rank has read the slots before any writes the next layer's
         return gathered
 
+    def rows(self, samples):
+        return _Threads(self.mask[samples] if self.mask.dim() == 4 else self.mask, self.rank, self.slots, self.barrier)
+
 
 def _logits(model, inputs) -> torch.Tensor:
     outputs = model(**inputs) if isinstance(model, GPT) else model(**inputs, use_cache=False)
     return outputs if isinstance(outputs, torch.Tensor) else outputs.logits
 
 
-def _under_cp(model, inputs, degree: int = 2) -> torch.Tensor:
-    """The model's logits of the window(s) when each of `degree` ranks (threads) runs its cut (cut_batch), restored."""
+def _staged(model, microbatches: int = 1):
+    """The model as two pipeline stages in turn, each handed its input alone inside the step (stepping), one
+    microbatch (one sample a microbatch) after the other: the built-in GPT's views, or a transformers decoder's stage
+    views (decoder.stage_class)."""
+    split = split_stages(model, 2, (), 2)
+    first, last = (view(model, split.units, set(split.stage_units(stage)), stage_class(model)) for stage in (0, 1))
+
+    def run(**inputs) -> torch.Tensor:
+        with stepping(inputs, microbatches) as tokens:
+            pieces = torch.tensor_split(tokens, microbatches)
+            outs = []
+            for index, piece in enumerate(pieces):
+                with microbatch(index):
+                    outs.append(last(first(piece)))
+            return torch.cat(outs)
+
+    return run
+
+
+def _under_cp(model, inputs, degree: int = 2, staged: int = 0) -> torch.Tensor:
+    """The model's logits of the window(s) when each of `degree` ranks (threads) runs its cut (cut_batch), restored;
+    staged: through two pipeline stages handed their input alone, in that many microbatches (_staged)."""
     tokens = inputs["input_ids"] if isinstance(inputs, dict) else inputs
     slots, barrier, outs = [None] * degree, threading.Barrier(degree, timeout=60), [None] * degree
+    run = _staged(model, staged) if staged else None
 
     def rank(index: int) -> None:
         cut_inputs, _ = cut_batch(inputs, tokens, degree, index, group=None)
         cut_inputs[ATTEND] = _Threads(cut_inputs[ATTEND].mask, index, slots, barrier)
-        outs[index] = _logits(model, cut_inputs)
+        outs[index] = run(**cut_inputs) if staged else _logits(model, cut_inputs)
 
     threads = [threading.Thread(target=rank, args=(index,)) for index in range(degree)]
     for thread in threads:
@@ -201,13 +225,15 @@ def _models():
 
 
 @torch.no_grad()
-def test_a_transformers_llama_under_cp2_runs_the_gathered_attention_and_equals_the_whole_window():
+@pytest.mark.parametrize("staged", [0, 2])
+def test_a_transformers_llama_under_cp2_runs_the_gathered_attention_and_equals_the_whole_window(staged):
+    """And as two pipeline stages handed their input alone (pp x cp): the step's places and gathered attention."""
     models = _models()
     assert models["llama"].config._attn_implementation == HF_ATTENTION
     tokens = torch.randint(0, 64, (2, 32))
     for name, model in models.items():
-        torch.testing.assert_close(_under_cp(model, tokens), _logits(model, {"input_ids": tokens}), rtol=0,
-                                   atol=1e-5, msg=name)
+        torch.testing.assert_close(_under_cp(model, tokens, staged=staged), _logits(model, {"input_ids": tokens}),
+                                   rtol=0, atol=1e-5, msg=name)
 
 
 @torch.no_grad()
@@ -227,3 +253,25 @@ def test_a_packed_window_of_three_documents_under_cp2_equals_each_document_alone
             start += len(document)
         unmasked = _under_cp(model, window)  # the same window without documents: the later ones see the first
         assert (unmasked[:, lengths[0]:] - whole[:, lengths[0]:]).abs().max() > 1e-3, name
+
+
+@torch.no_grad()
+def test_a_packed_window_of_three_documents_through_two_pipeline_stages_equals_each_document_alone():
+    """pp 2 without cp: the stages take the step's positions (each microbatch's rows) and mask by their documents, as
+    the whole model does; with cp 2 too, the step's cut of them (each microbatch's rows of the mask)."""
+    eos, lengths = 1, (9, 15, 8)
+    torch.manual_seed(1)
+    documents = [torch.cat([torch.randint(2, 64, (n - 1,)), torch.tensor([eos])]) for n in lengths]
+    window = torch.cat(documents)[None]
+    inputs = packed_inputs(torch.cat([window, window.flip(1)]), eos)  # two windows: a microbatch each
+    for name, model in _models().items():
+        for whole in (_staged(model, 2)(**inputs), _under_cp(model, inputs, staged=2)):
+            start = 0
+            for document in documents:
+                alone = _logits(model, {"input_ids": document[None]})
+                torch.testing.assert_close(whole[:1, start:start + len(document)], alone, rtol=0, atol=1e-5, msg=name)
+                start += len(document)
+            torch.testing.assert_close(whole[1:], _logits(model, {key: rows[1:] for key, rows in inputs.items()}),
+                                       rtol=0, atol=1e-5, msg=name)  # the second microbatch: its own window's
+        causal = _staged(model)(input_ids=window, position_ids=torch.arange(32)[None])  # one document
+        assert (causal - _staged(model)(**inputs)[:1]).abs().max() > 1e-3, name  # the later ones see the first

@@ -101,9 +101,9 @@ def test_document_keys_refuse_in_one_line():
         load_config(None, ["data.name=synthetic", "data.document_mask=true"])
     with pytest.raises(ConfigError, match=r"data.eos_id = 10: must be a token id below the vocabulary \(10\)"):
         load_config(None, ["data.name=tokens", "data.vocab_size=10", "data.eos_id=10", "data.document_mask=true"])
-    with pytest.raises(ConfigError, match=r"data.document_mask = true: does not work with dist.pipeline_parallel"):
-        load_config(None, ["data.name=tokens", "data.vocab_size=10", "data.eos_id=1", "data.document_mask=true",
-                           "dist.pipeline_parallel=2", "model.name=gpt"])
+    # a pipeline's stages take the documents' positions from the step (distrib.distributed.step_inputs)
+    assert load_config(None, ["data.name=tokens", "data.vocab_size=10", "data.eos_id=1", "data.document_mask=true",
+                              "dist.pipeline_parallel=2", "model.name=gpt"]).dist.pipeline_parallel == 2
 
 
 def test_plan_counts_a_packed_run(capsys):
@@ -121,3 +121,19 @@ def test_plan_counts_a_packed_run(capsys):
     assert masked["parameter_bytes_per_rank"] == causal["parameter_bytes_per_rank"]
     assert main(["plan", "--world-size", "2", *(arg for item in packed for arg in ("--set", item))]) == 0
     assert "data.document_mask" not in capsys.readouterr().err
+
+
+def test_plan_of_packed_documents_under_pp2_and_its_dry_run_refusal(capsys):
+    """distrib plan steps each stage with the step's positions (distrib.distributed.step_inputs), as the run does; its
+    dry run, whose stage passes run outside a step, refuses them in one line, exit 2."""
+    from distrib.cli import main
+
+    packed = ["model.name=gpt", "model.kwargs={n_layers = 2, n_heads = 4, dim = 64, tie_weights = false}",
+              "data.name=text", "data.root=/usr/share/common-licenses/GPL-3", "data.seq_len=32",
+              "train.global_batch_size=8", "dist.strategy=fsdp", "dist.pipeline_parallel=2", "data.document_mask=true",
+              "data.eos_id=10"]
+    sets = [arg for item in packed for arg in ("--set", item)]
+    assert main(["plan", "--world-size", "4", *sets]) == 0
+    capsys.readouterr()
+    assert main(["plan", "--world-size", "4", "--dry-run", *sets]) == 2
+    assert "--dry-run does not yet step packed documents" in capsys.readouterr().err

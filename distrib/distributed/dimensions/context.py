@@ -80,12 +80,18 @@ class ContextParallel(Dimension):
                               f"{type(model).__name__} cannot be reached (its forward takes no `{ATTEND}`, as the "
                               "built-in GPT's does, nor runs transformers' attention interface); use model.name=gpt "
                               "or --set dist.context_parallel=1")
-        if dims.pipeline > 1 and not takes_attend(model):  # a stage is handed the activations alone (step_cut)
+        if dims.pipeline > 1 and not (takes_attend(model) or _decoder_stages(model)):
             raise ConfigError(f"dist.context_parallel = {dims.context_parallel}: beside dist.pipeline_parallel = "
-                              f"{dims.pipeline} reaches the built-in GPT's attention only, and {type(model).__name__} "
-                              "is not it; use model.name=gpt, or --set dist.pipeline_parallel=1")
+                              f"{dims.pipeline} reaches the attention of the built-in GPT and of transformers "
+                              f"decoders with a pipeline plan only, and {type(model).__name__} is neither; use "
+                              "model.name=gpt, or --set dist.pipeline_parallel=1")
 
     def parallelize(self, model: nn.Module, layout: Layout) -> nn.Module:
+        if layout.roots is not None:  # a pipeline rank's stages: views of the model's class that run in its place
+            for stage in layout.roots:
+                self.check_model(stage, layout.dims, layout.dims.world_size)
+                reach_attention(stage)
+            return model
         self.check_model(model, layout.dims, layout.dims.world_size)
         return reach_attention(model)
 
@@ -132,6 +138,14 @@ class ContextParallel(Dimension):
     def loss_count(self, count: int, dims: ParallelDims) -> int:
         """Each rank backwards 1/C of the targets its micro-batch counts whole: C shares of the loss a rank."""
         return count * dims.context_parallel
+
+
+def _decoder_stages(model: nn.Module) -> bool:
+    """Whether the model is a transformers decoder whose pipeline stages read the step's positions and attention (a
+    stage is handed the activations alone: distrib.distributed.step_inputs)."""
+    from distrib.distributed.pipeline.decoder import stage_class  # the pipeline package imports the dimensions
+
+    return stage_class(model) is not None
 
 
 class _Counted:

@@ -5,7 +5,10 @@ The model's own forward cannot run a stage (it calls its base model whole, which
 output object). A stage runs its embeddings, then its decoder layers as the base model's forward calls them: the
 rotary `position_embeddings` computed in the stage from `position_ids` (the sequence's positions: the rotary module is
 no unit, every stage keeps it) and the mask transformers' own masking makes for no padding (None under SDPA, whose
-causal attention then runs), then the final norm and the head: the logits, a tensor, on the last stage."""
+causal attention then runs), then the final norm and the head: the logits, a tensor, on the last stage. Inside a
+pipeline's step of packed documents or context parallel (distrib.distributed.step_inputs) the positions are the
+step's, the mask transformers makes of packed positions, or context parallel's attention over the group's keys
+(`attend`, handed down to its attention function: context_parallel.hf_attention) in place of any mask."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from distrib.distributed.pipeline.split import declared_units
+from distrib.distributed.step_inputs import ATTEND, step_inputs
 from distrib.errors import UserError
 
 _MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask"}
@@ -52,29 +56,36 @@ def _layers(base: nn.Module, layers: nn.ModuleList, hidden: torch.Tensor) -> tor
     """The decoder layers this stage holds, called as the base model's forward calls them (no cache)."""
     if not layers._modules:
         return hidden
-    position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+    step = step_inputs()
+    packed = step is not None and step.attend is None  # the positions restart at each document: a block mask
+    position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0) if step is None \
+        else step.position_ids
     rotary = getattr(base, "rotary_emb", None)
     extra = {"position_embeddings": rotary(hidden, position_ids)} if rotary is not None else {}
+    if step is not None and step.attend is not None:
+        extra[ATTEND] = step.attend
     config = base.config
     kinds = getattr(config, "layer_types", None)
     masks: dict[str, torch.Tensor | None] = {}
     for index, layer in layers._modules.items():
         kind = kinds[int(index)] if kinds else "full_attention"
         if kind not in masks:
-            masks[kind] = _mask(config, kind, hidden)
+            masks[kind] = _mask(config, kind, hidden, position_ids if packed else None) if ATTEND not in extra \
+                else None
         out = layer(hidden, attention_mask=masks[kind], position_ids=position_ids, **extra)
         hidden = out[0] if isinstance(out, tuple) else out
     return hidden
 
 
-def _mask(config, kind: str, hidden: torch.Tensor) -> torch.Tensor | None:
-    """transformers' own mask of a causal sequence without padding (pipeline inputs are one tensor of token ids)."""
+def _mask(config, kind: str, hidden: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor | None:
+    """transformers' own mask of a causal sequence without padding (pipeline inputs are one tensor of token ids), or
+    of packed documents' positions (`packed`, as the whole model's forward makes it of them)."""
     from transformers import masking_utils
 
     if kind not in _MASKS:
         raise UserError(f"dist.pipeline_parallel > 1: {type(config).__name__}'s layer type {kind!r} has no mask that "
                         f"a pipeline stage knows ({', '.join(_MASKS)}); use --set dist.pipeline_parallel=1")
     make = getattr(masking_utils, _MASKS[kind])
-    # position_ids None: transformers then reads no packed sequences out of them (a check that cannot run on the meta
-    # or fake tensors of distrib plan's dry run); the positions here are 0..T-1, unpacked.
-    return make(config=config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=None)
+    # position_ids None where they are 0..T-1: transformers then reads no packed sequences out of them (a check that
+    # cannot run on the meta or fake tensors of distrib plan's dry run).
+    return make(config=config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=packed)

@@ -14,7 +14,6 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from distrib.config import DistConfig, SpeedConfig
-from distrib.distributed.context_parallel import ATTEND, stepping_cut
 from distrib.distributed.dimensions.pipeline import microbatches
 from distrib.distributed.mesh import ParallelDims
 from distrib.distributed.parallel import explain_device_errors
@@ -22,6 +21,7 @@ from distrib.distributed.pipeline.layout import check_micro_batch, lay_out
 from distrib.distributed.pipeline.stages import Pipeline
 from distrib.distributed.runner import GradSync, Runner
 from distrib.distributed.runtime import Runtime
+from distrib.distributed.step_inputs import handed_alone, stepping
 from distrib.errors import UserError
 
 
@@ -61,16 +61,19 @@ class PipelineRunner(Runner):
     def forward_backward(self, model: nn.Module, micro_batches: list, step, grad_sync: GradSync) -> torch.Tensor:
         """Each micro-batch, as the degrees cut it for this rank (context parallel: its chunks of every window), through
         the schedule, cut into microbatches; no grad_sync: the schedule's stages reduce their gradients after their
-        last backward. The sum of this rank's microbatch losses (0 off the last stage)."""
+        last backward. Packed documents' positions (and cp's attention) reach the stages from the step (one_tensor).
+        The sum of this rank's microbatch losses (0 off the last stage)."""
         total = torch.zeros((), device=step.device)
         pieces = self.pipeline.microbatches
         for inputs, targets in micro_batches:
-            if not isinstance(inputs, torch.Tensor):
-                raise UserError("dist.pipeline_parallel > 1: the samples' inputs are not one tensor, and a pipeline "
-                                "cuts one tensor into microbatches; use --set dist.pipeline_parallel=1")
+            if not (isinstance(inputs, torch.Tensor) or handed_alone(inputs) and self.pipeline.reads_positions):
+                raise UserError("dist.pipeline_parallel > 1: the samples' inputs are not one tensor (nor token ids "
+                                "with the positions of packed documents into the built-in GPT or a transformers "
+                                "decoder), and a pipeline cuts one tensor into microbatches; use --set "
+                                "dist.pipeline_parallel=1")
             inputs, targets = self.cut((inputs, targets))
             with explain_device_errors(model, step.device, step.batch(inputs, targets)), step.autocast(), \
-                    one_tensor(inputs) as tokens:
+                    one_tensor(inputs, pieces) as tokens:
                 loss = self.pipeline.train_step(tokens, targets, lambda out, tgt: step.loss(out, tgt, pieces))
             if loss is not None:
                 total = total + loss
@@ -98,10 +101,10 @@ class PipelineRunner(Runner):
                         "fsdp once, then under pipeline parallel from that run's (sharded) checkpoint")
 
 
-def one_tensor(inputs) -> contextlib.AbstractContextManager:
-    """Inside: the one tensor the schedule cuts into microbatches and the first stage takes; what else the degrees'
-    cut handed the model (context parallel's positions and attention) reaches every stage's forward from the step
-    (the step's schedule, and distrib plan's stage passes)."""
-    if isinstance(inputs, dict) and ATTEND in inputs:
-        return stepping_cut(inputs)
+def one_tensor(inputs, microbatches: int = 1) -> contextlib.AbstractContextManager:
+    """Inside: the one tensor the schedule cuts into microbatches and the first stage takes; what else the micro-batch
+    holds (packed documents' positions, context parallel's positions and attention) reaches every stage's forward
+    from the step, each microbatch's rows (the step's schedule, and distrib plan's stage passes)."""
+    if handed_alone(inputs):
+        return stepping(inputs, microbatches)
     return contextlib.nullcontext(inputs)

@@ -5,6 +5,7 @@ schedule (torch.distributed.pipelining) for training, a forward through every st
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -13,8 +14,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from distrib.distributed.context_parallel import takes_attend
 from distrib.distributed.mesh import ParallelDims
+from distrib.distributed.pipeline.decoder import stage_class
 from distrib.distributed.pipeline.split import StageSplit, owner_of, view
+from distrib.distributed.step_inputs import ATTEND, handed_alone, microbatch, stepping
 
 _SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
               "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
@@ -65,6 +69,12 @@ class Pipeline:
     @property
     def has_last(self) -> bool:
         return self.split.num_stages - 1 in self.stages
+
+    @property
+    def reads_positions(self) -> bool:
+        """Whether the stages read the step's positions (distrib.distributed.step_inputs): the built-in GPT's (its
+        forward takes `attend`) and a transformers decoder's (decoder.stage_class)."""
+        return takes_attend(self.whole) or stage_class(self.whole) is not None
 
     def rank_of(self, stage: int) -> int:
         return dist.get_global_rank(self.group, owner_of(stage, self.dims.pipeline, self.schedule_name))
@@ -119,9 +129,9 @@ class Pipeline:
         return torch.stack(losses).sum().detach() if losses else None
 
     def _build_schedule(self):
-        from torch.distributed.pipelining import PipelineStage, schedules
+        from torch.distributed.pipelining import schedules
 
-        staged = [PipelineStage(module, index, self.split.num_stages, self.device, group=self.group)
+        staged = [_stage_type()(module, index, self.split.num_stages, self.device, group=self.group)
                   for index, module in sorted(self.stages.items())]
         cls = getattr(schedules, _SCHEDULES[self.schedule_name])
         multi = issubclass(cls, schedules.PipelineScheduleMulti)
@@ -165,6 +175,19 @@ class Pipeline:
                 for name, t in whole.items()}
 
 
+@functools.cache
+def _stage_type() -> type:
+    """torch's PipelineStage, its forwards run as the schedule's microbatch (the step's rows: step_inputs)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class MicrobatchStage(PipelineStage):
+        def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+            with microbatch(fwd_chunk_id):
+                return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    return MicrobatchStage
+
+
 @contextlib.contextmanager
 def _naming_stage(stage: int | None, pipeline: Pipeline) -> Iterator[None]:
     """A device mismatch inside a stage names the stage and what it holds."""
@@ -188,6 +211,10 @@ class Pipelined(nn.Module):
     pipeline: Pipeline | None = None  # handed over by the step runner that owns it, once the stages are sharded
 
     def forward(self, *args, **kwargs):
+        kwargs.pop("use_cache", None)  # distrib's loss asks a transformers model for none with packed documents
+        if not args and handed_alone(kwargs) and ATTEND not in kwargs and self.pipeline.reads_positions:
+            with stepping(kwargs) as tokens:  # packed documents: their positions reach every stage
+                return self.pipeline.forward(tokens)
         if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
             raise TypeError("under dist.pipeline_parallel the model takes one tensor (token ids, images, features): "
                             "dict samples cannot be cut into microbatches and sent between stages")
