@@ -3,8 +3,8 @@ dist.fault_tolerant_timeout_s): the job's ranks split into G worlds of their own
 and restarts, kept in step by torchft. It adds no mesh dimension: it divides the job's world (the plan's) by G,
 multiplies the micro-batch streams (ParallelDims.batch_ranks), and adds one all-reduce across the groups of each
 rank's gradients (its shards under fsdp, the whole under ddp). Its launcher's flags, each group's config and the
-worker's hook around the training steps come from here; the mechanisms are distrib.launch.replica_groups (the
-launcher's side) and distrib.distributed.fault_tolerance (the worker's)."""
+worker's hook around the training steps come from here; the mechanisms are distrib.launch.replica_groups and
+group_launches (the launcher's side) and distrib.distributed.fault_tolerance (the worker's)."""
 
 from __future__ import annotations
 
