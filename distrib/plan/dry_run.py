@@ -248,7 +248,8 @@ def _tracker(strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimi
 
 def _step_loss(config: Config, strategy: Strategy, targets: list) -> StepLoss:
     """The trainer's StepLoss (distrib.training.trainer): the config's loss, normalised once for the step."""
-    return StepLoss(loss=step_loss(build_loss(config.train), targets, strategy.dims.world_size), forward=forward,
+    shares = strategy.runner.loss_shares(strategy.dims.world_size)
+    return StepLoss(loss=step_loss(build_loss(config.train), targets, shares), forward=forward,
                     autocast=lambda: autocast(config.train.precision, HOST), backward=lambda loss: loss.backward(),
                     batch=lambda inputs, targets: {}, device=HOST)
 
@@ -359,13 +360,13 @@ def rows(figures: dict) -> list[tuple[str, str]]:
                          for r in f["dry_run_ranks"])
     parts = ", ".join(f"{words} {_size(f[f'dry_run_{part}_bytes'])}" for part, words in PART_WORDS.items()
                       if f[f"dry_run_{part}_bytes"])
-    counted = f["dry_run_ranks"][0].get("measured_blocks")
+    counted, slack = f["dry_run_ranks"][0].get("measured_blocks"), f["allocator_slack_bytes_per_rank"]
     how = f"{f['dry_run_attention']} attention" + (
         f", {counted[0]} and {counted[1]} blocks stepped and the rank's {f['dry_run_ranks'][0]['blocks']} counted"
         if counted else "")
     return [("dry run peak / rank", f"{_size(f['dry_run_peak_bytes_per_rank'])} measured on fake tensors (rank "
-                                    f"{f['dry_run_rank']}), plan {_size(f['memory_bytes_per_rank'])} without its "
-                                    f"allocator slack {_size(f['allocator_slack_bytes_per_rank'])}"),
+                                    f"{f['dry_run_rank']}), plan {_size(f['memory_bytes_per_rank'] - slack)} "
+                                    f"(without its allocator slack, {_size(slack)})"),
             ("dry run parts at the peak", parts),
             *([("dry run ranks", measured)] if len(f["dry_run_ranks"]) > 1 else []),
             *_verdict_rows(f, _fix_rows),
