@@ -1,19 +1,20 @@
 """Context parallel on the CPU (gloo): one rank's activations at a long sequence under cp 1 and cp 2, and the whole
 step's peak of cp 2 x fsdp 2 beside `distrib plan --dry-run`'s, in one launch of 4 workers.
 
-    python scripts/bench_cp.py [--seq-len 4096] [--dim 2048] [--layers 2] [--json bench_cp.json]
+    python scripts/bench_cp.py [--seq-len 4096] [--dim 1024] [--layers 2] [--json bench_cp.json]
 
 Each worker builds the built-in GPT as its strategy does (one window of seq_len random byte tokens a rank), runs one
 AdamW step (the optimizer's state created) and then a second one, measured on rank 0:
 - activations: the bytes autograd saves during the forward (saved_tensors_hooks; each storage once; parameters,
   gathered or not, left out): the peak of a rank's activations, reached as its forward ends. Under cp 2 a rank saves
   half of every sequence's activations, the keys and values gathered from the group (kept for backward) and the
-  attention's additive mask, which the CPU's flash kernel makes per layer from the boolean one (float32, s/C x s).
+  attention's additive mask (float32, s/C x s), made once a micro-batch and shared by its layers (MaskedAttention in
+  distrib/distributed/context_parallel.py; SDPA turned a boolean one into a float one of its own in each layer).
 - peak: the step's most bytes held at once (parameters, gradients, optimizer state, activations, temporaries), counted
   by torch's FSDPMemTracker over real tensors; beside it the dry run of the same layout on fake tensors.
 Targets (issue 50): activations at cp 2 / cp 1 <= 0.6 at sequence 4,096; the dry run within 20% of the measured peak.
-The ratio falls with the width: a layer's mask (s/C x s) does not grow with it, the rest does (0.717 at dim 512,
-0.589 at dim 2048, the default: wide and shallow, about 7 CPU-minutes).
+The ratio falls with the width: the mask (s/C x s) does not grow with it, the rest does (0.630 at dim 512, 0.589 at
+dim 1024, the default: about 3 CPU-minutes; with a mask a layer they were 0.717 at 512 and 0.589 at 2,048).
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ def planned(seq_len: int, dim: int, layers: int) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--dim", type=int, default=2048)
+    parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)

@@ -87,20 +87,43 @@ def restore(chunks: list[torch.Tensor], degree: int) -> torch.Tensor:
     return whole
 
 
-class GatheredAttention:
+class MaskedAttention:
+    """Attention of queries [B, H, Tq, D] over keys and values under one boolean mask [..., Tq, Tk] (True: attends)
+    for every layer of a micro-batch. SDPA turns a boolean mask into an additive one of the queries' dtype at each
+    call and keeps that for backward, a float mask a layer; an additive mask of the queries' dtype it keeps as it is,
+    no copy. So the first layer's call makes it (additive) and the others are handed the same tensor: one mask a
+    micro-batch (this object lives one: cut_batch makes one a micro-batch)."""
+
+    def __init__(self, mask: torch.Tensor):
+        self.mask, self._additive = mask, None
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+                 ) -> torch.Tensor:
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: the fewer heads, repeated for the queries
+            k, v = (rows.repeat_interleave(q.shape[1] // rows.shape[1], dim=1) for rows in (k, v))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.additive(q.dtype), scale=scale)
+
+    def additive(self, dtype: torch.dtype) -> torch.Tensor:
+        """The mask as SDPA's additive one (0 where True, -inf where not: SDPA's own conversion, so the same
+        results), in `dtype` (SDPA takes no other than the queries'), made once."""
+        if self._additive is None or self._additive.dtype != dtype:
+            self._additive = torch.full(self.mask.shape, float("-inf"), dtype=dtype, device=self.mask.device)
+            self._additive.masked_fill_(self.mask, 0.0)
+        return self._additive
+
+
+class GatheredAttention(MaskedAttention):
     """Attention of this rank's queries [B, H, Tq, D] over the keys and values of every rank of the group, gathered in
     rank order, under a mask of their places (causal_mask): what the model's attention runs in place of its own on a
     cut of the window."""
 
     def __init__(self, mask: torch.Tensor, group: dist.ProcessGroup):
-        self.mask, self.group = mask, group
+        super().__init__(mask)
+        self.group = group
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
                  ) -> torch.Tensor:
-        k, v = self.gather(k), self.gather(v)
-        if k.shape[1] != q.shape[1]:  # grouped-query attention: the fewer heads gathered, then repeated for the queries
-            k, v = (rows.repeat_interleave(q.shape[1] // rows.shape[1], dim=1) for rows in (k, v))
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, scale=scale)
+        return super().__call__(q, self.gather(k), self.gather(v), scale)
 
     def rows(self, samples: torch.Tensor) -> GatheredAttention:
         """The attention of a pipeline's microbatch: these samples' rows of a mask per sample (packed windows)."""

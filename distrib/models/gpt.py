@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distrib.distributed.context_parallel import block_causal_mask, documents_of
+from distrib.distributed.context_parallel import MaskedAttention, block_causal_mask, documents_of
 from distrib.distributed.step_inputs import step_inputs
 from distrib.errors import ConfigError
 from distrib.models.moe import STEP_BUFFERS, FeedForward, MoE, add_aux_losses
@@ -56,7 +56,7 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        elif callable(mask):  # what attends on a cut of the window (GPT.forward's attend): over every rank's keys
+        elif callable(mask):  # a cut's attention over every rank's keys (attend), or a packed window's MaskedAttention
             out = mask(q, k, v)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -243,13 +243,14 @@ class GPT(nn.Module):
         return {"logits": x, "aux_loss": torch.stack([moe.aux_loss for moe in moes]).sum()}
 
     def _positions(self, length: int, position_ids: torch.Tensor | None, document_ids: torch.Tensor | None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The rotary tables for the positions ([T, head_dim], or [B, 1, T, head_dim] per token) and the mask."""
+                   ) -> tuple[torch.Tensor, torch.Tensor, MaskedAttention | None]:
+        """The rotary tables for the positions ([T, head_dim], or [B, 1, T, head_dim] per token) and the attention
+        under the documents' mask, which the layers share (MaskedAttention: one additive mask, not one a layer)."""
         if position_ids is None:
             return self.rope_cos[:length], self.rope_sin[:length], None
         documents = documents_of(position_ids) if document_ids is None else document_ids
         return (self.rope_cos[position_ids][:, None], self.rope_sin[position_ids][:, None],
-                block_causal_mask(documents, documents))
+                MaskedAttention(block_causal_mask(documents, documents)))
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token as torchtitan and PaLM count them: 6 x the parameters of the matrix products

@@ -2,8 +2,8 @@
 counts the keys' and values' all-gather and the reduce-scatter of their gradients over the cp ranks (a rank's own
 keys and values a collective, again for the all-gather where blocks are recomputed), FSDP2's traffic over the shard
 and cp ranks together, and a rank's activations: a half of each sequence's, the gathered keys and values and the
-attention's additive mask of each layer. (Against a real run's: scripts/bench_cp.py, in tests/integration/
-test_bench.py.)"""
+attention's additive mask, one a micro-batch (its layers share it). (Against a real run's: scripts/bench_cp.py, in
+tests/integration/test_bench.py.)"""
 
 import pytest
 
@@ -49,9 +49,10 @@ def test_the_plan_counts_the_gathered_keys_and_values_and_fsdp_over_shard_and_cp
 def test_a_cp_rank_keeps_half_a_sequence_and_the_gathered_keys_values_and_mask(plans):
     one, two = plans["cp1"]["activation_bytes_per_micro_batch"], plans["cp2"]["activation_bytes_per_micro_batch"]
     gathered = LAYERS * 2 * SEQ * DIM * 4  # each layer's K and V of the whole window
-    mask = LAYERS * (SEQ // 2) * SEQ * 4  # SDPA's additive float mask of each layer, from the boolean one
+    mask = (SEQ // 2) * SEQ * 4  # the additive float mask the layers share (MaskedAttention), counted once
     assert one / 2 < two <= one / 2 + gathered + mask
-    assert two - one / 2 >= mask  # the masks at least: they are not in the whole-window run
+    assert two - one / 2 >= mask  # the mask at least: it is not in the whole-window run
+    assert two - one / 2 < LAYERS * mask  # not one a layer
 
 
 def test_the_plan_of_pp_x_cp_cuts_every_stage_s_windows_as_the_pipeline_runs_them():
