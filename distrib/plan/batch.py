@@ -59,13 +59,10 @@ def positions(inputs: Tree) -> int:
     return len(next(iter(inputs.values())) if isinstance(inputs, dict) else inputs)
 
 
-def staged_inputs(sample: Batch, pipeline_parallel: int, dry_run: bool = False) -> None:
+def staged_inputs(sample: Batch, pipeline_parallel: int) -> None:
     """Pipeline stages take one tensor of inputs (or packed documents' token ids, whose positions reach the stages
-    from the step): a one-line refusal for others (as the run's first forward says)."""
-    if dry_run and handed_alone(sample[0]):  # its stage passes run each stage's input alone, outside a step
-        raise ConfigError(f"dist.pipeline_parallel = {pipeline_parallel}: distrib plan --dry-run does not yet step "
-                          "packed documents (data.document_mask) through pipeline stages; fix: run distrib plan "
-                          "without --dry-run")
+    from the step: distrib.distributed.pipeline.runner.one_tensor): a one-line refusal for others (as the run's first
+    forward says)."""
     if not (isinstance(sample[0], torch.Tensor) or handed_alone(sample[0])):
         raise ConfigError(f"dist.pipeline_parallel = {pipeline_parallel}: the data's micro-batches are dict samples "
                           f"({describe(sample[0])}), which cannot be cut into microbatches and sent between stages; "

@@ -8,7 +8,8 @@ state is created first (as a first step would), so the step measured is a steady
 dist.device says: a CUDA run also holds the blocks it prefetches (distrib.plan's BLOCKS_IN_FLIGHT), the analytic plan
 counts them. Under pipeline parallel the ranks of the first and the last stage are measured, each stage run directly
 on fake microbatches of the shapes a meta pass of the whole model gives (not torch's schedule: the fake group cannot
-carry shapes), as many in flight as the schedule holds; the larger peak is reported. A rank that holds more than
+carry shapes), as many in flight as the schedule holds, packed documents' positions handed from the step as the
+pipeline runner hands them (one_tensor); the larger peak is reported. A rank that holds more than
 three alike blocks is measured on the model cut to 2 and 3 blocks a stage and counted for the rest (distrib.plan.blocks;
 every_block: stepped whole). For a CUDA target attention runs the fused kernel's footprint (distrib.plan.attention),
 not the CPU's math kernel; the verdict and the fixes are the plan's, of the measured peak."""
@@ -33,7 +34,9 @@ from distrib.distributed import pipeline
 from distrib.distributed.parallel import local_tensor
 from distrib.distributed.parallelize import prepare
 from distrib.distributed.pipeline.decoder import stage_class
+from distrib.distributed.pipeline.runner import one_tensor
 from distrib.distributed.runtime import Runtime
+from distrib.distributed.step_inputs import microbatch
 from distrib.distributed.strategies import Strategy, make_strategy
 from distrib.distributed.strategies.base import StepLoss
 from distrib.distributed.strategies.materialise import build_on_meta
@@ -269,9 +272,9 @@ def stage_inputs(config: Config, info, size: int, sample, blocks: int | None = N
     split = pipeline.split_stages(model, dist_config.pipeline_parallel * dist_config.stages_per_rank,
                                   dist_config.pipeline_split, dist_config.pipeline_parallel)
     cls = stage_class(model)  # as lay_out views the stages (a Hugging Face decoder's run their units themselves)
-    staged_inputs(sample, dist_config.pipeline_parallel, dry_run=True)
-    x, inputs = shaped_batch(sample, size)[0], []
-    with torch.no_grad():
+    staged_inputs(sample, dist_config.pipeline_parallel)
+    inputs = []
+    with torch.no_grad(), one_tensor(shaped_batch(sample, size)[0]) as x:  # packed documents: positions from the step
         for stage in range(split.num_stages):
             inputs.append(x)
             x = pipeline.view(model, split.units, set(split.stage_units(stage)), cls)(x)
@@ -290,15 +293,16 @@ def _pipeline_step(config: Config, strategy: Strategy, model: nn.Module, sample,
                               dist_config.stages_per_rank, dist_config.pipeline_schedule)
     held = in_flight(dist_config.pipeline_schedule, dist_config.pipeline_parallel, dist_config.stages_per_rank, count,
                      strategy.dims.pipeline_rank(rank))
-    targets = shaped_batch(sample, batches.micro_batch_size, HOST)[1]
+    batch, targets = shaped_batch(sample, batches.micro_batch_size, HOST)
     step = _step_loss(config, strategy, [targets] * batches.grad_accum_steps)
-    last = len(inputs) - 1
+    last, forwarded = len(inputs) - 1, dict.fromkeys(mine, 0)
 
     def forward_one(stage: int) -> torch.Tensor:
         next_microbatch()  # the tracker's per-module figures (not its peak) start again: it takes one pass per module
         received = torch.zeros_like(inputs[stage], device=HOST)
         received.requires_grad_(stage > 0 and received.is_floating_point())
-        with step.autocast():
+        with step.autocast(), microbatch(forwarded[stage]):  # as the runner's stages: the step's rows of it
+            forwarded[stage] += 1
             out = stages[stage](received)
             return step.loss(out, targets[:len(received)], count) if stage == last else out
 
@@ -310,19 +314,27 @@ def _pipeline_step(config: Config, strategy: Strategy, model: nn.Module, sample,
         out.backward() if stage == last else out.backward(torch.ones_like(out))
 
     for micro_step in range(batches.grad_accum_steps):
-        pending = [(stage, forward_one(stage)) for stage, kept in zip(mine, held) for _ in range(kept)]
-        first = turned if micro_step == 0 else lambda: None
+        forwarded.update(dict.fromkeys(mine, 0))
+        with one_tensor(batch, count):  # the runner's: packed documents' positions reach every stage from the step
+            _micro_step(mine, held, count, forward_one, backward_one, turned if micro_step == 0 else None)
+
+
+def _micro_step(mine: list[int], held: list[int], count: int, forward_one, backward_one, turned) -> None:
+    """One micro-step of this rank's stages `mine`: `held` microbatches of each forwarded before the first backward,
+    then the others one by one; turned() (None: nothing) at the turns, before the first backward and after each."""
+    first = turned or (lambda: None)
+    pending = [(stage, forward_one(stage)) for stage, kept in zip(mine, held) for _ in range(kept)]
+    first()
+    done = dict.fromkeys(mine, 0)
+    for stage, out in pending:
+        backward_one(stage, out, done[stage])
+        done[stage] += 1
         first()
-        done = dict.fromkeys(mine, 0)
-        for stage, out in pending:
-            backward_one(stage, out, done[stage])
+    for stage, kept in zip(mine, held):
+        for _ in range(count - kept):
+            backward_one(stage, forward_one(stage), done[stage])
             done[stage] += 1
             first()
-        for stage, kept in zip(mine, held):
-            for _ in range(count - kept):
-                backward_one(stage, forward_one(stage), done[stage])
-                done[stage] += 1
-                first()
 
 
 def _optimizer_step(config: Config, strategy: Strategy, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -123,17 +123,30 @@ def test_plan_counts_a_packed_run(capsys):
     assert "data.document_mask" not in capsys.readouterr().err
 
 
-def test_plan_of_packed_documents_under_pp2_and_its_dry_run_refusal(capsys):
-    """distrib plan steps each stage with the step's positions (distrib.distributed.step_inputs), as the run does; its
-    dry run, whose stage passes run outside a step, refuses them in one line, exit 2."""
+def test_plan_and_dry_run_of_packed_documents_under_pp2(capsys):
+    """distrib plan and its dry run step each stage with the step's positions (distrib.distributed.step_inputs, the
+    dry run's fake step through the pipeline runner's one_tensor), as the run does: the dry run measures a peak that
+    the plan meets as closely as without documents, and the documents' masks and positions add to the measured
+    activations what they add to the plan's (the fake step also holds the micro-batch's positions and each
+    microbatch's rows of them, beyond what a stage saves)."""
     from distrib.cli import main
+    from distrib.plan import Machine, plan_run
+    from distrib.plan.dry_run import dry_run
 
-    packed = ["model.name=gpt", "model.kwargs={n_layers = 2, n_heads = 4, dim = 64, tie_weights = false}",
+    causal = ["model.name=gpt", "model.kwargs={n_layers = 2, n_heads = 4, dim = 64, tie_weights = false}",
               "data.name=text", "data.root=/usr/share/common-licenses/GPL-3", "data.seq_len=32",
-              "train.global_batch_size=8", "dist.strategy=fsdp", "dist.pipeline_parallel=2", "data.document_mask=true",
-              "data.eos_id=10"]
-    sets = [arg for item in packed for arg in ("--set", item)]
-    assert main(["plan", "--world-size", "4", *sets]) == 0
-    capsys.readouterr()
-    assert main(["plan", "--world-size", "4", "--dry-run", *sets]) == 2
-    assert "--dry-run does not yet step packed documents" in capsys.readouterr().err
+              "train.global_batch_size=8", "dist.strategy=fsdp", "dist.pipeline_parallel=2", "dist.device=cpu"]
+    packed = [*causal, "data.document_mask=true", "data.eos_id=10"]
+    assert main(["plan", "--world-size", "4", *(arg for item in packed for arg in ("--set", item))]) == 0
+    assert "document_mask" not in capsys.readouterr().err
+    figures = {}
+    for name, sets in (("causal", causal), ("packed", packed)):
+        config = load_config(None, sets)
+        plan, measured = plan_run(config, Machine(1, 4)), dry_run(config, Machine(1, 4))
+        figures[name] = (plan["memory_bytes_per_rank"] - plan["allocator_slack_bytes_per_rank"],
+                         measured["dry_run_peak_bytes_per_rank"])
+        assert 0.85 < figures[name][0] / figures[name][1] < 1.15, (name, figures[name])
+    (planned_causal, measured_causal), (planned, measured) = figures["causal"], figures["packed"]
+    assert planned / measured == pytest.approx(planned_causal / measured_causal, abs=0.01)
+    # the masks' bytes (each in-flight microbatch's): measured beside the plan's count
+    assert planned - planned_causal <= measured - measured_causal < planned - planned_causal + 0.01 * measured
