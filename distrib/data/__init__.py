@@ -1,11 +1,11 @@
 """Data for training: datasets by name or factory, read once and described by a DataInfo (load.py, idx.py, named.py,
-factory.py, assemble.py); what a sample may be (samples.py: tensors of any dtype and shape, or dicts of them); the
-world-size-invariant batch plan and the two batch sources (batching.py); micro-batches of samples of different
-lengths, padded, or the user's collate function (collate.py); a validation set (split.py); batched augmentation on
-the device (augment.py); a folder of images for predict (folder_inputs.py); language-model windows of a text or
-token stream, their own batch source (text.py), of token shards (token_files.py); streams, plain or sharded, read
-pass by pass with each rank's position in the checkpoint (stream.py, stream_read.py). The worker calls load_data;
-distrib.fit calls data_from_datasets."""
+factory.py, assemble.py; describe.py: classes and statistics; materialize.py: the splits' kind, read whole); what a
+sample may be (samples.py: tensors of any dtype and shape, or dicts of them); the world-size-invariant batch plan and
+the two batch sources (batching.py); micro-batches of samples of different lengths, padded, or the user's collate
+function (collate.py); a validation set (split.py); batched augmentation on the device (augment.py); a folder of images
+for predict (folder_inputs.py); language-model windows of a text or token stream, their own batch source (text.py), of
+token shards (token_files.py); streams, plain or sharded, read pass by pass with each rank's position in the checkpoint
+(stream.py, stream_read.py). The worker calls load_data; distrib.fit calls data_from_datasets."""
 
 from distrib.data.assemble import Data
 from distrib.data.augment import Augment

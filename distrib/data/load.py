@@ -11,9 +11,10 @@ import torch.distributed as dist
 
 from distrib.config import DataConfig
 from distrib.data import documents, identity, idx, named
-from distrib.data.assemble import Data, Loaded, build, distributed, materialize, on_rank0
+from distrib.data.assemble import Data, Loaded, build, distributed, on_rank0
 from distrib.data.collate import collate_for
 from distrib.data.factory import as_split_or_dataset, call_data_factory
+from distrib.data.materialize import materialize
 from distrib.data.tensors import FASHION_MNIST_STATS, Split
 from distrib.data.text import token_data
 from distrib.distributed.runtime import Runtime
