@@ -21,7 +21,7 @@ from distrib.data import load_data
 from distrib.distributed.runtime import open_runtime
 from distrib.distributed.strategies import Build, make_strategy
 from distrib.models.build import build_model
-from distrib.training.trainer import build_optimizer
+from distrib.training.optimizers import build_optimizer
 
 
 def peak_rss() -> int:

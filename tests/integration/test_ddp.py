@@ -17,8 +17,10 @@ from distrib.launch.preempt import StopFlag
 from distrib.metrics import Recorder
 from distrib.models.network import Network
 from distrib.training.losses import cross_entropy
+from distrib.training.optimizers import lr_factor
+from distrib.training.state import new_state
 from distrib.training.throughput import Throughput
-from distrib.training.trainer import Trainer, lr_factor, new_state
+from distrib.training.trainer import Trainer
 from distrib.worker import run_training
 from tests.helpers.support import SMALL, load_weights, max_relative_diff
 

@@ -26,7 +26,7 @@ from distrib.distributed.mesh import ParallelDims
 from distrib.distributed.runtime import Runtime, read_launch_env
 from distrib.distributed.strategies import check_config, parallel_dims
 from distrib.errors import ConfigError, UserError
-from distrib.training.trainer import new_state
+from distrib.training.state import new_state
 from tests.helpers.support import small_config
 
 CPU = torch.device("cpu")

@@ -9,7 +9,7 @@ import torch
 def test_a_schedule_shorter_than_the_run_is_refused():
     from distrib.config import TrainConfig
     from distrib.errors import ConfigError
-    from distrib.training.trainer import build_scheduler
+    from distrib.training.optimizers import build_scheduler
 
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     with pytest.raises(ConfigError, match=r"train.schedule_steps = 50: shorter than this run's 80 steps"):

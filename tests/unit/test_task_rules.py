@@ -14,7 +14,7 @@ from distrib.errors import UserError
 from distrib.training.evaluation import task_of, user_metric
 from distrib.training.losses import build_loss, class_dim, global_count_scale, model_loss
 from distrib.training.notes import optimizer_note, task_notes
-from distrib.training.trainer import build_optimizer
+from distrib.training.optimizers import build_optimizer
 
 
 def _train(*overrides):

@@ -45,7 +45,7 @@ class Layout:
 @dataclass(frozen=True)
 class Training:
     """What a degree's hook around the training steps reads: the worker's config and runtime, the training state
-    (distrib.training.trainer.TrainState), the batch plan, the recorder, the run's steps, and a Checkpointer of any
+    (distrib.training.state.TrainState), the batch plan, the recorder, the run's steps, and a Checkpointer of any
     config's checkpoint.dir (another world's: to load from)."""
 
     config: Config
