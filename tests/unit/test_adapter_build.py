@@ -12,7 +12,7 @@ from distrib.checkpoint.init_from import check_weights, open_source
 from distrib.config import load_config
 from distrib.distributed.strategies import materialise
 from distrib.errors import UserError
-from distrib.worker import _init_from
+from distrib.training.building import init_from
 from tests.helpers.pretrained import lora_from_pretrained, lora_llama, save_llama
 
 
@@ -25,7 +25,7 @@ def _built(folder, on_meta: bool, notes: list[str]):
         materialise.restore_buffers(model, buffers)
     else:
         model = materialise.build_whole(lora_llama, seed=3)
-    _init_from(config, notes)(model)
+    init_from(config, notes)(model)
     return model
 
 

@@ -19,7 +19,7 @@ from distrib.data.stream_read import Layout, Shards, StreamCollate, WorkerStream
 from distrib.data.tensors import Normalizer, Split
 from distrib.distributed.runtime import Runtime
 from distrib.errors import ConfigError, UserError
-from distrib.worker import _total_steps
+from distrib.training.opening import count_steps
 
 CPU = Runtime(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"), backend="gloo")
 
@@ -138,14 +138,14 @@ def test_a_sharded_position_at_another_world_size_is_one_line():
 
 def test_a_stream_needs_train_max_steps_only_for_a_schedule_that_needs_its_length():
     with pytest.raises(ConfigError) as error:  # the default cosine, no train.schedule_steps
-        _total_steps(load_config(None, ["train.epochs=1"]), None)
+        count_steps(load_config(None, ["train.epochs=1"]), None)
     message = str(error.value)
     assert message.startswith("train.max_steps = 0: the training data is a stream") and "\n" not in message
     assert all(fix in message for fix in ("train.max_steps=N", "train.schedule_steps=N", "train.schedule=constant"))
-    assert _total_steps(load_config(None, ["train.max_steps=7"]), None) == 7
+    assert count_steps(load_config(None, ["train.max_steps=7"]), None) == 7
     # Nothing needs the length: train.epochs passes end the run (None: unknown until they do).
-    assert _total_steps(load_config(None, ["train.schedule=constant"]), None) is None
-    assert _total_steps(load_config(None, ["train.schedule_steps=40"]), None) is None
+    assert count_steps(load_config(None, ["train.schedule=constant"]), None) is None
+    assert count_steps(load_config(None, ["train.schedule_steps=40"]), None) is None
 
 
 class Pairs(IterableDataset):
