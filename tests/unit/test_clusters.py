@@ -10,6 +10,7 @@ import os
 import pytest
 
 from distrib import cli
+from distrib.cli import train as train_command
 from distrib.errors import UserError
 from distrib.launch import arguments, clusters, doctor
 from tests.helpers.cluster_envs import (
@@ -113,8 +114,8 @@ def test_flags_win_over_pet_and_pet_over_skypilot(no_launch_env, monkeypatch):
 def test_distrib_train_launches_under_pet_and_skypilot_but_not_inside_a_worker(no_launch_env, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     started = []
-    monkeypatch.setattr(cli, "launch_trainer", lambda flags, argv, check: started.append((flags, argv)) or 0)
-    monkeypatch.setattr(cli, "_worker", lambda config: started.append("worker") or 0)
+    monkeypatch.setattr(train_command, "launch_trainer", lambda flags, argv, check: started.append((flags, argv)) or 0)
+    monkeypatch.setattr(train_command, "worker", lambda config: started.append("worker") or 0)
     base = dict(os.environ)
     for environ in (trainjob_env(0, 29500), skypilot_env(0), pytorchjob_env(1, 29500)):
         monkeypatch.setattr(os, "environ", {**base, **environ})

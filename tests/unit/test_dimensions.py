@@ -78,7 +78,13 @@ def test_replica_groups_add_no_mesh_dimension_and_multiply_the_batch_streams():
         dimensions.worlds(DistConfig(fault_tolerant_groups=2), 12, 4)
 
 
-@pytest.mark.parametrize("path", ["distrib/worker.py", "distrib/training/trainer.py", "distrib/cli.py"])
+# with the modules split off them: the trainer's step and bookkeeping, the worker's set-up, the CLI's commands
+@pytest.mark.parametrize("path", ["distrib/worker.py", "distrib/training/trainer.py", "distrib/training/step.py",
+                                  "distrib/training/bookkeeping.py", "distrib/training/state.py",
+                                  "distrib/training/building.py", "distrib/training/resuming.py",
+                                  "distrib/training/opening.py", "distrib/training/finish.py",
+                                  "distrib/cli/__init__.py", "distrib/cli/parser.py", "distrib/cli/train.py",
+                                  "distrib/cli/commands.py"])
 def test_the_worker_trainer_and_cli_name_no_declared_degree(path):
     text = (ROOT / path).read_text()
     named = ["tensor_parallel", "expert_parallel", "pipeline_parallel", "fault_tolerant_groups", "replica_group",

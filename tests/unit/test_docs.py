@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from distrib import cli
+from distrib.cli.parser import parser
 from distrib.errors import UserError
 from tests.helpers.support import REPO
 
@@ -219,7 +220,7 @@ def _distrib(argv: list[str], where: str) -> None:
     if argv[:1] == ["launch"]:
         _torchrun(argv[1:], where)
     else:
-        _parse(cli._parser().parse_args, argv, where)
+        _parse(parser().parse_args, argv, where)
 
 
 def check_command(words: list[str], where: str) -> None:

@@ -296,12 +296,13 @@ def test_distrib_train_takes_the_launchers_flags_with_their_meaning(monkeypatch,
     from torch.distributed.run import get_args_parser
 
     from distrib import cli
+    from distrib.cli import train as train_command
 
     torchrun = {flag: action.nargs != 0 for action in get_args_parser()._actions for flag in action.option_strings}
     assert {flag: torchrun.get(flag) for flag in launcher.TRAIN_FLAGS} == launcher.TRAIN_FLAGS
     monkeypatch.chdir(tmp_path)  # the default run.dir is checked (not written)
     started = []
-    monkeypatch.setattr(cli, "launch_trainer", lambda flags, argv, check: started.append((flags, argv)) or 0)
+    monkeypatch.setattr(train_command, "launch_trainer", lambda flags, argv, check: started.append((flags, argv)) or 0)
     argv = ["train", "--nproc-per-node", "2", "--max-restarts=1", "--set", "train.max_steps=3", "--standalone",
             "--rdzv-conf", "join_timeout=60", "--nnodes", "1"]
     assert cli.main(argv) == 0

@@ -177,13 +177,13 @@ def test_a_stop_before_the_later_handlers_ends_with_75_and_one_line(monkeypatch)
 def test_a_preemption_is_said_once_by_rank_0(monkeypatch, capfd):
     """Every rank ends with 75; only the one whose recorder writes (rank 0) says the line."""
     import distrib.worker
-    from distrib import cli
+    from distrib.cli import train as train_command
     from distrib.errors import Preempted
 
     for announce in (True, False):
         def stopped(config, announce=announce):
             raise Preempted(7, "ckpt/step_7.pt", announce=announce)
         monkeypatch.setattr(distrib.worker, "run_training", stopped)
-        assert cli._worker(None) == EXIT_PREEMPTED
+        assert train_command.worker(None) == EXIT_PREEMPTED
         said = capfd.readouterr().err
         assert said.count("distrib: preempted at step 7; checkpoint ckpt/step_7.pt") == (1 if announce else 0), said
