@@ -14,7 +14,8 @@ AdamW step (the optimizer's state created) and then a second one, measured on ra
   by torch's FSDPMemTracker over real tensors; beside it the dry run of the same layout on fake tensors.
 Targets (issue 50): activations at cp 2 / cp 1 <= 0.6 at sequence 4,096; the dry run within 20% of the measured peak.
 The ratio falls with the width: the mask (s/C x s) does not grow with it, the rest does (0.630 at dim 512, 0.589 at
-dim 1024, the default: about 3 CPU-minutes; with a mask a layer they were 0.717 at 512 and 0.589 at 2,048).
+dim 1024, the default: about 3 CPU-minutes, 0.567 at 2048: 7; with a mask a layer they were 0.717 at 512 and 0.589 at
+2048).
 """
 
 from __future__ import annotations
