@@ -30,7 +30,7 @@ from distrib.launch.lighthouse import HEARTBEAT_TIMEOUT_MS
 
 if TYPE_CHECKING:
     from distrib.config import Config
-    from distrib.plan import Machine
+    from distrib.plan.machine import Machine
 
 GB, HOUR = 1e9, 3600.0
 # Llama 3 405B (its paper, 3.3.4): 419 unexpected interruptions in 54 days of 16,384 H100s.

@@ -21,22 +21,15 @@ from distrib.distributed.pipeline import owner_of, split_stages, stage_class, st
 from distrib.distributed.pipeline.runner import one_tensor
 from distrib.distributed.runtime import Runtime
 from distrib.distributed.strategies import Strategy
-from distrib.plan import (
-    KEPT_SLACK,
-    Machine,
-    local_parameters,
-    loss_gradient_bytes,
-    meta_model,
-    optimizer_temporaries,
-    planned_rank,
-    returns_freed_memory,
-    saved_parts,
-    state_parts_planned,
-)
 from distrib.plan.activations import rank_batch, split_as_run, target_attention
 from distrib.plan.batch import shaped_batch, staged_inputs
 from distrib.plan.experts import held_experts
 from distrib.plan.fixes import Step
+from distrib.plan.host import KEPT_SLACK, returns_freed_memory
+from distrib.plan.machine import Machine
+from distrib.plan.peak import optimizer_temporaries
+from distrib.plan.rank import local_parameters, meta_model, planned_rank, state_parts_planned
+from distrib.plan.saved import loss_gradient_bytes, saved_parts
 
 
 def bubble_share(pp: int, microbatches: int, stages_per_rank: int = 1) -> float:

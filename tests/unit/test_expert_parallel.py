@@ -20,9 +20,10 @@ from distrib.distributed.strategies import check_config, parallel_dims
 from distrib.errors import ConfigError
 from distrib.models.gpt import GPT
 from distrib.models.moe import MoE
-from distrib.plan import Machine, plan_run, saved_bytes, table
+from distrib.plan import Machine, plan_run, table
 from distrib.plan.experts import all_to_all_split
 from distrib.plan.layout import check_layout
+from distrib.plan.saved import saved_bytes
 
 
 def test_received_rows_go_in_local_expert_order_each_expert_s_rows_by_source():

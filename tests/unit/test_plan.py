@@ -86,7 +86,8 @@ def test_the_peak_counts_the_gathered_blocks_the_optimizers_chunk_and_the_alloca
     """Under fsdp the peak adds the root unit and two of the largest block's bytes on the CPU (three on an accelerator,
     which prefetches), and on a CPU run whose freed memory is kept, the allocator's slack; ddp gathers nothing."""
     from distrib.config import load_config
-    from distrib.plan import SHARDED_KEPT_SLACK, Machine, plan_run, table
+    from distrib.plan import Machine, plan_run, table
+    from distrib.plan.host import SHARDED_KEPT_SLACK
 
     monkeypatch.delenv("LD_PRELOAD", raising=False)
     monkeypatch.setenv("DISTRIB_HOST_ALLOCATOR", "glibc")
@@ -116,7 +117,8 @@ def test_the_allocator_that_will_run_sets_the_slack(monkeypatch):
     a sharded model of 64 MiB or more returns it: none."""
     from distrib.config import load_config
     from distrib.launch import allocator
-    from distrib.plan import KEPT_SLACK, SHARDED_KEPT_SLACK, Machine, host_allocator, plan_run
+    from distrib.plan import Machine, plan_run
+    from distrib.plan.host import KEPT_SLACK, SHARDED_KEPT_SLACK, host_allocator
 
     tcmalloc = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
     assert host_allocator({"LD_PRELOAD": tcmalloc}) == "tcmalloc"
@@ -278,7 +280,7 @@ def test_tensor_parallel_traffic_counts_the_embedding_and_the_gathered_logits():
     import torch
 
     from distrib.config import load_config
-    from distrib.plan import _tp_activations
+    from distrib.plan.traffic import tp_activations
     from tests.helpers.pretrained import qwen2
 
     model = qwen2()
@@ -290,13 +292,13 @@ def test_tensor_parallel_traffic_counts_the_embedding_and_the_gathered_logits():
 
     run = load_config(None, ["data.name=synthetic"])
     tp = ParallelDims(1, 2, tensor_parallel=2)
-    assert _tp_activations(model, tp, tokens, run) == 16 * per_position(0)
+    assert tp_activations(model, tp, tokens, run) == 16 * per_position(0)
     checkpointed = load_config(None, ["data.name=synthetic", "speed.activation_checkpointing=blocks"])
-    assert _tp_activations(model, tp, tokens, checkpointed) == 16 * per_position(1)  # o_proj again, not down_proj
+    assert tp_activations(model, tp, tokens, checkpointed) == 16 * per_position(1)  # o_proj again, not down_proj
     staged = load_config(None, ["data.name=synthetic", "dist.pipeline_parallel=2"])  # 2 microbatches, half the layers
-    assert _tp_activations(model, ParallelDims(1, 1, tensor_parallel=2, pipeline=2), tokens, staged) == \
+    assert tp_activations(model, ParallelDims(1, 1, tensor_parallel=2, pipeline=2), tokens, staged) == \
         16 / 2 * per_position(0) / 2
-    assert _tp_activations(model, ParallelDims(1, 2), tokens, run) == 0
+    assert tp_activations(model, ParallelDims(1, 2), tokens, run) == 0
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])

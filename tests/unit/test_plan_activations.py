@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from distrib.config import load_config
-from distrib.plan import GIB, Machine, activation_bytes, plan_run, table
+from distrib.plan import GIB, Machine, plan_run, table
+from distrib.plan.saved import activation_bytes
 
 GPT = ["model.name=gpt", "model.kwargs={n_layers = 2, n_heads = 4, dim = 64, hidden_dim = 256}", "data.name=text",
        "data.root=/usr/share/common-licenses/GPL-3", "data.seq_len=32", "train.global_batch_size=8",
@@ -48,7 +49,7 @@ def test_a_cuda_target_keeps_no_s_by_s_scores():
         assert at[128] - at[64] == 2 * (at[64] - at[32]) > 0
     from distrib.data import load_data  # the math kernel, as the meta device runs it unless told the target's
     from distrib.distributed.runtime import Runtime
-    from distrib.plan import meta_model
+    from distrib.plan.rank import meta_model
 
     config = load_config(None, [*GPT, "data.seq_len=64"])
     info = load_data(config.data, Runtime(0, 0, 1, 1, torch.device("cpu"), "gloo"), 0, log=lambda m: None).info
