@@ -126,9 +126,9 @@ def test_plan_counts_a_packed_run(capsys):
 def test_plan_and_dry_run_of_packed_documents_under_pp2(capsys):
     """distrib plan and its dry run step each stage with the step's positions (distrib.distributed.step_inputs, the
     dry run's fake step through the pipeline runner's one_tensor), as the run does: the dry run measures a peak that
-    the plan meets as closely as without documents, and the documents' masks and positions add to the measured
-    activations what they add to the plan's (the fake step also holds the micro-batch's positions and each
-    microbatch's rows of them, beyond what a stage saves)."""
+    the plan meets as closely as without documents, and the documents' masks and positions add to the measured peak
+    at least what they add to the plan's, within 1% of the peak above it (here 36,352 B measured, 24,576 B planned:
+    the plan counts what autograd saves, the dry run every tensor alive at the peak)."""
     from distrib.cli import main
     from distrib.plan import Machine, plan_run
     from distrib.plan.dry_run import dry_run
