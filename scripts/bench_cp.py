@@ -78,7 +78,7 @@ def worker(out: Path, seq_len: int, dim: int, layers: int) -> None:
     from distrib.models.build import build_model
     from distrib.torch_private import FSDPMemTracker
     from distrib.training.losses import build_loss, forward, step_loss
-    from distrib.training.trainer import build_optimizer
+    from distrib.training.optimizers import build_optimizer
 
     for name, layout in LAYOUTS.items():
         config = load_config(None, overrides(seq_len, dim, layers, layout))

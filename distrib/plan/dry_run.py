@@ -52,7 +52,7 @@ from distrib.plan.machine import Machine, fake_process_group, mesh_machine
 from distrib.plan.peak import gathered_bytes, plan_fixes
 from distrib.plan.rank import meta_model
 from distrib.plan.report import table
-from distrib.training.trainer import build_optimizer
+from distrib.training.optimizers import build_optimizer
 
 # The trackers' categories (FSDPMemTracker's and MemTracker's names) -> the parts the dry run reports.
 PARTS = {"Sharded Param": "parameters", "Parameter": "parameters", "Buffer": "parameters",

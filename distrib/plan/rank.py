@@ -18,7 +18,7 @@ from distrib.plan.experts import held_experts
 from distrib.plan.machine import Machine
 from distrib.plan.saved import activation_bytes, tensor_bytes
 from distrib.training.losses import build_loss
-from distrib.training.trainer import build_optimizer
+from distrib.training.optimizers import build_optimizer
 
 
 def meta_model(config: Config, info) -> nn.Module:

@@ -22,18 +22,12 @@ from distrib.distributed.parallel import unwrap
 from distrib.metrics import Recorder
 from distrib.training.bookkeeping import Bookkeeping
 from distrib.training.callbacks import Callbacks
-from distrib.training.evaluation import autocast, evaluate
 from distrib.training.experts import ExpertLoad
 from distrib.training.extra_losses import ExtraLosses
 from distrib.training.losses import Loss
-from distrib.training.optimizers import build_optimizer, build_scheduler, lr_factor
-from distrib.training.state import Progress, TrainState, new_state
+from distrib.training.state import TrainState
 from distrib.training.step import Stepping
 from distrib.training.throughput import Throughput
-
-# The state and the optimizer's builders live beside it; named here too, where distrib.plan and the scripts take them.
-__all__ = ["Progress", "TrainState", "Trainer", "autocast", "build_optimizer", "build_scheduler", "evaluate",
-           "lr_factor", "new_state"]
 
 
 @dataclass(kw_only=True)
