@@ -74,6 +74,29 @@ class ParallelDims:
         last stage's."""
         return self.world_size // self.pipeline
 
+    @property
+    def token_split(self) -> int:
+        """How many ranks each hold a part of one sample's tokens (context parallel's cut; 1 without): they read the
+        same micro-batch, so a step's tokens are routed and counted over data_parallel x token_split ranks."""
+        return self.context_parallel
+
+    @property
+    def batch_sharers(self) -> int:
+        """The ranks of one pipeline stage that read the same micro-batch (a tensor-parallel group's times the
+        token_split ones): the innermost dimensions, so the stride between two neighbouring shard ranks."""
+        return self.world_size // (self.pipeline * self.data_parallel)
+
+    def shard_group(self) -> tuple[str, int]:
+        """(name, size) of the dimension FSDP2 shards the dense parameters over (data_parallel_mesh's last): `shard`
+        (under expert parallel the flattened (shard_mod_ep, ep) of that name), under context parallel shard_cp."""
+        return (SHARD_CP, self.shard * self.context_parallel) if self.context_parallel > 1 else (SHARD, self.shard)
+
+    def expert_shard_group(self) -> tuple[str, int]:
+        """(name, size) of the dimension FSDP2 shards each rank's experts over (expert_meshes' rest): shard_mod_ep,
+        under context parallel shard_mod_ep_cp."""
+        size = self.shard // self.expert_parallel * self.context_parallel
+        return (SHARD_MOD_EP_CP if self.context_parallel > 1 else SHARD_MOD_EP), size
+
     def dims(self) -> tuple[tuple[str, int], ...]:
         """(name, size) of the mesh torch builds, outermost first. FSDP2 replicates over a leading dimension and shards
         over the last, so its data-parallel part is (shard) or (replicate, shard), shard possibly 1 (ddp under

@@ -133,9 +133,9 @@ def held_experts(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
 
 def all_to_all_split(dims: ParallelDims, per_node: int, nbytes: float) -> tuple[float, float]:
     """(intra-node, inter-node) bytes one rank sends in an all-to-all of nbytes over its expert-parallel group, the
-    rows spread evenly over the group's ranks: ep is the inner part of the shard dimension, its ranks cp x tp apart
-    (ranks numbered node by node)."""
-    size, stride = dims.expert_parallel, dims.context_parallel * dims.tensor_parallel
+    rows spread evenly over the group's ranks: ep is the inner part of the shard dimension, its ranks batch_sharers
+    apart (those that read the same micro-batch, innermost; ranks numbered node by node)."""
+    size, stride = dims.expert_parallel, dims.batch_sharers
     local = max(1, min(size, per_node // stride)) if per_node % stride == 0 else 1
     return nbytes * (local - 1) / size, nbytes * (size - local) / size
 
@@ -147,8 +147,8 @@ def expert_plan(held: dict, dims: ParallelDims, per_node: int, tokens: int, comp
     backward, the forward again where blocks are recomputed); and the rows a rank's experts take per layer and
     micro-batch, balanced and at worst (every routed token of its ep group to its experts, or as many as capacity
     keeps), with their activations at the worst (the row and SwiGLU's four intermediates; measured: tests). tokens:
-    the micro-batch's, of which a rank routes its cut (1/C under context parallel)."""
-    layers, tokens = held["layers"], tokens // dims.context_parallel
+    the micro-batch's, of which a rank routes its part (1 / dims.token_split)."""
+    layers, tokens = held["layers"], tokens // dims.token_split
     figures = {"expert_parallel": dims.expert_parallel, "moe_layers_per_rank": len(layers),
                "expert_parameter_bytes_per_rank": held["expert_parameter_bytes_per_rank"],
                "expert_state_bytes_per_rank": held["expert_state_bytes_per_rank"]}

@@ -78,7 +78,7 @@ class ExpertLoad:
     """The MoE layers of the whole model (`names`, in its order: every rank's rows of one all-reduce) and those this
     rank holds (`held`: all of them, but a pipeline stage's). tp: how many ranks see the same tokens (a tensor-parallel
     group's: counted once); data_ranks: the ranks whose aux losses are averaged, those that read different
-    micro-batches times the cp ranks that each hold a share of one (each rank's tokens are counted as they are);
+    micro-batches times the ranks that each hold a part of one's tokens (token_split: each rank's counted as they are);
     pieces: the microbatches a pipeline cuts each micro-batch into (1 without one)."""
 
     def __init__(self, whole: dict[str, MoE | RoutedTokens], held: dict[str, MoE | RoutedTokens], tp: int = 1,
@@ -104,7 +104,7 @@ class ExpertLoad:
         if not whole:
             return None
         dims = strategy.dims
-        return cls(whole, _moes(placed, device), dims.tensor_parallel, dims.data_parallel * dims.context_parallel,
+        return cls(whole, _moes(placed, device), dims.tensor_parallel, dims.data_parallel * dims.token_split,
                    pipeline.microbatches if pipeline is not None else 1, pipeline is not None, device)
 
     def start(self, micro_steps: int) -> None:
@@ -165,8 +165,7 @@ class ExpertLoad:
     def describe(self, dims: ParallelDims) -> str:
         """The start-up line: the MoE layers, and how many of each one's experts a rank holds, over which ranks."""
         ep, experts = dims.expert_parallel, self.n_experts
-        # the experts' shard group, beside ep (and the cp ranks, which hold the same experts)
-        rest = dims.shard // ep * dims.context_parallel if dims.fully_shard else 1
+        rest = dims.expert_shard_group()[1] if dims.fully_shard else 1  # the experts' shard group, beside ep
         layout = (f"expert parallel {ep}" + (f" x fsdp {rest}" if rest > 1 else "") if ep > 1 else
                   f"no expert parallel ({'fsdp ' + str(rest) + ' shards them' if rest > 1 else 'whole on each rank'})")
         return (f"experts: {len(self.names)} MoE layers of {experts} experts (top {self.top_k}); {layout}: "

@@ -2,6 +2,7 @@
 composed from their declarations are the ones ParallelDims records and says, for the layouts the strategies make;
 and that the worker, the trainer and the CLI name none of them."""
 
+import re
 from dataclasses import fields
 from pathlib import Path
 
@@ -90,3 +91,30 @@ def test_the_worker_trainer_and_cli_name_no_declared_degree(path):
     named = ["tensor_parallel", "expert_parallel", "pipeline_parallel", "fault_tolerant_groups", "replica_group",
              "ReplicaGroups", "fault_tolerance", "dims.pipeline", "dims.tensor_parallel", "dims.expert_parallel"]
     assert [word for word in named if word in text] == []
+
+
+# the modules beside context parallel's that ask generic questions in place of naming it: how many ranks hold parts of
+# one sample's tokens (ParallelDims.token_split), read one micro-batch (batch_sharers), shard the parameters and the
+# experts (shard_group, expert_shard_group), and which degrees took a share of the world (dimensions.shares)
+@pytest.mark.parametrize("path", ["distrib/distributed/dimensions/experts.py", "distrib/distributed/dimensions/data.py",
+                                  "distrib/distributed/strategies/fsdp.py", "distrib/training/experts.py",
+                                  "distrib/plan/experts.py"])
+def test_the_modules_beside_context_parallel_name_it_not(path):
+    assert re.findall(r"context.parallel|\bcp\b|\bCP\b|_CP\b", (ROOT / path).read_text(), re.IGNORECASE) == []
+
+
+def test_the_generic_counts_are_context_parallel_s_where_it_is_on():
+    on = parallel_dims(DistConfig(strategy="hsdp", context_parallel=2, tensor_parallel=2, expert_parallel=2), 16, 8)
+    assert (on.replicate, on.shard) == (2, 2)  # a node's 8 ranks: shard 2 x cp 2 x tp 2
+    assert (on.token_split, on.batch_sharers, on.shard_group(), on.expert_shard_group()) == \
+        (2, 4, ("shard_cp", 4), ("shard_mod_ep_cp", 2))
+    off = parallel_dims(DistConfig(strategy="hsdp", tensor_parallel=2, expert_parallel=2), 16, 8)
+    assert (off.replicate, off.shard) == (2, 4)
+    assert (off.token_split, off.batch_sharers, off.shard_group(), off.expert_shard_group()) == \
+        (1, 2, ("shard", 4), ("shard_mod_ep", 2))
+    config = DistConfig(strategy="hsdp", context_parallel=2, tensor_parallel=2, shard_size=3)
+    assert [(d.name, share) for d, share in dimensions.shares(config, 16, 8) if share > 1] == \
+        [("context parallel", 2), ("tensor parallel", 2)]
+    with pytest.raises(ConfigError, match=r"shard_size = 3: does not divide the 4 data-parallel ranks \(world size 16 "
+                                          r"/ context parallel 2 / tensor parallel 2\)"):
+        parallel_dims(config, 16, 8)

@@ -10,6 +10,7 @@ over it."""
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import replace
 from typing import Callable, Iterator, Mapping
 
@@ -51,13 +52,20 @@ def check(config: Config) -> None:
         dimension.check(config)
 
 
+def shares(config: DistConfig, world_size: int, local_world_size: int) -> list[tuple[Dimension, int]]:
+    """Each degree's share of the world (1: none), in the declared order, before the data-parallel ranks are
+    counted, or a one-line ConfigError naming the degree that does not divide what the ones before left."""
+    taken, rest = [], world_size
+    for dimension in DIMENSIONS:
+        taken.append((dimension, dimension.share(config, world_size, rest, local_world_size)))
+        rest //= taken[-1][1]
+    return taken
+
+
 def data_parallel_size(config: DistConfig, world_size: int, local_world_size: int) -> int:
     """The ranks that read different micro-batches once the degrees that take a share of the world (pipeline,
     tensor parallel) have taken theirs, or a one-line ConfigError naming the degree that does not divide it."""
-    rest = world_size
-    for dimension in DIMENSIONS:
-        rest //= dimension.share(config, world_size, rest, local_world_size)
-    return rest
+    return world_size // math.prod(share for _, share in shares(config, world_size, local_world_size))
 
 
 def worlds(config: DistConfig, world_size: int, local_world_size: int) -> int:
@@ -202,5 +210,5 @@ def around_training(training: Training) -> Iterator[StepAcross | None]:
 
 __all__ = ["DIMENSIONS", "Dimension", "Layout", "StepCost", "Training", "around_training", "check", "check_model",
            "check_sizes", "counted", "data_parallel_size", "describe", "group_split", "launch_flags", "layout_words",
-           "loss_count", "mesh_dims", "model_checks", "parallelize_steps", "shards_state", "sizes", "step_traffic",
-           "Traffic", "traffic_lines", "traffic_parts", "transform_batch", "worker_config", "worlds"]
+           "loss_count", "mesh_dims", "model_checks", "parallelize_steps", "shards", "shards_state", "sizes",
+           "step_traffic", "Traffic", "traffic_lines", "traffic_parts", "transform_batch", "worker_config", "worlds"]

@@ -25,7 +25,7 @@ from distrib.distributed.dimensions.base import (
     group_split,
 )
 from distrib.distributed.dimensions.pipeline import microbatches as pipeline_microbatches
-from distrib.distributed.mesh import EP, REPLICATE, SHARD, SHARD_CP, SHARD_MOD_EP, SHARD_MOD_EP_CP, ParallelDims
+from distrib.distributed.mesh import EP, REPLICATE, SHARD, SHARD_MOD_EP, ParallelDims
 from distrib.distributed.runtime import Runtime
 from distrib.errors import ConfigError
 
@@ -127,13 +127,11 @@ class DataParallel(Dimension):
         inner = dims.tensor_parallel  # the ranks between two of a shard group's: a tensor-parallel group's
         experts = step.expert_params if dims.expert_parallel > 1 else 0
         times = _gathers(dims, config, step), _reductions(dims, config, step)
-        # under context parallel FSDP2 shards over the shard and cp ranks together (its flattened shard_cp)
-        cp = dims.context_parallel
-        shards, name = dims.shard * cp, SHARD_CP if cp > 1 else f"{SHARD_MOD_EP}+{EP}" if experts else SHARD
+        name, shards = dims.shard_group()  # the mesh dimension FSDP2 shards over (a flattened one, maybe)
+        name = f"{SHARD_MOD_EP}+{EP}" if name == SHARD and experts else name
         parts = _sharded(name, shards, inner, local - experts, times, step)
-        if experts:  # each rank's experts over shard / ep ranks, ep x tp apart (and the cp ranks: counted as if so)
-            parts += _sharded(SHARD_MOD_EP_CP if cp > 1 else SHARD_MOD_EP, dims.shard // dims.expert_parallel * cp,
-                              inner * dims.expert_parallel, experts, times, step)
+        if experts:  # each rank's experts over their shard group, ep x tp apart (those sharing tokens: as if so)
+            parts += _sharded(*dims.expert_shard_group(), inner * dims.expert_parallel, experts, times, step)
         if dims.replicate > 1:
             parts.append(Traffic(REPLICATE, "all-reduce",
                                  *group_split(dims.replicate, shards * inner, per_node, local * 4, 2 * times[1])))

@@ -64,6 +64,7 @@ class ExpertParallel(Dimension):
         dims = layout.dims
         ep, rest = dims.expert_meshes()
         # each MoE layer's experts split over `ep`; FSDP2 units of their own over the rest of the data-parallel ranks
-        # (and the cp ranks), their gradients divided by every rank whose backward added to them, as the dense ones'
-        layout.experts = (apply_expert_parallel(model, ep), rest, dims.data_parallel * dims.context_parallel)
+        # (and those that share their tokens), their gradients divided by every rank whose backward added to them, as
+        # the dense ones'
+        layout.experts = (apply_expert_parallel(model, ep), rest, dims.data_parallel * dims.token_split)
         return model

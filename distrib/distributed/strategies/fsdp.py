@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from distrib.config import DistConfig, SpeedConfig
-from distrib.distributed import fsdp
+from distrib.distributed import dimensions, fsdp
 from distrib.distributed.parallel import mismatch_error, place_model, unwrap
 from distrib.distributed.runtime import Runtime
 from distrib.distributed.strategies import materialise
@@ -59,19 +59,20 @@ class FSDPStrategy(Strategy):
     def replicas_and_shards(cls, config: DistConfig, data_parallel: int, world_size: int,
                             local_world_size: int) -> tuple[int, int]:
         """fsdp: one shard group of every data-parallel rank; hsdp: groups of dist.shard_size ranks (one node's, by
-        default: FSDP2 shards over a group's ranks times the cp ranks, tp's outer neighbours, so a node holds
-        shard x cp x tp ranks), replicated across the groups."""
+        default: a node holds a group's ranks times those that read the same micro-batch, the innermost, as FSDP2
+        shards over them: ParallelDims.batch_sharers), replicated across the groups."""
         if config.strategy == "fsdp":
             return 1, data_parallel
-        tp, pp, cp = config.tensor_parallel, config.pipeline_parallel, config.context_parallel
-        shard = config.shard_size or max(1, min(data_parallel, local_world_size // (tp * cp)))
+        sharers = world_size // (config.pipeline_parallel * data_parallel)  # the ranks that read each micro-batch
+        shard = config.shard_size or max(1, min(data_parallel, local_world_size // sharers))
         if data_parallel % shard:
-            per_node = "LOCAL_WORLD_SIZE / dist.tensor_parallel" + (" / dist.context_parallel" if cp > 1 else "")
+            per_node = "LOCAL_WORLD_SIZE" + (f" / {sharers} (ranks that read each micro-batch)" if sharers > 1 else "")
             key = "dist.shard_size" if config.shard_size else f"{per_node} (dist.shard_size)"
+            taken = "".join(f" / {d.name} {share}" for d, share in dimensions.shares(config, world_size,
+                                                                                    local_world_size) if share > 1)
             raise ConfigError(f"{key} = {shard}: does not divide the {data_parallel} data-parallel ranks (world size "
-                              f"{world_size} / tensor parallel {tp}" + (f" / pipeline parallel {pp}" if pp > 1 else "")
-                              + (f" / context parallel {cp}" if cp > 1 else "") + f"); set --set dist.shard_size to "
-                              f"a divisor of {data_parallel}, e.g. the ranks of one node")
+                              f"{world_size}{taken}); set --set dist.shard_size to a divisor of {data_parallel}, e.g. "
+                              "the ranks of one node")
         return data_parallel // shard, shard
 
     # ---------------------------------------------------------------- the model's life
