@@ -167,9 +167,9 @@ def shard(model: nn.Module, runtime: Runtime, config: DistConfig, precision: str
 
 def _shard_experts(unit: nn.Module, options: dict, data_parallel: int) -> None:
     """One experts module's unit. Its gradients are summed over fewer ranks than the dense ones (the ep ranks'
-    tokens already met in its all-to-all's backward): divided by every data-parallel rank (times the cp ranks, each
-    of which added its share of its sequences) all the same, so that they are the whole batch's mean as in one
-    process."""
+    tokens already met in its all-to-all's backward): divided by every data-parallel rank (times those that share a
+    sample's tokens, ParallelDims.token_split, each of which added its part) all the same, so that they are the whole
+    batch's mean as in one process."""
     fully_shard(unit, **options)
     unit.set_gradient_divide_factor(data_parallel)
     if options["mesh"].device_type == "cpu":

@@ -1,6 +1,6 @@
 """What the step's traffic is counted from beside the state (distrib.plan.cost sums it): the elements tensor parallel
-all-reduces per pass, the bytes of context parallel's keys and values, the share of the parameters outside the blocks,
-each as a run counts them (scripts/bench_traffic.py); and the terms plan_run hands cost's functions."""
+all-reduces per pass, the bytes the degrees' forwards count (dimensions.counted), the share of the parameters outside
+the blocks, each as a run counts them (scripts/bench_traffic.py); and the terms plan_run hands cost's functions."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ def passes(config: Config, dims: ParallelDims) -> int:
     return math.prod(dimension.passes(dims, config.dist) for dimension in dimensions.DIMENSIONS)
 
 
-def context_bytes(config: Config, dims: ParallelDims, own: int) -> tuple[int, int]:
-    """(all-gathered, reduce-scattered) bytes of a rank's own keys and values a pass (StepCost.context_bytes), from
-    `own`, the whole model's over one micro-batch (rank_activations' forward): a pipeline rank runs 1/pp of the
+def counted_bytes(config: Config, dims: ParallelDims, own: int) -> tuple[int, int]:
+    """(all-gathered, reduce-scattered) bytes of what a rank's degrees count of its own a pass (StepCost.counted_bytes),
+    from `own`, the whole model's over one micro-batch (rank_activations' forward): a pipeline rank runs 1/pp of the
     layers, and a pass is one of the degrees' pieces of the micro-batch (a pipeline's microbatches); the all-gather
     again in each block's recomputation."""
     own = own / (dims.pipeline * passes(config, dims))
@@ -73,12 +73,12 @@ def tp_activations(model: nn.Module, shape: ParallelDims, inputs, config: Config
 def traffic_terms(config: Config, shape: ParallelDims, nproc_per_node: int, model: nn.Module, inputs,
                   local_params: int, expert_parameter_bytes: int, sent: int) -> tuple:
     """The arguments of distrib.plan.cost's step_traffic, named_traffic and collectives for a rank of `local_params`
-    parameters and `expert_parameter_bytes` of experts, whose forward of `inputs` sends `sent` elements (context
-    parallel's keys and values)."""
+    parameters and `expert_parameter_bytes` of experts, whose forward of `inputs` sends `sent` elements (what the
+    degrees count: dimensions.counted)."""
     compute_bytes = 2 if config.train.precision == "bf16" else 4
     return (shape, config.dist, nproc_per_node, local_params, compute_bytes, config.train.grad_accum_steps,
             tp_activations(model, shape, inputs, config) * compute_bytes,
             root_share(model, config, shape.tensor_parallel),
             expert_parameter_bytes // 4,  # (FSDP2 keeps fp32 parameters)
             sum(tensor_bytes(b) for b in model.buffers()),
-            context_bytes(config, shape, sent * compute_bytes))
+            counted_bytes(config, shape, sent * compute_bytes))

@@ -95,10 +95,11 @@ def test_the_worker_trainer_and_cli_name_no_declared_degree(path):
 
 # the modules beside context parallel's that ask generic questions in place of naming it: how many ranks hold parts of
 # one sample's tokens (ParallelDims.token_split), read one micro-batch (batch_sharers), shard the parameters and the
-# experts (shard_group, expert_shard_group), and which degrees took a share of the world (dimensions.shares)
+# experts (shard_group, expert_shard_group), which degrees took a share of the world (dimensions.shares), and the
+# bytes the degrees' forwards count (StepCost.counted_bytes)
 @pytest.mark.parametrize("path", ["distrib/distributed/dimensions/experts.py", "distrib/distributed/dimensions/data.py",
                                   "distrib/distributed/strategies/fsdp.py", "distrib/training/experts.py",
-                                  "distrib/plan/experts.py"])
+                                  "distrib/plan/experts.py", "distrib/plan/traffic.py", "distrib/distributed/fsdp.py"])
 def test_the_modules_beside_context_parallel_name_it_not(path):
     assert re.findall(r"context.parallel|\bcp\b|\bCP\b|_CP\b", (ROOT / path).read_text(), re.IGNORECASE) == []
 

@@ -74,9 +74,10 @@ class StepCost:
     root_share: float = 0
     expert_params: int = 0
     buffer_bytes: int = 0
-    # context parallel's keys and values a rank holds of its own per pass, in bytes: (all-gathered: again where
-    # activation checkpointing recomputes a block, reduce-scattered: their gradients in backward)
-    context_bytes: tuple[float, float] = (0, 0)
+    # what the degrees' forwards count of a rank's own per pass (Dimension.counted: context parallel's keys and
+    # values), in bytes: (all-gathered: again where activation checkpointing recomputes a block, reduce-scattered:
+    # their gradients in backward)
+    counted_bytes: tuple[float, float] = (0, 0)
 
 
 class Traffic(NamedTuple):

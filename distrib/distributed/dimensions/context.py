@@ -133,7 +133,7 @@ class ContextParallel(Dimension):
             return []
         size, inner = dims.context_parallel, dims.tensor_parallel
         return [Traffic(CP, kind, *group_split(size, inner, step.per_node, own * size * step.passes, 1))
-                for kind, own in zip(("all-gather", "reduce-scatter"), step.context_bytes) if own]
+                for kind, own in zip(("all-gather", "reduce-scatter"), step.counted_bytes) if own]
 
     def loss_count(self, count: int, dims: ParallelDims) -> int:
         """Each rank backwards 1/C of the targets its micro-batch counts whole: C shares of the loss a rank."""
