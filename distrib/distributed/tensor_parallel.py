@@ -171,6 +171,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, stage: bool = False) -> nn.
     for name, style in planned.items():
         parallelize_module(model.get_submodule(name), tp_mesh, torch_style(style))
         model.get_submodule(name).register_forward_hook(_own_output)  # after torch's hook that makes it local
+        if style == "embedding_rowwise":
+            _split_gradient(model.get_submodule(name))
     for (first, key), *others in ties:
         for module, other in others:
             module._parameters[other] = first._parameters[key]
@@ -195,6 +197,37 @@ def _own_output(module: nn.Module, args, output):
     last unit is the head), FSDP2 hooks its pre-backward on the view, which an in-place op on it would drop (FSDP2
     warns "returned a view tensor ... wrong gradients" each run): a tensor of its own keeps the hook, at no copy."""
     return _Own.apply(output) if isinstance(output, torch.Tensor) else output
+
+
+class _AsParameter(torch.autograd.Function):
+    """The identity forward; backward, the gradient laid out as the parameter (a DTensor's placements)."""
+
+    @staticmethod
+    def forward(ctx, param: torch.Tensor) -> torch.Tensor:
+        ctx.placements = param.placements
+        return param.view_as(param)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.redistribute(placements=ctx.placements) if grad.placements != ctx.placements else grad
+
+
+def _split_gradient(module: nn.Module) -> None:
+    """DTensor has no row-wise rule for an embedding's backward: a vocabulary-split embedding's weight gradient comes
+    out whole (Replicate) on every tp rank, and autograd and FSDP2 keep it so until the gradients are reduced, the
+    microbatches' sum in float32 (tp x a rank's slice; a 70B Llama's 1.05B-parameter embedding: 2 + 4 bytes a
+    parameter whole, more on each later microbatch). Laid out as the weight at once, only its whole compute-dtype
+    gradient lives, in the embedding's backward; the slice is the same values, so the weights stay bitwise the same."""
+    kept: list[dict] = []
+
+    def split(module, args):
+        kept.append(dict(module._parameters))
+        weight = kept[-1]["weight"]
+        if weight.requires_grad and torch.is_grad_enabled() and hasattr(weight, "placements"):
+            module._parameters["weight"] = _AsParameter.apply(weight)
+
+    module.register_forward_pre_hook(split)
+    module.register_forward_hook(lambda module, args, output: module._parameters.update(kept.pop()))
 
 
 # The dimension each splitting style cuts a weight along (torch's Colwise: Shard(0); Rowwise: Shard(1) of a Linear,

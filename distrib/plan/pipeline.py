@@ -155,14 +155,15 @@ def unsharded_gradients(ranked: nn.Module, units: list[str], compute_bytes: int)
     """The gradients a pipeline rank's units accumulate unsharded across the microbatches (FSDP2 keeps them in float32
     until the last backward reduces them), a tp rank's slice of each. But an embedding tp splits by rows: DTensor
     backs its lookup by replicated gradients (no row-wise rule), so its whole gradient comes out in the compute dtype
-    on every tp rank and is accumulated whole in float32 (a 70B Llama's: 1.96 + 3.91 GiB, where 1/tp was counted)."""
+    on every tp rank, in its backward, before distrib lays it out as the weight (tensor_parallel._split_gradient;
+    a 70B Llama's: 1.96 GiB whole at tp 8, beside its slice's 0.49 GiB in float32)."""
     total = 0
     for unit in units:
         for module in ranked.get_submodule(unit).modules():
             for param in module.parameters(recurse=False):
                 local = local_tensor(param).numel()
                 whole = isinstance(module, nn.Embedding) and param.numel() != local
-                total += param.numel() * (4 + compute_bytes) if whole else 4 * local
+                total += 4 * local + (param.numel() * compute_bytes if whole else 0)
     return total
 
 

@@ -135,12 +135,18 @@ def test_llama_3_70b_at_pp_8_tp_8_fsdp_16_fits_80_gb_with_checkpointing(tokens):
     per_block = (off["stages"][0]["activation_bytes_in_flight"] - 8 * 8192 * 8192 * 2) / 80  # less the sends
     assert per_block == pytest.approx(1300.3 * 2**20, rel=0.01)
     # by hand (docs/parallelism.md): the first backward starts with all 8 in flight, 8 x (10 x 1300.3 + 128) MiB, and
-    # ends with 7 and the stage's gradients whole (the blocks' fp32 slices, the embedding's whole bf16 + fp32): the
-    # start is the peak, beside the state, the stage's parameters gathered over tp and its gradients' receive buffers
-    in_flight, unsharded = 8 * (10 * 1300.3 + 128) * 2**20, 10 * 855.6e6 * 4 / 8 + 1.051e9 * (2 + 4)
+    # ends with 7 and the stage's gradients whole (the blocks' and the embedding's fp32 slices, and the embedding's
+    # whole bf16 gradient its backward computes on every tp rank before its slice is taken): the start is the peak,
+    # beside the state, the stage's parameters gathered over tp and its gradients' receive buffers
+    in_flight, unsharded = 8 * (10 * 1300.3 + 128) * 2**20, 10 * 855.6e6 * 4 / 8 + 1.051e9 * (2 + 4 / 8)
     assert 7 / 8 * in_flight + unsharded < in_flight
-    by_hand = (286.35 + 572.71) * 2**20 + 9.607e9 * 2 / 8 + in_flight + 8 * 128 * 2**20
-    assert off["memory_bytes_per_rank"] == pytest.approx(by_hand, rel=0.002)
+    held = (286.35 + 572.71) * 2**20 + 9.607e9 * 2 / 8 + 8 * 128 * 2**20  # parameters, optimizer, gathered, buffers
+    assert off["memory_bytes_per_rank"] == pytest.approx(held + in_flight, rel=0.002)
+    # with checkpointing rank 0's peak is the end of its first backward: 8 x (10 x 128 + 128) MiB in flight and one
+    # layer recomputed (1300.3 MiB), less the microbatch it freed (10 x 128 + 128 MiB), beside the gradients: 21.40 GiB
+    checkpointed = (8 * (10 * 128 + 128) + 1300.3 - (10 * 128 + 128)) * 2**20
+    assert first["memory_bytes"] == pytest.approx(held + checkpointed + unsharded, rel=0.002)
+    assert on["memory_bytes_per_rank"] == max(rank["memory_bytes"] for rank in on["stages"])
     assert not off["fits"] and [fix for fix in off["fixes"] if fix["fits"]][0] == {
         "fix": "--set speed.activation_checkpointing=blocks", "fits": True,
         "memory_bytes_per_rank": on["memory_bytes_per_rank"]}

@@ -208,6 +208,33 @@ def test_a_split_module_under_fsdp_returns_a_tensor_of_its_own_and_fsdp_warns_of
     assert all(param.grad is not None for param in model.parameters())
 
 
+def test_the_vocabulary_split_embeddings_gradient_is_its_slice_of_the_whole_one(monkeypatch):
+    """DTensor has no row-wise rule for an embedding's backward: its weight gradient comes out whole (Replicate) on
+    every tp rank, which autograd and FSDP2 would keep (and sum over the microbatches in float32) until the reduction.
+    distrib lays it out as the weight in the backward: rank 0's rows of the whole gradient, the same values (the
+    reference: the same pass without distrib's layout), and the module's own parameter is back after the pass."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    import distrib.distributed.tensor_parallel as tp
+
+    grads = {}
+    for name in ("whole", "split"):
+        if name == "whole":
+            monkeypatch.setattr(tp, "_split_gradient", lambda module: None)
+        else:
+            monkeypatch.undo()
+        torch.manual_seed(0)
+        model = _tiny("Llama")
+        with fake_rank(0, 2):
+            tp.apply_tensor_parallel(model, ParallelDims(1, 1, 2).build_mesh("cpu")["tp"])
+            model(torch.randint(0, 128, (2, 8))).logits.square().sum().backward()
+        weight = model.model.embed_tokens.weight
+        assert weight is model.model.embed_tokens._parameters["weight"] and weight.is_leaf
+        grads[name] = (weight.grad.placements, weight.grad.to_local())
+    assert grads["whole"][0] == (Replicate(),) and grads["whole"][1].shape == (128, 64)
+    assert grads["split"][0] == (Shard(0),) and torch.equal(grads["split"][1], grads["whole"][1][:64])
+
+
 def test_a_tied_head_is_split_once_and_a_tie_split_two_ways_is_one_line():
     from distrib.distributed.tensor_parallel import apply_tensor_parallel
 
