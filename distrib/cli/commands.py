@@ -38,8 +38,8 @@ def plan(args: argparse.Namespace) -> int:
 
 
 def _failures(args: argparse.Namespace):
-    """The goodput line's keys (distrib.plan.goodput.Failures), each > 0 or a one-line UserError."""
-    from distrib.plan.goodput import GB, Failures
+    """The goodput line's keys (distrib.plan.machine.Failures), each > 0 or a one-line UserError."""
+    from distrib.plan.machine import GB, Failures
 
     for name, value in (("--failures-per-gpu-hour", args.failures_per_gpu_hour),
                         ("--restart-seconds", args.restart_seconds), ("--storage-bandwidth", args.storage_bandwidth),

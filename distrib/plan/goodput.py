@@ -23,40 +23,19 @@ The model (first order in the failure rate, failures independent and memoryless)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from distrib.launch.lighthouse import HEARTBEAT_TIMEOUT_MS
+from distrib.plan.machine import GB, Failures, Machine
 
 if TYPE_CHECKING:
     from distrib.config import Config
-    from distrib.plan.machine import Machine
 
-GB, HOUR = 1e9, 3600.0
-# Llama 3 405B (its paper, 3.3.4): 419 unexpected interruptions in 54 days of 16,384 H100s.
-LLAMA3_FAILURES_PER_GPU_HOUR = 419 / (54 * 24 * 16_384)
-# From a failure to training again: noticing it, the scheduler's requeue, the launch and rendezvous, the checkpoint's
-# load. No peer publishes one figure; 5 minutes is an assumption for a job that restarts itself (give a measured one).
-RESTART_SECONDS = 300.0
-# Llama 3's checkpoint storage (Tectonic): 2 TB/s sustained for its 2,048 nodes of 8 GPUs, about 1 GB/s a node.
-STORAGE_BANDWIDTH_PER_NODE = 1 * GB
+HOUR = 3600.0
 # An async save blocks the step while it copies a rank's state to host memory: about half a PCIe 5 x16 link's 64 GB/s
 # (pageable shared memory, not pinned); the write goes on in the background.
 STAGING_BANDWIDTH = 25 * GB
 STALL_SECONDS = HEARTBEAT_TIMEOUT_MS / 1000  # a lost group holds the others until the Lighthouse gives it up
-
-
-@dataclass(frozen=True, slots=True)
-class Failures:
-    """The failure and storage keys of `distrib plan` (--failures-per-gpu-hour, --restart-seconds, --storage-bandwidth,
-    --save-seconds, --step-seconds). save_seconds: a measured save (a run's save_blocked_s), else estimated from the
-    checkpoint's bytes; step_seconds: a measured step, else the plan's communication bound."""
-
-    per_gpu_hour: float = LLAMA3_FAILURES_PER_GPU_HOUR
-    restart_seconds: float = RESTART_SECONDS
-    storage_bandwidth: float = STORAGE_BANDWIDTH_PER_NODE  # bytes/s each node writes to checkpoint storage
-    save_seconds: float | None = None
-    step_seconds: float | None = None
 
 
 def mtbf_seconds(per_gpu_hour: float, gpus: int) -> float:

@@ -10,7 +10,6 @@ import pytest
 
 from distrib.cli import main
 from distrib.plan.goodput import (
-    LLAMA3_FAILURES_PER_GPU_HOUR,
     STALL_SECONDS,
     all_down_mtbf,
     groups_goodput,
@@ -18,6 +17,7 @@ from distrib.plan.goodput import (
     optimal_interval,
     restart_goodput,
 )
+from distrib.plan.machine import LLAMA3_FAILURES_PER_GPU_HOUR
 
 
 def simulated_restarts(interval, save, mtbf, restart, rng, horizon):
