@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-INPUT_IDS, POSITION_IDS = "input_ids", "position_ids"  # the keys of a packed batch (the Hugging Face names)
+from distrib.distributed.step_inputs import INPUT_IDS, POSITION_IDS  # the keys of a packed batch, as the stages read it
 
 
 def document_starts(tokens: torch.Tensor, eos_id: int, file_starts: torch.Tensor | None = None) -> torch.Tensor:

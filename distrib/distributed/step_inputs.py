@@ -15,6 +15,7 @@ from typing import Callable, Iterator
 
 import torch
 
+# a packed batch's keys (the Hugging Face names; distrib.data.documents makes them) and the cut's attention
 INPUT_IDS, POSITION_IDS, ATTEND = "input_ids", "position_ids", "attend"
 
 
