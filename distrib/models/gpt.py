@@ -36,9 +36,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    """Causal multi-head self-attention with rotary positions on q and k; with a mask (packed documents:
-    block_causal_mask), attention where it is True instead of the causal triangle; with a callable, what it returns
-    for (q, k, v)."""
+    """Causal multi-head self-attention with rotary positions on q and k; with an attention callable instead (packed
+    documents' MaskedAttention, or a context-parallel cut's over every rank's keys), what it returns for (q, k, v)."""
 
     def __init__(self, dim: int, n_heads: int):
         super().__init__()
@@ -49,17 +48,12 @@ class Attention(nn.Module):
         self.wo = nn.Linear(dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | Callable | None = None) -> torch.Tensor:
+                mask: Callable | None = None) -> torch.Tensor:
         batch, length, _ = x.shape
         # -1 heads: under tensor parallel each rank computes its own n_heads / dist.tensor_parallel of them
         q, k, v = (w(x).view(batch, length, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        elif callable(mask):  # a cut's attention over every rank's keys (attend), or a packed window's MaskedAttention
-            out = mask(q, k, v)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True) if mask is None else mask(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(batch, length, -1))
 
 
@@ -77,7 +71,7 @@ class Block(nn.Module):
             self.feed_forward = FeedForward(dim, hidden_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: Callable | None = None) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin, mask)
         if self.moe is None:
             return x + self.feed_forward(self.ffn_norm(x))
